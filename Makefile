@@ -1,0 +1,36 @@
+# Two entry points: `make demo` (set up, then train the default model on the embedded corpus)
+# and `make test` (set up, then the whole suite). Both work on a fresh clone with only Python + pip.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.fivefold-installed
+
+.PHONY: setup demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	@# --system-site-packages lets a torch the user already installed (a CUDA build) be kept.
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	@# Keep a torch the interpreter already has (a user's CUDA build); otherwise take 2.13.0,
+	@# which resolves to the local CPU wheel where one is provided.
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/fivefold demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,330 @@
+"""The device mesh in pure Python: which ranks talk to which, and over which link.
+
+A layout's five world axes (dp, fsdp, cp, tp, pp) are laid out on the ranks in `order`,
+innermost first: the first axis in `order` has stride 1 (adjacent ranks), the next one a
+stride of the first one's size, and so on. Ranks `0..gpus_per_node-1` are node 0.
+
+Besides the five world axes, `build_mesh` names the derived dims the runtime needs:
+
+* `ep`          expert parallel, folded onto the fsdp×cp ranks (it multiplies nothing): the
+                fsdp×cp block is flattened innermost-first and its `ep` innermost ranks form
+                one expert group, so an expert's all-to-all stays on the closest ranks.
+* `expert_fsdp` what is left of fsdp×cp for the experts' own FSDP shard (size fsdp·cp/ep).
+* `fsdp_cp`     fsdp×cp flattened: FSDP shards the weights over it, because CP ranks hold the
+                same weights (as TorchTitan does).
+* `batch`       dp×fsdp flattened: ranks that see different data; the data loader splits by it.
+* `dp_fsdp_cp`  dp×fsdp×cp flattened: every rank holding the same weights; loss and gradient
+                norm reductions run over it.
+
+A flattened dim's index follows the DeviceMesh convention (its innermost constituent varies
+fastest), so each group lists its ranks in index order, which is also ascending rank order.
+No torch import here: plan, mesh and explore stay fast.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fivefold.config import AXES, Layout
+from fivefold.errors import FivefoldError, divisors
+
+DERIVED_DIMS = ("ep", "expert_fsdp", "fsdp_cp", "batch", "dp_fsdp_cp")
+# flattened dims and the world axes they combine
+FLATTENED: dict[str, tuple[str, ...]] = {
+    "fsdp_cp": ("fsdp", "cp"),
+    "batch": ("dp", "fsdp"),
+    "dp_fsdp_cp": ("dp", "fsdp", "cp"),
+}
+LINK_WORDS = {"intra": "intra-node", "inter": "inter-node", "mixed": "mixed", "none": "—"}
+
+
+@dataclass
+class Dim:
+    """One mesh dim: its groups of ranks, each group's link kind, and the collective(s) it runs."""
+
+    name: str
+    size: int
+    groups: list[list[int]]
+    links: list[str]  # per group: "intra" | "inter" | "mixed"
+    comm: str  # human words of its collective(s)
+    link: str = "none"  # summary over groups: intra | inter | mixed | none (size 1)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "size": self.size, "groups": self.groups, "links": self.links,
+                "link": self.link, "comm": self.comm}
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    node: int
+    local_rank: int
+    coords: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class MeshInfo:
+    world: int
+    gpus_per_node: int
+    layout: Layout  # resolved
+    dims: dict[str, Dim]
+    ranks: list[RankInfo]
+
+    def group_of(self, rank: int, dim: str) -> list[int]:
+        """The group of `dim` that holds `rank`."""
+        if dim not in self.dims:
+            raise FivefoldError(f"unknown mesh dim {dim!r}; dims: {', '.join(self.dims)}")
+        if not 0 <= rank < self.world:
+            raise FivefoldError(f"rank {rank} is outside the world of {self.world}")
+        for group in self.dims[dim].groups:
+            if rank in group:
+                return group
+        raise AssertionError(f"rank {rank} in no group of {dim}")  # groups partition the world
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.world / self.gpus_per_node)
+
+    def to_json(self) -> dict:
+        """The contract object of `fivefold mesh --json`."""
+        return {
+            "world": self.world,
+            "gpus_per_node": self.gpus_per_node,
+            "order": self.layout.order_list,
+            "layout": {a: getattr(self.layout, a) for a in AXES + ("ep",)},
+            "dims": [d.to_json() for d in self.dims.values()],
+            "ranks": [{"rank": r.rank, "node": r.node, "local_rank": r.local_rank, "coords": r.coords}
+                      for r in self.ranks],
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# arithmetic shared by the fast and the full path
+
+
+def strides(layout: Layout) -> dict[str, int]:
+    """Rank stride of each world axis: the innermost axis of `order` has stride 1."""
+    out: dict[str, int] = {}
+    step = 1
+    for axis in layout.order_list:
+        out[axis] = step
+        step *= getattr(layout, axis)
+    return out
+
+
+def link_kind(ranks: list[int], gpus_per_node: int) -> str:
+    """intra: one node; inter: every rank on its own node; mixed: some share a node, some not."""
+    nodes = {r // gpus_per_node for r in ranks}
+    if len(nodes) == 1:
+        return "intra"
+    return "inter" if len(nodes) == len(ranks) else "mixed"
+
+
+def summarize_links(links: list[str], size: int) -> str:
+    if size == 1:
+        return "none"
+    kinds = set(links)
+    return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+def axis_link_kinds(layout: Layout, gpus_per_node: int) -> dict[str, str]:
+    """Link kind ("intra" | "inter" | "mixed") of every world axis of size > 1, by arithmetic.
+
+    An axis of stride s and size n has groups {b, b+s, ..., b+(n-1)s}. If s·n divides the node
+    size, every group sits in one aligned block inside a node (intra). If s ≥ the node size,
+    consecutive members are at least one node apart (inter). Anything else (non-dividing sizes)
+    falls back to checking the groups, which only odd layouts reach. `layout` must be resolved.
+    """
+    world = layout.world
+    out: dict[str, str] = {}
+    for axis, stride in strides(layout).items():
+        size = getattr(layout, axis)
+        if size == 1:
+            continue
+        if world <= gpus_per_node or gpus_per_node % (stride * size) == 0:
+            out[axis] = "intra"
+        elif stride >= gpus_per_node:
+            out[axis] = "inter"
+        else:
+            links = [link_kind(g, gpus_per_node) for g in _axis_groups(world, stride, size)]
+            out[axis] = summarize_links(links, size)
+    return out
+
+
+def _axis_groups(world: int, stride: int, size: int) -> list[list[int]]:
+    """Groups of an axis with this stride and size: ranks that differ only in its coordinate."""
+    block = stride * size
+    return [[outer + inner + i * stride for i in range(size)]
+            for outer in range(0, world, block) for inner in range(stride)]
+
+
+# --------------------------------------------------------------------------------------------
+# the full mesh
+
+
+def comm_words(name: str, layout: Layout) -> str:
+    """What the dim's collectives are, in the seed's words."""
+    if name == "dp":
+        if layout.fsdp > 1:  # HSDP: FSDP shards inside a replica, DP all-reduces across
+            return "all-reduce (grads, across replicas)"
+        if layout.zero == 1:
+            return "reduce-scatter (grads) + all-gather (params)"
+        return "all-reduce (grads)"
+    return {
+        "fsdp": "all-gather (params) + reduce-scatter (grads)",
+        "tp": "all-gather + reduce-scatter (activations, SP)" if layout.sp else "all-reduce (activations)",
+        "pp": "send/recv (activations)",
+        "cp": {"ring": "send/recv (K/V ring)", "allgather": "all-gather (K/V)",
+               "ulysses": "all-to-all (sequence <-> heads)"}[layout.cp_impl],
+        "ep": "all-to-all (tokens, there and back)",
+        "expert_fsdp": "all-gather + reduce-scatter (expert params/grads)",
+        "fsdp_cp": "all-gather (params) + reduce-scatter (grads)",
+        "batch": "none (data loader split)",
+        "dp_fsdp_cp": "all-reduce (loss, grad norm)",
+    }[name]
+
+
+def resolve_layout(layout: Layout, world: int) -> Layout:
+    """`Layout.resolve`, with the nearest valid layouts added to its message."""
+    if world <= 0:
+        raise FivefoldError(f"--gpus must be positive, got {world}")
+    try:
+        return layout.resolve(world)
+    except FivefoldError as exc:
+        near = nearest_layouts(layout, world)
+        if not near:
+            raise
+        raise FivefoldError(f"{exc}; nearest valid layouts: {' | '.join(near)}") from None
+
+
+def _flags(values: dict[str, int]) -> str:
+    shown = [f"--{a} {v}" for a, v in values.items() if v != 1]
+    return " ".join(shown) or "(all 1)"
+
+
+def nearest_layouts(layout: Layout, world: int, limit: int = 4) -> list[str]:
+    """Valid factorizations of `world` that change one factor of `layout` (or ep)."""
+    base = {a: getattr(layout, a) for a in AXES + ("ep",)}
+    if any(v == 0 or v < -1 for v in base.values()):
+        return []
+    fixed = {a: (1 if v == -1 else v) for a, v in base.items()}
+    candidates: list[tuple[int, dict[str, int]]] = []
+    for axis in AXES:
+        rest = math.prod(fixed[a] for a in AXES if a != axis)
+        if world % rest == 0:
+            trial = dict(fixed, **{axis: world // rest})
+            ep_room = trial["fsdp"] * trial["cp"]
+            ep_changed = ep_room % trial["ep"] != 0
+            if ep_changed:
+                trial["ep"] = max(d for d in divisors(ep_room) if d <= trial["ep"])
+            distance = abs(math.log2(trial[axis] / fixed[axis]))
+            candidates.append((ep_changed, distance, trial))
+    out: list[str] = []
+    for _, _, trial in sorted(candidates, key=lambda c: c[:2]):
+        text = _flags(trial)
+        if text not in out and trial != fixed:
+            out.append(text)
+    if not out and math.prod(fixed[a] for a in AXES) == world:  # only ep is wrong
+        room = fixed["fsdp"] * fixed["cp"]
+        out = [_flags(dict(fixed, ep=d)) for d in sorted(divisors(room), key=lambda d: abs(d - fixed["ep"]))]
+    return out[:limit]
+
+
+def build_mesh(layout: Layout, world: int, gpus_per_node: int) -> MeshInfo:
+    """Every rank's coordinates and every dim's groups and links (resolves -1, validates)."""
+    if gpus_per_node <= 0:
+        raise FivefoldError(f"--gpus-per-node must be positive, got {gpus_per_node}")
+    lay = resolve_layout(layout, world)
+    stride = strides(lay)
+    order = lay.order_list
+    sizes = {a: getattr(lay, a) for a in AXES}
+
+    ranks: list[RankInfo] = []
+    for rank in range(world):
+        coords = {a: (rank // stride[a]) % sizes[a] for a in AXES}
+        for name, parts in FLATTENED.items():
+            coords[name] = _flat_index(coords, parts, sizes, order)
+        coords["ep"] = coords["fsdp_cp"] % lay.ep
+        coords["expert_fsdp"] = coords["fsdp_cp"] // lay.ep
+        ranks.append(RankInfo(rank, rank // gpus_per_node, rank % gpus_per_node, coords))
+
+    dim_sizes = dict(sizes, ep=lay.ep, expert_fsdp=lay.fsdp * lay.cp // lay.ep, fsdp_cp=lay.fsdp * lay.cp,
+                     batch=lay.dp * lay.fsdp, dp_fsdp_cp=lay.dp * lay.fsdp * lay.cp)
+    dims: dict[str, Dim] = {}
+    for name in list(AXES) + list(DERIVED_DIMS):
+        groups = _groups_of(ranks, name)
+        links = [link_kind(g, gpus_per_node) for g in groups]
+        size = dim_sizes[name]
+        assert all(len(g) == size for g in groups)
+        dims[name] = Dim(name, size, groups, links, comm_words(name, lay) if size > 1 else "—",
+                         summarize_links(links, size))
+    return MeshInfo(world, gpus_per_node, lay, dims, ranks)
+
+
+def _flat_index(coords: dict[str, int], parts: tuple[str, ...], sizes: dict[str, int],
+                order: list[str]) -> int:
+    """Index in a flattened dim: the constituent innermost in `order` varies fastest."""
+    index, scale = 0, 1
+    for axis in sorted(parts, key=order.index):
+        index += coords[axis] * scale
+        scale *= sizes[axis]
+    return index
+
+
+def _groups_of(ranks: list[RankInfo], name: str) -> list[list[int]]:
+    """Group ranks that agree on every world coordinate outside `name`, ordered by `name`'s index."""
+    folded = {"ep": ("fsdp", "cp"), "expert_fsdp": ("fsdp", "cp")}
+    varying = folded.get(name) or FLATTENED.get(name) or (name,)
+    buckets: dict[tuple, list[tuple[int, int]]] = {}
+    for r in ranks:
+        key = tuple(r.coords[a] for a in AXES if a not in varying)
+        if name == "ep":
+            key += (r.coords["expert_fsdp"],)
+        elif name == "expert_fsdp":
+            key += (r.coords["ep"],)
+        buckets.setdefault(key, []).append((r.coords[name], r.rank))
+    groups = [[rank for _, rank in sorted(members)] for members in buckets.values()]
+    return sorted(groups, key=lambda g: g[0])
+
+
+def describe(info: MeshInfo) -> str:
+    """A one-paragraph reading of the layout in words."""
+    lay, d = info.layout, info.dims
+    words = LINK_WORDS
+    parts: list[str] = []
+    if lay.dp > 1 and lay.fsdp > 1:
+        parts.append(
+            f"This is HSDP: FSDP shards the model over groups of {lay.fsdp} ({words[d['fsdp'].link]}) and DP "
+            f"replicates it {lay.dp} times ({words[d['dp'].link]}), so the heavy all-gather/reduce-scatter "
+            f"traffic stays on the {d['fsdp'].link} link and the replicas only all-reduce gradients once "
+            "a step."
+        )
+    elif lay.fsdp > 1:
+        parts.append(f"This is FSDP over {lay.fsdp} ranks ({words[d['fsdp'].link]}): params, grads and "
+                     "optimizer state are sharded and gathered layer by layer.")
+    elif lay.dp > 1:
+        zero = " with the optimizer state sharded (ZeRO-1)" if lay.zero == 1 else ""
+        parts.append(f"This is data parallel over {lay.dp} replicas ({words[d['dp'].link]}){zero}: "
+                     "each holds the whole model and gradients are all-reduced once a step.")
+    else:
+        parts.append("There is no data parallelism: every rank sees the same batch.")
+    if lay.tp > 1:
+        where = {"intra": "within a node, on the fast link as it should be",
+                 "inter": "across nodes — chatty per-layer traffic on the slow link",
+                 "mixed": "partly across nodes — some groups pay the slow link every layer"}[d["tp"].link]
+        sp = " with sequence parallelism" if lay.sp else ""
+        parts.append(f"Tensor parallel{sp} splits each layer over {lay.tp} GPUs {where}.")
+    if lay.cp > 1:
+        parts.append(f"Context parallel splits the sequence over {lay.cp} ranks ({words[d['cp'].link]}, "
+                     f"{lay.cp_impl}); FSDP shards weights over fsdp×cp = {lay.fsdp * lay.cp}.")
+    if lay.pp > 1:
+        parts.append(f"The layers are cut into {lay.pp} pipeline stages ({words[d['pp'].link]}), "
+                     f"passing activations point to point ({lay.pp_schedule}).")
+    if lay.ep > 1:
+        parts.append(f"Experts are split {lay.ep} ways ({words[d['ep'].link]} all-to-all) over the fsdp×cp "
+                     f"ranks; each expert is FSDP-sharded over the remaining {d['expert_fsdp'].size}.")
+    parts.append(f"{info.world} GPUs on {info.nodes} node(s) of {info.gpus_per_node}; order "
+                 f"{','.join(lay.order_list)} (innermost first).")
+    return " ".join(parts)
+

@@ -1,0 +1,137 @@
+"""The pure-Python mesh against hand-worked layouts and an independent brute-force reference."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from fivefold.config import AXES, Layout
+from fivefold.errors import FivefoldError
+from fivefold.mesh import axis_link_kinds, build_mesh, link_kind
+
+
+def _reference_groups(sizes: dict[str, int], order: list[str], varying: tuple[str, ...]) -> set[frozenset]:
+    """Brute force: enumerate coordinates with itertools, rank = mixed radix innermost first."""
+    def rank_of(coord: dict[str, int]) -> int:
+        rank, scale = 0, 1
+        for a in order:
+            rank += coord[a] * scale
+            scale *= sizes[a]
+        return rank
+
+    groups: dict[tuple, set[int]] = {}
+    for values in itertools.product(*(range(sizes[a]) for a in AXES)):
+        coord = dict(zip(AXES, values))
+        key = tuple(coord[a] for a in AXES if a not in varying)
+        groups.setdefault(key, set()).add(rank_of(coord))
+    return {frozenset(g) for g in groups.values()}
+
+
+def test_seed_example_hsdp_with_tp():
+    # 8 GPUs, 2 nodes of 4, TP 2, FSDP 2, DP 2 (the seed's "Show as data" table)
+    m = build_mesh(Layout(tp=2, fsdp=2, dp=2), 8, 4)
+    assert m.dims["tp"].groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert m.dims["fsdp"].groups == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert m.dims["dp"].groups == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert (m.dims["tp"].link, m.dims["fsdp"].link, m.dims["dp"].link) == ("intra", "intra", "inter")
+    assert m.dims["cp"].size == 1 and m.dims["cp"].link == "none"
+    assert "HSDP" in __import__("fivefold.mesh").mesh.describe(m)
+    r5 = m.ranks[5]
+    assert (r5.node, r5.local_rank) == (1, 1)
+    assert {a: r5.coords[a] for a in AXES} == {"dp": 1, "fsdp": 0, "cp": 0, "tp": 1, "pp": 0}
+    assert m.group_of(5, "fsdp") == [5, 7]
+
+
+@pytest.mark.parametrize("world", [8, 16, 24])
+def test_groups_match_brute_force_for_every_order(world):
+    rng = random.Random(world)
+    factors = {8: [2, 2, 2, 1, 1], 16: [2, 2, 2, 2, 1], 24: [3, 2, 2, 2, 1]}[world]
+    for perm in itertools.permutations(AXES):
+        shuffled = factors[:]
+        rng.shuffle(shuffled)
+        sizes = dict(zip(AXES, shuffled))
+        m = build_mesh(Layout(**sizes, order=",".join(perm)), world, 4)
+        for axis in AXES:
+            got = {frozenset(g) for g in m.dims[axis].groups}
+            assert got == _reference_groups(sizes, list(perm), (axis,)), (perm, axis)
+        assert {frozenset(g) for g in m.dims["fsdp_cp"].groups} == _reference_groups(
+            sizes, list(perm), ("fsdp", "cp"))
+        assert {frozenset(g) for g in m.dims["batch"].groups} == _reference_groups(
+            sizes, list(perm), ("dp", "fsdp"))
+
+
+def test_groups_partition_the_world_and_coords_agree():
+    m = build_mesh(Layout(tp=2, cp=2, fsdp=2, dp=2, pp=2, ep=4), 32, 8)
+    for dim in m.dims.values():
+        flat = sorted(r for g in dim.groups for r in g)
+        assert flat == list(range(32)), dim.name
+        for g in dim.groups:  # a group lists its ranks by the dim's index
+            assert [m.ranks[r].coords[dim.name] for r in g] == list(range(dim.size)), dim.name
+
+
+def test_ep_folds_on_the_innermost_fsdp_cp_ranks():
+    # tp 2, cp 2, fsdp 2 on one node of 8: fsdp×cp ranks of rank 0 are {0, 2, 4, 6} (cp inner)
+    m = build_mesh(Layout(tp=2, cp=2, fsdp=2, ep=2), 8, 8)
+    assert m.dims["fsdp_cp"].groups == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert m.dims["ep"].groups == [[0, 2], [1, 3], [4, 6], [5, 7]]  # = the cp ranks
+    assert m.dims["expert_fsdp"].groups == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    m4 = build_mesh(Layout(tp=2, cp=2, fsdp=2, ep=4), 8, 8)
+    assert m4.dims["ep"].groups == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert m4.dims["expert_fsdp"].size == 1
+
+
+def test_link_kinds_by_hand():
+    assert link_kind([0, 1, 2, 3], 4) == "intra"
+    assert link_kind([0, 4], 4) == "inter"
+    assert link_kind([2, 3, 4, 5], 4) == "mixed"
+    # tp 4 on nodes of 2 spans two nodes with two ranks each
+    assert axis_link_kinds(Layout(tp=4, dp=2).resolve(8), 2) == {"tp": "mixed", "dp": "inter"}
+
+
+def test_fast_link_kinds_equal_the_enumerated_ones():
+    rng = random.Random(0)
+    for _ in range(400):
+        sizes = {a: rng.choice([1, 1, 2, 3, 4]) for a in AXES}
+        order = list(AXES)
+        rng.shuffle(order)
+        lay = Layout(**sizes, order=",".join(order)).resolve()
+        if lay.world > 96:
+            continue
+        gpn = rng.choice([1, 2, 3, 4, 6, 8])
+        m = build_mesh(lay, lay.world, gpn)
+        assert axis_link_kinds(lay, gpn) == {a: m.dims[a].link for a in AXES if m.dims[a].size > 1}
+
+
+def test_fill_and_impossible_layouts():
+    m = build_mesh(Layout(tp=2, fsdp=-1), 16, 8)
+    assert m.layout.fsdp == 8
+    with pytest.raises(FivefoldError, match="nearest valid layouts: --fsdp 2 --tp 4"):
+        build_mesh(Layout(tp=3, fsdp=2), 8, 4)
+    with pytest.raises(FivefoldError, match="ep"):
+        build_mesh(Layout(fsdp=4, ep=3), 4, 4)
+    with pytest.raises(FivefoldError, match="gpus-per-node"):
+        build_mesh(Layout(fsdp=4), 4, 0)
+
+
+def test_json_contract():
+    data = build_mesh(Layout(tp=2, fsdp=2, dp=2), 8, 4).to_json()
+    assert data["world"] == 8 and data["gpus_per_node"] == 4
+    assert data["order"] == ["tp", "cp", "fsdp", "dp", "pp"]
+    names = [d["name"] for d in data["dims"]]
+    assert set(AXES) <= set(names) and "ep" in names
+    for d in data["dims"]:
+        assert {"name", "size", "groups", "links", "comm"} <= set(d)
+    assert data["ranks"][3] == {"rank": 3, "node": 0, "local_rank": 3,
+                                "coords": data["ranks"][3]["coords"]}
+    assert data["ranks"][3]["coords"]["fsdp"] == 1
+    json.dumps(data)
+
+
+def test_mesh_module_does_not_import_torch():
+    code = "import sys, fivefold.mesh; sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -135,3 +135,30 @@ def test_json_contract():
 def test_mesh_module_does_not_import_torch():
     code = "import sys, fivefold.mesh; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fivefold", "mesh", *argv], capture_output=True, text=True)
+
+
+def test_cli_table_json_svg_and_errors(tmp_path):
+    out = _cli("--gpus", "8", "--gpus-per-node", "4", "--tp", "2", "--fsdp", "2", "--dp", "2")
+    assert out.returncode == 0, out.stderr
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.stdout.splitlines() if line.startswith("| ")}
+    assert rows["TP"] == ["2", "4", "intra-node", "all-reduce (activations)"]
+    assert rows["DP"][:3] == ["2", "4", "inter-node"]
+    assert rows["CP"] == ["1", "—", "—", "—"]
+    assert "This is HSDP" in out.stdout
+    assert "node 1" in out.stdout and "\x1b[" not in out.stdout  # not a tty: no colour
+
+    svg = tmp_path / "mesh.svg"
+    out = _cli("--gpus", "8", "--gpus-per-node", "4", "--tp", "2", "--fsdp", "-1", "--json",
+               "--axis", "fsdp", "--svg", str(svg))
+    data = json.loads(out.stdout)  # nothing else on stdout
+    assert next(d for d in data["dims"] if d["name"] == "fsdp")["size"] == 4
+    assert svg.read_text().startswith("<svg") and svg.read_text().count("<rect") >= 8
+
+    bad = _cli("--gpus", "8", "--gpus-per-node", "4", "--tp", "3")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "nearest valid layouts" in bad.stderr

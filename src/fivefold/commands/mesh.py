@@ -1,0 +1,149 @@
+"""`fivefold mesh`: which ranks talk to which for a layout, inside or across nodes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from html import escape
+
+from fivefold.config import AXES, add_layout_arguments, layout_from_args
+from fivefold.errors import FivefoldError
+
+HELP = "show which ranks talk to which for a layout, inside or across nodes"
+
+# dims shown in the picture and accepted by --axis
+PICTURE_DIMS = AXES + ("ep", "expert_fsdp", "fsdp_cp", "batch", "dp_fsdp_cp")
+PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
+           "#9c755f", "#bab0ac", "#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02"]
+ANSI = [33, 208, 160, 73, 70, 178, 133, 211, 94, 145, 36, 166, 61, 162, 64, 136]  # 256-colour codes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpus", type=int, required=True, help="world size")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    add_layout_arguments(parser)
+    parser.add_argument("--axis", default=None, choices=PICTURE_DIMS,
+                        help="dim whose groups the picture colours (default: the innermost of size > 1)")
+    parser.add_argument("--svg", default=None, metavar="FILE", help="also write the picture as an SVG file")
+    parser.add_argument("--json", action="store_true", help="print only the mesh's JSON object")
+    parser.add_argument("--color", action=argparse.BooleanOptionalAction, default=None,
+                        help="ANSI colours in the picture (default: when stdout is a terminal)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from fivefold.mesh import build_mesh
+
+    info = build_mesh(layout_from_args(args), args.gpus, args.gpus_per_node)
+    if args.json:
+        print(json.dumps(info.to_json()))
+        if args.svg:
+            _write_svg(info, _pick_axis(info, args.axis), args.svg)
+        return 0
+    axis = _pick_axis(info, args.axis)
+    color = sys.stdout.isatty() if args.color is None else args.color
+    print(render_table(info))
+    print()
+    from fivefold.mesh import describe
+
+    print(describe(info))
+    print()
+    print(render_grid(info, axis, color))
+    if args.svg:
+        _write_svg(info, axis, args.svg)
+        print(f"\nwrote {args.svg}")
+    return 0
+
+
+def _pick_axis(info, axis: str | None) -> str:
+    if axis:
+        return axis
+    return next((a for a in info.layout.order_list if info.dims[a].size > 1), "tp")
+
+
+def _write_svg(info, axis: str, path: str) -> None:
+    try:
+        with open(path, "w") as fh:
+            fh.write(render_svg(info, axis))
+    except OSError as exc:
+        raise FivefoldError(f"cannot write {path}: {exc}") from None
+
+
+def render_table(info) -> str:
+    """The seed's table: Dim, Factor, Groups, Links, Comm; world axes innermost first, then EP."""
+    from fivefold.mesh import LINK_WORDS
+
+    names = list(info.layout.order_list)
+    if info.layout.ep > 1:
+        names += ["ep", "expert_fsdp"]
+    if info.layout.cp > 1 and info.layout.fsdp > 1:
+        names.append("fsdp_cp")
+    rows = [("Dim", "Factor", "Groups", "Links", "Comm")]
+    for name in names:
+        d = info.dims[name]
+        if d.size == 1:
+            rows.append((name.upper(), "1", "—", "—", "—"))
+        else:
+            rows.append((name.upper(), str(d.size), str(len(d.groups)), LINK_WORDS[d.link], d.comm))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def _group_index(info, axis: str) -> dict[int, int]:
+    return {r: i for i, g in enumerate(info.dims[axis].groups) for r in g}
+
+
+def render_grid(info, axis: str, color: bool = False) -> str:
+    """Nodes × GPUs; each cell is `rank:group` of `axis`, coloured by group when `color`."""
+    index = _group_index(info, axis)
+    d = info.dims[axis]
+    head = f"{axis} groups ({d.size} ranks each, {len(d.groups)} groups); cell = rank:group"
+    width = max([len(f"{r}:{index[r]}") for r in range(info.world)] + [len(f"gpu{info.gpus_per_node - 1}")])
+    lines = [head, " " * 8 + " ".join(f"gpu{g}".rjust(width) for g in range(info.gpus_per_node))]
+    for node in range(info.nodes):
+        cells = []
+        for local in range(info.gpus_per_node):
+            rank = node * info.gpus_per_node + local
+            if rank >= info.world:
+                cells.append(" " * width)
+                continue
+            text = f"{rank}:{index[rank]}".rjust(width)
+            if color:
+                text = f"\x1b[38;5;{ANSI[index[rank] % len(ANSI)]}m{text}\x1b[0m"
+            cells.append(text)
+        lines.append(f"node {node}".ljust(8) + " ".join(cells))
+    return "\n".join(lines)
+
+
+def render_svg(info, axis: str) -> str:
+    """The same picture as a standalone SVG: one row per node, one cell per GPU."""
+    index = _group_index(info, axis)
+    d = info.dims[axis]
+    cell, gap, left, top = 56, 6, 70, 46
+    width = left + info.gpus_per_node * (cell + gap) + 10
+    height = top + info.nodes * (cell + gap) + 10
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'font-family="sans-serif" font-size="12">',
+           f'<text x="10" y="20" font-size="14">{escape(axis)}: {d.size} ranks per group, '
+           f'{len(d.groups)} groups, {escape(d.link)}</text>']
+    for node in range(info.nodes):
+        y = top + node * (cell + gap)
+        out.append(f'<text x="10" y="{y + cell // 2 + 4}">node {node}</text>')
+        out.append(f'<rect x="{left - 3}" y="{y - 3}" width="{info.gpus_per_node * (cell + gap)}" '
+                   f'height="{cell + 6}" fill="none" stroke="#999"/>')
+        for local in range(info.gpus_per_node):
+            rank = node * info.gpus_per_node + local
+            if rank >= info.world:
+                continue
+            x = left + local * (cell + gap)
+            fill = PALETTE[index[rank] % len(PALETTE)]
+            out.append(f'<rect x="{x}" y="{y}" width="{cell}" height="{cell}" rx="6" fill="{fill}">'
+                       f'<title>rank {rank}, {escape(axis)} group {index[rank]}</title></rect>')
+            out.append(f'<text x="{x + cell / 2}" y="{y + 24}" text-anchor="middle" '
+                       f'fill="#fff">r{rank}</text>')
+            out.append(f'<text x="{x + cell / 2}" y="{y + 42}" text-anchor="middle" fill="#fff" '
+                       f'font-size="10">g{index[rank]}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"

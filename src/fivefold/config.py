@@ -198,8 +198,10 @@ class ModelSpec:
         h, d = self.hidden, self.head_dim
         if self.is_mla:
             qk_head = d + self.qk_rope_head_dim
-            q = (h * self.q_lora_rank + self.q_lora_rank * self.heads * qk_head) if self.q_lora_rank else (
-                h * self.heads * qk_head
+            q = (
+                (h * self.q_lora_rank + self.q_lora_rank * self.heads * qk_head)
+                if self.q_lora_rank
+                else (h * self.heads * qk_head)
             )
             kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * self.heads * (
                 d + self.v_head_dim
@@ -328,8 +330,8 @@ class Layout:
         order = lay.order_list
         if sorted(order) != sorted(AXES):
             raise FivefoldError(
-                f"--order must list each of {','.join(AXES)} exactly once (innermost first), got {lay.order!r}; "
-                f"default {DEFAULT_ORDER}"
+                f"--order must list each of {','.join(AXES)} exactly once (innermost first), "
+                f"got {lay.order!r}; default {DEFAULT_ORDER}"
             )
         if lay.zero == -1:
             lay.zero = 3 if lay.fsdp > 1 else 0
@@ -371,17 +373,17 @@ class Layout:
                 f"valid tp: {suggest(divisors(model.heads))}"
             )
         if self.tp > model.kv_heads and self.tp % model.kv_heads:
+            valid = [d for d in divisors(model.heads) if d <= model.kv_heads or d % model.kv_heads == 0]
             raise FivefoldError(
                 f"--tp {self.tp} exceeds kv_heads {model.kv_heads} but is not a multiple of it, so KV heads "
-                f"cannot be replicated evenly; valid tp: "
-                f"{suggest([d for d in divisors(model.heads) if d <= model.kv_heads or d % model.kv_heads == 0])}"
+                f"cannot be replicated evenly; valid tp: {suggest(valid)}"
             )
         stages = self.pp * self.virtual_stages
         if stages > model.layers:
             raise FivefoldError(
                 f"--pp {self.pp} × --virtual-stages {self.virtual_stages} = {stages} stages exceeds the "
                 f"{model.layers} layers of {model.name}; valid pp: "
-                f"{suggest([d for d in range(1, model.layers + 1) if d * self.virtual_stages <= model.layers][:12])}"
+                f"{suggest([d for d in range(1, model.layers // self.virtual_stages + 1)][:12])}"
             )
         if self.ep > 1:
             if not model.is_moe:
@@ -396,11 +398,12 @@ class Layout:
             if seq_len % need:
                 raise FivefoldError(
                     f"--seq-len {seq_len} must be divisible by {need} for --cp {self.cp} ({self.cp_impl}: "
-                    f"{'two chunks per rank for load balance' if self.cp_impl == 'ring' else 'one chunk per rank'})"
+                    f"{'two chunks per rank, for balance' if self.cp_impl == 'ring' else 'a chunk per rank'})"
                 )
             if self.cp_impl == "ulysses" and model.heads % (self.cp * self.tp):
                 raise FivefoldError(
-                    f"--cp-impl ulysses splits heads: cp×tp = {self.cp * self.tp} must divide {model.heads} heads"
+                    f"--cp-impl ulysses splits heads: cp×tp = {self.cp * self.tp} must divide "
+                    f"{model.heads} heads"
                 )
 
 
@@ -513,8 +516,14 @@ def load_hardware(name_or_path: str) -> HardwareSpec:
     )
 
 
-_HF_ARCH = ("LlamaForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen3ForCausalLM",
-            "MistralForCausalLM", "DeepseekV3ForCausalLM")
+_HF_ARCH = (
+    "LlamaForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
 
 
 def model_spec_from_hf(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
@@ -535,7 +544,9 @@ def model_spec_from_hf(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
             ffn_hidden=cfg.get("intermediate_size", 0),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             max_seq_len=cfg.get("max_position_embeddings", 4096),
-            rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4))),
+            rope_theta=float(
+                cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4))
+            ),
             norm_eps=cfg.get("rms_norm_eps", 1e-5),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
@@ -545,33 +556,52 @@ def model_spec_from_hf(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
     rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     rtype = rs.get("rope_type", rs.get("type", "default"))
     if rtype == "llama3":
-        spec.update(rope_scaling="llama3", rope_factor=rs["factor"], rope_low_freq_factor=rs["low_freq_factor"],
-                    rope_high_freq_factor=rs["high_freq_factor"],
-                    rope_original_max_len=rs["original_max_position_embeddings"])
+        spec.update(
+            rope_scaling="llama3",
+            rope_factor=rs["factor"],
+            rope_low_freq_factor=rs["low_freq_factor"],
+            rope_high_freq_factor=rs["high_freq_factor"],
+            rope_original_max_len=rs["original_max_position_embeddings"],
+        )
     elif rtype not in ("default", None) and model_type != "deepseek_v3":
         raise FivefoldError(f"HF config {name}: rope scaling {rtype!r} is not supported (default or llama3)")
     if model_type.startswith("qwen3"):
         spec["qk_norm"] = True
     if "num_local_experts" in cfg:  # Mixtral
-        spec.update(experts=cfg["num_local_experts"], experts_per_token=cfg["num_experts_per_tok"],
-                    expert_ffn_hidden=cfg["intermediate_size"], router_norm_topk=True,
-                    aux_loss_coef=cfg.get("router_aux_loss_coef", 0.02))
+        spec.update(
+            experts=cfg["num_local_experts"],
+            experts_per_token=cfg["num_experts_per_tok"],
+            expert_ffn_hidden=cfg["intermediate_size"],
+            router_norm_topk=True,
+            aux_loss_coef=cfg.get("router_aux_loss_coef", 0.02),
+        )
     elif model_type == "qwen3_moe":
         sparse_step = cfg.get("decoder_sparse_step", 1)
         if sparse_step != 1 or cfg.get("mlp_only_layers"):
             raise FivefoldError(f"HF config {name}: only Qwen3-MoE with every layer sparse is supported")
-        spec.update(experts=cfg["num_experts"], experts_per_token=cfg["num_experts_per_tok"],
-                    expert_ffn_hidden=cfg["moe_intermediate_size"],
-                    router_norm_topk=bool(cfg.get("norm_topk_prob", True)),
-                    aux_loss_coef=cfg.get("router_aux_loss_coef", 0.001))
+        spec.update(
+            experts=cfg["num_experts"],
+            experts_per_token=cfg["num_experts_per_tok"],
+            expert_ffn_hidden=cfg["moe_intermediate_size"],
+            router_norm_topk=bool(cfg.get("norm_topk_prob", True)),
+            aux_loss_coef=cfg.get("router_aux_loss_coef", 0.001),
+        )
     elif model_type == "deepseek_v3":
-        spec.update(experts=cfg["n_routed_experts"], experts_per_token=cfg["num_experts_per_tok"],
-                    expert_ffn_hidden=cfg["moe_intermediate_size"], shared_experts=cfg.get("n_shared_experts", 0),
-                    moe_layers=cfg["num_hidden_layers"] - cfg.get("first_k_dense_replace", 0),
-                    router_score="sigmoid", router_bias_rate=0.001, aux_loss_coef=0.0,
-                    q_lora_rank=cfg.get("q_lora_rank") or 0, kv_lora_rank=cfg["kv_lora_rank"],
-                    qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"],
-                    head_dim=cfg["qk_nope_head_dim"])
+        spec.update(
+            experts=cfg["n_routed_experts"],
+            experts_per_token=cfg["num_experts_per_tok"],
+            expert_ffn_hidden=cfg["moe_intermediate_size"],
+            shared_experts=cfg.get("n_shared_experts", 0),
+            moe_layers=cfg["num_hidden_layers"] - cfg.get("first_k_dense_replace", 0),
+            router_score="sigmoid",
+            router_bias_rate=0.001,
+            aux_loss_coef=0.0,
+            q_lora_rank=cfg.get("q_lora_rank") or 0,
+            kv_lora_rank=cfg["kv_lora_rank"],
+            qk_rope_head_dim=cfg["qk_rope_head_dim"],
+            v_head_dim=cfg["v_head_dim"],
+            head_dim=cfg["qk_nope_head_dim"],
+        )
     return _from_dict(ModelSpec, spec, f"HF config {name}")
 
 
@@ -582,17 +612,29 @@ def model_spec_from_hf(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
 def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     """The layout flags of DESIGN.md; identical in plan, mesh, train and verify."""
     g = parser.add_argument_group("layout")
-    for axis, text in (("dp", "replicated data-parallel degree (-1: fill the world)"),
-                       ("fsdp", "sharded data-parallel degree (-1: fill the world)"),
-                       ("tp", "tensor-parallel degree"), ("pp", "pipeline-parallel degree"),
-                       ("cp", "context-parallel degree"),
-                       ("ep", "expert-parallel degree (folded onto fsdp×cp ranks)")):
+    for axis, text in (
+        ("dp", "replicated data-parallel degree (-1: fill the world)"),
+        ("fsdp", "sharded data-parallel degree (-1: fill the world)"),
+        ("tp", "tensor-parallel degree"),
+        ("pp", "pipeline-parallel degree"),
+        ("cp", "context-parallel degree"),
+        ("ep", "expert-parallel degree (folded onto fsdp×cp ranks)"),
+    ):
         g.add_argument(f"--{axis}", type=int, default=None, help=text)
     g.add_argument("--order", default=None, help=f"axes innermost first (default {DEFAULT_ORDER})")
-    g.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3),
-                   help="ZeRO stage: 1 shards optimizer state, 2 also grads, 3 also params")
-    g.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
-                   help="sequence parallelism on top of tensor parallelism")
+    g.add_argument(
+        "--zero",
+        type=int,
+        default=None,
+        choices=(0, 1, 2, 3),
+        help="ZeRO stage: 1 shards optimizer state, 2 also grads, 3 also params",
+    )
+    g.add_argument(
+        "--sp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sequence parallelism on top of tensor parallelism",
+    )
     g.add_argument("--pp-schedule", default=None, choices=PP_SCHEDULES)
     g.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step")
     g.add_argument("--virtual-stages", type=int, default=None, help="model chunks per pipeline rank")
@@ -620,8 +662,9 @@ class RunConfig:
     layout: Layout = field(default_factory=Layout)
 
     def to_toml(self) -> str:
-        return dumps_toml({"model": to_dict(self.model), "train": to_dict(self.train),
-                           "layout": to_dict(self.layout)})
+        return dumps_toml(
+            {"model": to_dict(self.model), "train": to_dict(self.train), "layout": to_dict(self.layout)}
+        )
 
     @classmethod
     def from_toml(cls, path: str | Path) -> RunConfig:

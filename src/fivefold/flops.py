@@ -37,8 +37,9 @@ def model_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = False) 
     return 6.0 * matmul_params_per_token(model) + 3.0 * attention_flops_per_token(model, seq_len, causal)
 
 
-def hardware_flops_per_token(model: ModelSpec, seq_len: int, recompute: str = "none",
-                             causal: bool = False) -> float:
+def hardware_flops_per_token(
+    model: ModelSpec, seq_len: int, recompute: str = "none", causal: bool = False
+) -> float:
     """Training FLOPs per token actually executed, including recomputation."""
     base = model_flops_per_token(model, seq_len, causal)
     attn_fwd = attention_flops_per_token(model, seq_len, causal)

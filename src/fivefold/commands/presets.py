@@ -19,21 +19,37 @@ def run(args: argparse.Namespace) -> int:
     models = {n: load_model(n) for n in preset_names("models")}
     hardware = {n: load_hardware(n) for n in preset_names("hardware")}
     if args.json:
-        print(json.dumps({"models": {n: to_dict(m) | {"params": m.num_params(),
-                                                       "active_params": m.num_params(active=True)}
-                                     for n, m in models.items()},
-                          "hardware": {n: to_dict(h) for n, h in hardware.items()}}))
+        print(
+            json.dumps(
+                {
+                    "models": {
+                        n: to_dict(m) | {"params": m.num_params(), "active_params": m.num_params(active=True)}
+                        for n, m in models.items()
+                    },
+                    "hardware": {n: to_dict(h) for n, h in hardware.items()},
+                }
+            )
+        )
         return 0
-    print(f"{'model':<16}{'layers':>7}{'hidden':>8}{'heads':>7}{'kv':>5}{'experts':>9}{'params':>12}{'active':>12}")
+    print(
+        f"{'model':<16}{'layers':>7}{'hidden':>8}{'heads':>7}{'kv':>5}{'experts':>9}{'params':>12}{'active':>12}"
+    )
     for n, m in models.items():
         experts = f"{m.experts}/{m.experts_per_token}" if m.is_moe else "-"
-        print(f"{n:<16}{m.layers:>7}{m.hidden:>8}{m.heads:>7}{m.kv_heads:>5}{experts:>9}"
-              f"{_human(m.num_params()):>12}{_human(m.num_params(active=True)):>12}")
+        print(
+            f"{n:<16}{m.layers:>7}{m.hidden:>8}{m.heads:>7}{m.kv_heads:>5}{experts:>9}"
+            f"{_human(m.num_params()):>12}{_human(m.num_params(active=True)):>12}"
+        )
     print()
-    print(f"{'hardware':<12}{'memory GB':>10}{'bf16 TFLOP/s':>14}{'GPUs/node':>11}{'intra GB/s':>12}{'inter GB/s':>12}")
+    print(
+        f"{'hardware':<12}{'memory GB':>10}{'bf16 TFLOP/s':>14}{'GPUs/node':>11}"
+        f"{'intra GB/s':>12}{'inter GB/s':>12}"
+    )
     for n, h in hardware.items():
-        print(f"{n:<12}{h.gpu_memory_gb:>10g}{h.peak_tflops:>14g}{h.gpus_per_node:>11}"
-              f"{h.intra_node_gbps:>12g}{h.inter_node_gbps:>12g}")
+        print(
+            f"{n:<12}{h.gpu_memory_gb:>10g}{h.peak_tflops:>14g}{h.gpus_per_node:>11}"
+            f"{h.intra_node_gbps:>12g}{h.inter_node_gbps:>12g}"
+        )
     return 0
 
 

@@ -1,0 +1,1 @@
+"""Parallelism applied from outside the model: one module per axis, composed by `apply`."""

@@ -1,0 +1,80 @@
+"""The contract between the training loop and a parallel layout: a `StepRunner`.
+
+The loop owns data, optimizer, schedule, metrics and checkpoints; a runner owns how one rank's
+share of a global batch turns into gradients on its shard of the model. The single-device
+runner below is also the reference every parallel layout is tested against.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from fivefold.model.moe import set_aux_loss_scale
+from fivefold.model.transformer import lm_loss
+
+
+class StepRunner(Protocol):
+    """What the training loop needs from a layout."""
+
+    #: the modules this rank trains (one per local pipeline chunk); the optimizer and the
+    #: checkpoint take their parameters, which may be DTensors
+    model_parts: list[nn.Module]
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Accumulate gradients for one optimizer step.
+
+        inputs/labels: this rank's share of the global batch, [grad_accum × micro_batch, seq]
+        (already split by the data-parallel coordinate). Returns the mean loss over the *global*
+        batch as a detached scalar, the same value on every rank.
+        """
+        ...
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global gradient norm over all shards and stages; return the norm before
+        clipping (max_norm <= 0: only measure)."""
+        ...
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean loss over the global held-out batch, the same value on every rank."""
+        ...
+
+
+class LocalRunner:
+    """One process, one device: micro-batches accumulated in a plain loop."""
+
+    def __init__(self, model: nn.Module, micro_batch: int) -> None:
+        self.model = model
+        self.model_parts = [model]
+        self.micro_batch = micro_batch
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        chunks = list(zip(inputs.split(self.micro_batch), labels.split(self.micro_batch)))
+        scale = 1.0 / len(chunks)
+        set_aux_loss_scale(self.model, scale)
+        total = torch.zeros((), device=inputs.device)
+        for x, y in chunks:
+            loss = lm_loss(self.model(x), y)
+            (loss * scale).backward()
+            total += loss.detach() * scale
+        return total
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if max_norm <= 0:
+            return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        was_training = self.model.training
+        self.model.eval()
+        losses = [
+            lm_loss(self.model(x), y)
+            for x, y in zip(inputs.split(self.micro_batch), labels.split(self.micro_batch))
+        ]
+        self.model.train(was_training)
+        return torch.stack(losses).mean()

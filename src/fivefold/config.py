@@ -256,6 +256,7 @@ class HardwareSpec:
     # achievable fractions (calibrated knobs with a physical meaning; see docs/planner.md)
     matmul_efficiency: float = 0.0  # 0: the planner's default for this peak
     link_efficiency: float = 0.0
+    memory_efficiency: float = 0.0  # share of hbm_gbps streaming kernels sustain; 0: planner default
 
     def validate(self) -> HardwareSpec:
         for name in ("gpu_memory_gb", "peak_tflops", "gpus_per_node", "intra_node_gbps", "inter_node_gbps"):

@@ -568,26 +568,22 @@ def model_spec_from_hf(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
         raise FivefoldError(f"HF config {name}: rope scaling {rtype!r} is not supported (default or llama3)")
     if model_type.startswith("qwen3"):
         spec["qk_norm"] = True
-    if "num_local_experts" in cfg:  # Mixtral
-        spec.update(
-            experts=cfg["num_local_experts"],
-            experts_per_token=cfg["num_experts_per_tok"],
-            expert_ffn_hidden=cfg["intermediate_size"],
-            router_norm_topk=True,
-            aux_loss_coef=cfg.get("router_aux_loss_coef", 0.02),
-        )
-    elif model_type == "qwen3_moe":
-        sparse_step = cfg.get("decoder_sparse_step", 1)
-        if sparse_step != 1 or cfg.get("mlp_only_layers"):
-            raise FivefoldError(f"HF config {name}: only Qwen3-MoE with every layer sparse is supported")
-        spec.update(
-            experts=cfg["num_experts"],
-            experts_per_token=cfg["num_experts_per_tok"],
-            expert_ffn_hidden=cfg["moe_intermediate_size"],
-            router_norm_topk=bool(cfg.get("norm_topk_prob", True)),
-            aux_loss_coef=cfg.get("router_aux_loss_coef", 0.001),
-        )
-    elif model_type == "deepseek_v3":
+    if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
+        raise FivefoldError(f"HF config {name}: only bias-free SwiGLU MLPs (hidden_act silu) are supported")
+    try:
+        if model_type == "qwen3_moe":  # checked first: transformers 5 also writes num_local_experts here
+            spec.update(_qwen3_moe_spec(cfg, name))
+        elif "num_local_experts" in cfg:  # Mixtral
+            spec.update(
+                experts=cfg["num_local_experts"],
+                experts_per_token=cfg["num_experts_per_tok"],
+                expert_ffn_hidden=cfg["intermediate_size"],
+                router_norm_topk=True,
+                aux_loss_coef=cfg.get("router_aux_loss_coef", 0.02),
+            )
+    except KeyError as exc:
+        raise FivefoldError(f"HF config {name}: missing key {exc}") from None
+    if model_type == "deepseek_v3":
         spec.update(
             experts=cfg["n_routed_experts"],
             experts_per_token=cfg["num_experts_per_tok"],
@@ -604,6 +600,25 @@ def model_spec_from_hf(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
             head_dim=cfg["qk_nope_head_dim"],
         )
     return _from_dict(ModelSpec, spec, f"HF config {name}")
+
+
+def _qwen3_moe_spec(cfg: dict[str, Any], name: str) -> dict[str, Any]:
+    """Qwen3-MoE: sparse layers, except a leading run of dense ones (`mlp_only_layers`)."""
+    layers = cfg["num_hidden_layers"]
+    dense = sorted(cfg.get("mlp_only_layers") or [])
+    if cfg.get("decoder_sparse_step", 1) != 1 or dense != list(range(len(dense))):
+        raise FivefoldError(
+            f"HF config {name}: only Qwen3-MoE whose dense layers come first (mlp_only_layers = 0..k-1, "
+            "decoder_sparse_step = 1) is supported"
+        )
+    return dict(
+        experts=cfg.get("num_experts") or cfg["num_local_experts"],
+        experts_per_token=cfg["num_experts_per_tok"],
+        expert_ffn_hidden=cfg["moe_intermediate_size"],
+        moe_layers=layers - len(dense),
+        router_norm_topk=bool(cfg.get("norm_topk_prob", False)),  # HF's default
+        aux_loss_coef=cfg.get("router_aux_loss_coef", 0.001),
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ class Router(nn.Module):
         probs = torch.sigmoid(logits) if self.score == "sigmoid" else logits.softmax(dim=-1)
         _, chosen = torch.topk(probs + self.expert_bias.float(), self.top_k, dim=-1)
         weights = probs.gather(-1, chosen)
-        if self.normalize and (self.top_k > 1 or self.score == "sigmoid"):
+        if self.normalize:  # as HF does, also for top-1 (whose weight then is 1: no LM-loss gradient)
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), chosen, probs
 

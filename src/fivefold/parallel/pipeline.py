@@ -1,0 +1,311 @@
+"""Pipeline parallelism: split the model into stages and run torch's schedules over them.
+
+`torch.distributed.pipelining` provides the stages and the schedules (GPipe, 1F1B, Interleaved1F1B,
+InterleavedZeroBubble, ZBVZeroBubble, DualPipeV); this module decides *where* to cut the model, builds
+only this rank's pieces, composes them with the other axes and turns a schedule into a `StepRunner`.
+
+* **Split.** `pp × virtual_stages` chunks of consecutive layers, balanced by cost: each layer costs its
+  forward FLOPs per token; the first chunk also pays for the embedding, the last one for the final norm,
+  the output head and the loss (the head's vocab × hidden matmul is often worth several layers of a
+  small model). `--pp-split 3,5,5,3` overrides the balance.
+* **Placement.** Chunk c runs on pp rank c mod pp ("loop" order) except for the V-shaped schedules
+  (zbv, dualpipev): rank r holds chunks r and 2·pp−1−r, so the first and the last chunk share rank 0.
+* **Build.** Each chunk is a `Transformer` built on the meta device with the layers it does not own
+  deleted (names, hence init seeds and checkpoint keys, are kept) and `embed_tokens`/`norm`/`lm_head`
+  set to None where another chunk holds them; TP/FSDP come from `parallelize_chunk`, then only these
+  parameters are materialised with the model's per-name seeded init.
+* **Losses and gradients.** The last stage computes lm_loss / m per micro-batch and the schedule does not
+  rescale (scale_grads=False), so gradients are those of the mean loss, and the MoE auxiliary loss,
+  attached inside the forward, is scaled by 1/m like the rest. The mean loss is broadcast from the last
+  stage over `pp` and averaged over the data-parallel ranks: every rank reports it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fivefold.config import Layout, ModelSpec, TrainSpec
+from fivefold.errors import FivefoldError, divisors, suggest
+
+#: our schedule names -> torch.distributed.pipelining class names
+SCHEDULE_CLASSES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "zero-bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+SINGLE_STAGE = ("gpipe", "1f1b")  # one chunk per rank
+V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank, folded into a V
+
+
+# --------------------------------------------------------------------------------------------
+# costs and the split (pure Python: the planner and the tests use it without torch)
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Forward FLOPs per token of each piece of the model."""
+
+    embedding: float
+    layers: tuple[float, ...]
+    head: float  # final norm + output head + loss
+
+    def chunk_cost(self, start: int, stop: int, first: bool, last: bool) -> float:
+        ends = (self.embedding if first else 0.0) + (self.head if last else 0.0)
+        return sum(self.layers[start:stop]) + ends
+
+
+def stage_costs(spec: ModelSpec, seq_len: int) -> StageCosts:
+    """Forward FLOPs per token: 2 per weight a token multiplies, attention scores and sums, the head."""
+    h = spec.hidden
+    attn_core = 2 * seq_len * spec.heads * 2 * spec.head_dim  # QK^T and PV
+    layers = tuple(
+        2.0 * spec.layer_params(i, active=True) + attn_core + 10.0 * h  # + norms, residuals, rope
+        for i in range(spec.layers)
+    )
+    # the embedding is a gather (h reads per token forward, h adds backward); the head is a
+    # vocab × hidden matmul plus softmax cross-entropy (~5 FLOPs per logit)
+    head = 2.0 * spec.vocab * h + 5.0 * spec.vocab + 4.0 * h
+    return StageCosts(embedding=2.0 * h, layers=layers, head=head)
+
+
+def parse_split(text: str, layers: int, chunks: int) -> list[int]:
+    """`--pp-split 3,5,5,3`: layers per chunk, in stage order."""
+    try:
+        counts = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise FivefoldError(f"--pp-split takes layer counts like 2,2; got {text!r}") from None
+    if len(counts) != chunks:
+        raise FivefoldError(
+            f"--pp-split {text} names {len(counts)} chunks but pp × virtual_stages = {chunks}; "
+            f"give {chunks} layer counts"
+        )
+    if sum(counts) != layers:
+        raise FivefoldError(f"--pp-split {text} adds up to {sum(counts)} layers, the model has {layers}")
+    for i, c in enumerate(counts):
+        if c < 0 or (c == 0 and 0 < i < chunks - 1):
+            raise FivefoldError(
+                f"--pp-split {text}: chunk {i} has {c} layers; every middle chunk needs at least one "
+                "(the first and last may hold only the embedding or the head)"
+            )
+    return counts
+
+
+def balanced_split(costs: StageCosts, chunks: int) -> list[int]:
+    """Layers per chunk (each >= 1) minimising the most expensive chunk; ties: the most even counts.
+
+    Dynamic programming over (layers placed, chunks used): exact, and cheap for any real depth.
+    """
+    n = len(costs.layers)
+    if chunks > n:
+        raise FivefoldError(f"cannot split {n} layers into {chunks} chunks of at least one layer")
+    prefix = [0.0]
+    for c in costs.layers:
+        prefix.append(prefix[-1] + c)
+
+    def cost(i: int, j: int, k: int) -> float:  # layers i..j-1 as chunk k
+        return prefix[j] - prefix[i] + (costs.embedding if k == 0 else 0.0) + (
+            costs.head if k == chunks - 1 else 0.0
+        )
+
+    ideal = n / chunks
+    inf = (math.inf, math.inf)
+    # best[k][j]: (max cost, spread) of placing the first j layers into k chunks
+    best = [[inf] * (n + 1) for _ in range(chunks + 1)]
+    cut = [[0] * (n + 1) for _ in range(chunks + 1)]
+    best[0][0] = (0.0, 0.0)
+    for k in range(1, chunks + 1):
+        for j in range(k, n - (chunks - k) + 1):
+            for i in range(k - 1, j):
+                prev = best[k - 1][i]
+                if prev == inf:
+                    continue
+                # round costs so float noise does not beat an even split
+                cand = (round(max(prev[0], cost(i, j, k - 1)), 6), prev[1] + (j - i - ideal) ** 2)
+                if cand < best[k][j]:
+                    best[k][j], cut[k][j] = cand, i
+    counts, j = [], n
+    for k in range(chunks, 0, -1):
+        i = cut[k][j]
+        counts.append(j - i)
+        j = i
+    return counts[::-1]
+
+
+def stage_to_rank(stage: int, pp: int, schedule: str) -> int:
+    """The pp rank that runs chunk `stage`."""
+    if schedule in V_SHAPED:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def rank_stages(rank: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
+    """The chunks pp rank `rank` runs, in increasing stage order."""
+    return [s for s in range(pp * virtual_stages) if stage_to_rank(s, pp, schedule) == rank]
+
+
+def check_pipeline(spec: ModelSpec, layout: Layout, train: TrainSpec | None = None) -> list[int]:
+    """Validate a pipelined layout against the model (and batch); return the layers per chunk."""
+    pp, v, m, sched = layout.pp, layout.virtual_stages, layout.microbatches, layout.pp_schedule
+    chunks = pp * v
+    if pp > spec.layers:
+        raise FivefoldError(
+            f"--pp {pp} exceeds the {spec.layers} layers of {spec.name}: every stage needs a layer; "
+            f"valid pp: {suggest(range(1, spec.layers + 1))}"
+        )
+    if sched in SINGLE_STAGE and v != 1:
+        raise FivefoldError(
+            f"--pp-schedule {sched} runs one chunk per rank, got --virtual-stages {v}; use "
+            "--virtual-stages 1 or an interleaved schedule (interleaved-1f1b, zero-bubble)"
+        )
+    if sched in V_SHAPED and v != 2:
+        raise FivefoldError(
+            f"--pp-schedule {sched} folds exactly 2 chunks per rank into a V; use --virtual-stages 2"
+        )
+    if chunks > spec.layers:
+        ok = [d for d in range(1, spec.layers // pp + 1)]
+        raise FivefoldError(
+            f"--pp {pp} × --virtual-stages {v} = {chunks} chunks exceeds the {spec.layers} layers of "
+            f"{spec.name}; valid virtual stages for pp {pp}: {suggest(ok)}"
+        )
+    if not layout.pp_split and v > 1 and spec.layers % chunks:
+        ok = [d for d in divisors(spec.layers) if d % pp == 0]
+        raise FivefoldError(
+            f"--virtual-stages {v} with --pp {pp} makes {chunks} chunks, which does not divide the "
+            f"{spec.layers} layers of {spec.name} (interleaved chunks must be alike); valid virtual stages: "
+            f"{suggest([d // pp for d in ok]) or 'none'}, or give --pp-split"
+        )
+    _check_microbatches(pp, m, sched)
+    if spec.tie_embeddings:
+        raise FivefoldError(
+            f"{spec.name} ties the embedding and the output head, which pipelining puts on different stages; "
+            "use a model with tie_embeddings = false, or --pp 1"
+        )
+    if layout.cp > 1:
+        raise FivefoldError("--pp with --cp is not supported yet; use --cp 1 with pipelining")
+    if train is not None:
+        local = train.micro_batch * train.grad_accum(layout.data_parallel)
+        if local % m:
+            ok = [d for d in divisors(local) if d >= _min_microbatches(pp, sched)]
+            raise FivefoldError(
+                f"each data-parallel rank's batch of {local} sequences (micro_batch × accumulation) does not "
+                f"divide into --microbatches {m}; valid microbatches: {suggest(ok) or 'none'}"
+            )
+    if layout.pp_split:
+        return parse_split(layout.pp_split, spec.layers, chunks)
+    return balanced_split(stage_costs(spec, train.seq_len if train else spec.max_seq_len), chunks)
+
+
+def _min_microbatches(pp: int, schedule: str) -> int:
+    if schedule == "gpipe":
+        return 1
+    if schedule == "dualpipev":
+        return 2 * pp  # at least one micro-batch per chunk
+    return pp  # 1F1B and the interleaved family fill the pipeline before the steady state
+
+
+def _check_microbatches(pp: int, m: int, schedule: str) -> None:
+    need = _min_microbatches(pp, schedule)
+    if m < need:
+        raise FivefoldError(
+            f"--pp-schedule {schedule} needs at least {need} micro-batches with --pp {pp}, got "
+            f"--microbatches {m}; valid: {suggest([need * k for k in range(1, 5)])} or more"
+        )
+    if schedule in ("interleaved-1f1b", "zero-bubble"):
+        rounds = max(1, m // pp)
+        if m % rounds:
+            ok = [x for x in range(pp, 4 * pp + 1) if x % max(1, x // pp) == 0]
+            raise FivefoldError(
+                f"--pp-schedule {schedule} runs micro-batches in rounds of {pp}: --microbatches {m} must "
+                f"be a multiple of m // pp = {rounds}; valid: {suggest(ok)}"
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# torch from here on (imported lazily so the planner and the CLI stay light)
+
+
+def build_chunk(model, layers: Sequence[int], first: bool, last: bool):
+    """A meta-device copy of `model` holding only `layers` (and the embedding/head if first/last)."""
+    from fivefold.model import build_model
+
+    chunk = build_model(model.spec, device="meta")
+    keep = {str(i) for i in layers}
+    for name in list(chunk.model.layers.keys()):
+        if name not in keep:
+            del chunk.model.layers[name]
+    if not first:
+        chunk.model.embed_tokens = None
+    if not last:
+        chunk.model.norm = None
+        chunk.lm_head = None
+    return chunk
+
+
+def _copy_from(chunk, source) -> None:
+    """Fill a materialised chunk from an already materialised full model (same names)."""
+    import torch
+
+    full = dict(source.named_parameters()) | dict(source.named_buffers())
+    with torch.no_grad():
+        for name, tensor in list(chunk.named_parameters()) + list(chunk.named_buffers()):
+            if name in full:
+                from fivefold.model.transformer import _copy_into
+
+                _copy_into(tensor, full[name].detach())
+
+
+def build_pipeline_runner(model, runtime_mesh, layout: Layout, train: TrainSpec):
+    """The `StepRunner` for a layout with pp > 1 (see fivefold.parallel.api)."""
+    import torch
+
+    from fivefold.parallel.pipeline_runner import PipelineRunner
+
+    counts = check_pipeline(model.spec, layout, train)
+    pp, sched = layout.pp, layout.pp_schedule
+    chunks_total = pp * layout.virtual_stages
+    starts = [sum(counts[:k]) for k in range(chunks_total)]
+    device = _device(runtime_mesh, train)
+    pp_rank = runtime_mesh.coord("pp")
+    source_is_meta = any(p.is_meta for p in model.parameters())
+    parts, stage_ids = [], rank_stages(pp_rank, pp, layout.virtual_stages, sched)
+    for s in stage_ids:
+        chunk = build_chunk(model, range(starts[s], starts[s] + counts[s]), s == 0, s == chunks_total - 1)
+        chunk = _parallelize(chunk, runtime_mesh, layout, train)
+        chunk.to_empty(device=device)
+        with torch.no_grad():
+            if source_is_meta:
+                chunk.init_weights(train.seed)
+            else:
+                _copy_from(chunk, model)
+        parts.append(chunk)
+    return PipelineRunner(parts, stage_ids, counts, runtime_mesh, layout, device)
+
+
+def _parallelize(chunk, runtime_mesh, layout: Layout, train: TrainSpec):
+    """TP(+SP), recompute and FSDP/DDP on one chunk, by the parallel team's code when present."""
+    others = layout.tp > 1 or layout.fsdp > 1 or layout.dp > 1 or layout.recompute != "none"
+    if not others:
+        return chunk
+    try:
+        from fivefold.parallel.apply import parallelize_chunk
+    except ImportError:
+        raise FivefoldError(
+            "--pp combined with --tp/--fsdp/--dp/--recompute needs fivefold.parallel.apply, which this "
+            "install lacks; run with --pp alone"
+        ) from None
+    out = parallelize_chunk(chunk, runtime_mesh, layout, train)
+    return chunk if out is None else out
+
+
+def _device(runtime_mesh, train: TrainSpec):
+    import torch
+
+    kind = runtime_mesh.device_mesh.device_type
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)

@@ -1,0 +1,84 @@
+"""Compose the axes on one model: tensor (+ sequence) parallel, recompute, then FSDP/HSDP or DDP.
+
+The order matters: TP turns weights into DTensors on the `tp` mesh; recompute wraps whole blocks
+(or attention cores) so it must see the TP-ed modules; FSDP then shards those DTensors again on
+the data-parallel mesh (2-D DTensors), and DDP replicates whatever is left.
+
+A model built on the meta device is materialised only after sharding, with the model's own
+per-parameter seeded init, so every rank's shard equals that slice of the single-process model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fivefold.config import Layout, TrainSpec
+from fivefold.errors import FivefoldError
+from fivefold.model.transformer import materialize
+from fivefold.parallel.data import apply_ddp, apply_fsdp
+from fivefold.parallel.tensor import apply_tensor_parallel
+
+
+def uses_fsdp(layout: Layout) -> bool:
+    return layout.fsdp > 1
+
+
+def replica_dim(layout: Layout) -> str:
+    """The mesh dim DDP averages over when nothing is sharded: every rank holding the same weights."""
+    return "dp_fsdp_cp" if layout.cp > 1 else "dp"
+
+
+def parallelize_chunk(module: nn.Module, runtime_mesh: Any, layout: Layout, train: TrainSpec) -> nn.Module:
+    """Apply TP(+SP), recompute and FSDP/HSDP/DDP to one model chunk (a Transformer, maybe partial).
+
+    Returns the module to call: a DDP wrapper around `module` for replicated data parallelism,
+    else `module` itself (FSDP and TP work in place). Parameters stay those of `module`.
+    """
+    spec = module.spec
+    on_meta = any(p.is_meta for p in module.parameters())
+    if layout.tp > 1:
+        apply_tensor_parallel(module, runtime_mesh.get("tp"), spec, layout.sp)
+    if layout.recompute != "none":
+        _apply_recompute(module, layout.recompute)
+    device = torch.device(runtime_mesh.device_mesh.device_type)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    if uses_fsdp(layout):
+        mesh = runtime_mesh.get("fsdp_cp") if layout.dp == 1 else runtime_mesh.submesh("dp", "fsdp_cp")
+        apply_fsdp(module, mesh, layout.zero, train)
+        if on_meta:
+            materialize(module, device, train.seed)
+        return module
+    if on_meta:
+        materialize(module, device, train.seed)
+    replicas = replica_dim(layout)
+    if runtime_mesh.size(replicas) > 1:
+        return apply_ddp(module, runtime_mesh.group(replicas))
+    return module
+
+
+def _apply_recompute(module: nn.Module, mode: str) -> None:
+    try:
+        from fivefold.parallel.recompute import apply_recompute
+    except ImportError:
+        raise FivefoldError(
+            f"--recompute {mode} is not available in this build (fivefold.parallel.recompute is missing); "
+            "use --recompute none"
+        ) from None
+    apply_recompute(module, mode)
+
+
+def build_runner(model: nn.Module, runtime_mesh: Any, layout: Layout, train: TrainSpec):
+    """A StepRunner for any layout; `model` is built on meta (or materialised identically on every rank)."""
+    layout.check_model(model.spec, train.seq_len)
+    if layout.pp > 1:
+        from fivefold.parallel.pipeline import build_pipeline_runner
+
+        return build_pipeline_runner(model, runtime_mesh, layout, train)
+    from fivefold.parallel.runner import ParallelRunner
+
+    wrapped = parallelize_chunk(model, runtime_mesh, layout, train)
+    return ParallelRunner(model, wrapped, runtime_mesh, layout, train)

@@ -1,0 +1,127 @@
+"""Train a layout and the single-process model on the same weights and data, and compare.
+
+Both sides see the same global batches (random tokens drawn from (seed, step)); each rank of the
+layout takes the rows of its `batch` coordinate, as the training loop does. Both use AdamW with
+the same groups and the same global-norm clipping, so after K steps the losses and the updated
+parameters must agree to floating-point reordering. Used by `fivefold verify` and the tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fivefold.config import Layout, ModelSpec, TrainSpec
+from fivefold.model.transformer import build_model, materialize
+from fivefold.parallel.api import LocalRunner
+from fivefold.parallel.data import make_optimizer
+
+
+@dataclass
+class RunResult:
+    losses: list[float]
+    grad_norms: list[float]
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # full (gathered) tensors
+
+
+def global_batch(spec: ModelSpec, train: TrainSpec, rows: int, step: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(train.seed * 100_003 + step)
+    tokens = torch.randint(0, spec.vocab, (rows, train.seq_len + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def rows_of(batch: torch.Tensor, coord: int, ranks: int) -> torch.Tensor:
+    per = batch.shape[0] // ranks
+    return batch[coord * per : (coord + 1) * per]
+
+
+def run_reference(spec: ModelSpec, train: TrainSpec, rows: int, steps: int) -> RunResult:
+    """The single-process model: LocalRunner, AdamW, clipping, `steps` steps on the global batches."""
+    model = materialize(build_model(spec, "meta"), "cpu", train.seed)
+    runner = LocalRunner(model, train.micro_batch)
+    opt = make_optimizer(model, train, Layout(), None)
+    result = RunResult([], [])
+    for step in range(steps):
+        x, y = global_batch(spec, train, rows, step)
+        opt.zero_grad(set_to_none=True)
+        result.losses.append(float(runner.forward_backward(x, y)))
+        result.grad_norms.append(float(runner.clip_grad_norm(train.grad_clip)))
+        opt.step()
+    result.params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return result
+
+
+def run_layout(spec: ModelSpec, train: TrainSpec, layout: Layout, rows: int, steps: int,
+               runtime_mesh: Any, step_hook: Any = None) -> tuple[RunResult, Any]:
+    """This rank's side of the same run under `layout` (already resolved); returns (result, runner)."""
+    from fivefold.parallel.apply import build_runner
+
+    model = build_model(spec, "meta")
+    runner = build_runner(model, runtime_mesh, layout, train)
+    part = runner.model_parts[0]
+    opt = runner.build_optimizer(part)
+    coord, ranks = runtime_mesh.coord("batch"), runtime_mesh.size("batch")
+    result = RunResult([], [])
+    for step in range(steps):
+        x, y = global_batch(spec, train, rows, step)
+        opt.zero_grad(set_to_none=True)
+        if step_hook is not None:
+            step_hook(step, "begin")
+        loss = runner.forward_backward(rows_of(x, coord, ranks), rows_of(y, coord, ranks))
+        result.losses.append(float(loss))
+        if step_hook is not None:
+            step_hook(step, "backward")
+        result.grad_norms.append(float(runner.clip_grad_norm(train.grad_clip)))
+        opt.step()
+        if step_hook is not None:
+            step_hook(step, "end")
+    result.params = gather_params(part)
+    return result, runner
+
+
+def gather_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as the full tensor (DTensor shards gathered; shards hidden by DDP rebuilt)."""
+    hidden = getattr(model, "_dtensor_specs", {})
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        if not isinstance(t, DTensor) and name in hidden:
+            mesh, placements = hidden[name]
+            t = DTensor.from_local(t, mesh, placements, run_check=False)
+        out[name] = t.full_tensor() if isinstance(t, DTensor) else t.clone()
+    return out
+
+
+@dataclass
+class Comparison:
+    loss_rel: list[float]
+    max_abs: float
+    max_rel: float
+    worst_param: str
+    ok: bool
+
+
+def compare(reference: RunResult, other: RunResult, loss_rtol: float = 1e-5,
+            param_atol: float = 5e-5) -> Comparison:
+    loss_rel = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(reference.losses, other.losses)]
+    max_abs, max_rel, worst = 0.0, 0.0, ""
+    for name, ref in reference.params.items():
+        got = other.params[name].to(ref.device, ref.dtype)
+        diff = (got - ref).abs().max().item()
+        rel = diff / max(ref.abs().max().item(), 1e-12)
+        if diff > max_abs:
+            max_abs, worst = diff, name
+        max_rel = max(max_rel, rel)
+    ok = len(other.losses) == len(reference.losses) and max(loss_rel) <= loss_rtol and max_abs <= param_atol
+    return Comparison(loss_rel, max_abs, max_rel, worst, ok)
+
+
+def with_accumulation(train: TrainSpec, accumulation: int, data_ranks: int) -> tuple[TrainSpec, int]:
+    """(train spec, global rows) for `accumulation` micro-batches per data-parallel rank."""
+    rows = train.micro_batch * data_ranks * accumulation
+    return dataclasses.replace(train, global_batch=rows), rows

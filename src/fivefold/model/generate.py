@@ -6,6 +6,8 @@ token. Prompts in a batch have equal length (no padding, so no attention mask is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from fivefold.model.attention import KVCache
@@ -22,12 +24,12 @@ def generate(
     temperature: float = 1.0,
     top_k: int = 0,
     generator: torch.Generator | None = None,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """prompt_ids [b, s] -> the new tokens [b, n], n <= max_new_tokens.
 
-    Decoding stops early once every sequence has produced `eos_token_id`; a sequence that is done
-    keeps emitting it, so the rows stay equal in length.
+    Decoding stops early once every sequence has produced an end-of-sequence id (`eos_token_id`,
+    one or several); a sequence that is done repeats its end id, so the rows stay equal in length.
     """
     if prompt_ids.dim() == 1:
         prompt_ids = prompt_ids.unsqueeze(0)
@@ -37,16 +39,19 @@ def generate(
     caches = [KVCache() for _ in model.model.layers]
     inputs = prompt_ids.to(device)
     done = torch.zeros(inputs.shape[0], dtype=torch.bool, device=device)
+    ends = _as_tensor(eos_token_id, device)
+    last = torch.zeros_like(done, dtype=torch.long)
     new_tokens: list[torch.Tensor] = []
     try:
         for _ in range(max_new_tokens):
             logits = model(inputs, caches=caches)[:, -1, :].float()
             token = _pick(logits, greedy, temperature, top_k, generator)
-            if eos_token_id is not None:
-                token = torch.where(done, torch.full_like(token, eos_token_id), token)
-                done |= token == eos_token_id
+            if ends is not None:
+                token = torch.where(done, last, token)
+                done |= torch.isin(token, ends)
+                last = token
             new_tokens.append(token)
-            if eos_token_id is not None and bool(done.all()):
+            if ends is not None and bool(done.all()):
                 break
             inputs = token[:, None]
     finally:
@@ -54,6 +59,12 @@ def generate(
     if not new_tokens:
         return prompt_ids.new_zeros((prompt_ids.shape[0], 0))
     return torch.stack(new_tokens, dim=1).cpu()
+
+
+def _as_tensor(ids: int | Sequence[int] | None, device: torch.device) -> torch.Tensor | None:
+    if ids is None:
+        return None
+    return torch.tensor([ids] if isinstance(ids, int) else list(ids), dtype=torch.long, device=device)
 
 
 def _pick(

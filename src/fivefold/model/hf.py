@@ -58,7 +58,7 @@ def load_hf(
     spec = load_model(str(root))
     files = safetensors_files(root)
     target = _resolve_dtype(dtype) if dtype is not None else _checkpoint_dtype(files)
-    model = _empty_model(spec, target, device)
+    model = empty_model(spec, target, device)
 
     slots = model.state_dict(keep_vars=True)
     loaded: set[str] = set()
@@ -164,7 +164,7 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _empty_model(spec: ModelSpec, dtype: torch.dtype, device: str | torch.device) -> Transformer:
+def empty_model(spec: ModelSpec, dtype: torch.dtype, device: str | torch.device) -> Transformer:
     """Allocate (uninitialised) weights in `dtype`; keep routing and rotary state in fp32."""
     model = build_model(spec, "meta").to(dtype)
     model.to_empty(device=device)

@@ -21,7 +21,7 @@ def _model(preset: str, seed: int = 0, **changes):
     model = materialize(build_model(spec), "cpu", seed)
     # larger weights than the training init, so the next token is decided by clear margins
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() > 1:
                 p.mul_(4.0)
     return spec, model.eval()

@@ -1,0 +1,160 @@
+"""`fivefold train`: train a transformer on a layout (CPU/gloo or GPU/NCCL).
+
+    fivefold train --model PRESET|PATH --steps N --seed S --dtype fp32|bf16 --nproc N --run-dir DIR
+                   [--config FILE.toml] [train knobs] [layout flags]
+
+Precedence: built-in defaults < `--config` file < explicit flags. `--nproc N` starts N local ranks
+through torch's elastic launcher; under `torchrun -m fivefold.train` the same flags apply and the
+launcher's world is used instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from fivefold.config import (
+    Layout,
+    ModelSpec,
+    RunConfig,
+    TrainSpec,
+    _from_dict,
+    add_layout_arguments,
+    layout_from_args,
+    load_model,
+    read_toml,
+)
+from fivefold.errors import FivefoldError
+
+HELP = "train a transformer on a layout (CPU/gloo or GPU/NCCL)"
+
+# flag -> TrainSpec field (flags use dashes, the spec underscores)
+TRAIN_FLAGS: dict[str, tuple[type, str]] = {
+    "steps": (int, "optimizer steps"),
+    "seed": (int, "seed of the weights and of the batch order"),
+    "lr": (float, "peak learning rate"),
+    "seq_len": (int, "tokens per sequence"),
+    "micro_batch": (int, "sequences per rank per forward"),
+    "global_batch": (int, "sequences per optimizer step (0: micro-batch × data-parallel ranks)"),
+    "warmup": (int, "learning-rate warm-up steps"),
+    "eval_every": (int, "held-out loss every N steps (and at the end)"),
+    "checkpoint_every": (int, "checkpoint every N steps (0: only at the end)"),
+    "data": (str, "stdlib (default), a text file or folder, .jsonl or a pre-tokenized .bin"),
+    "tokenizer": (str, "bytes (default) or a tokenizer.json / HF directory"),
+    "device": (str, "auto (default), cpu or cuda"),
+}
+_FIELD = {"warmup": "warmup_steps"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model preset, model TOML, HF config.json or directory "
+        "(default: the --config file's, else small)",
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE.toml",
+        help="run config with [model] (a table or a preset name), [train], [layout]",
+    )
+    parser.add_argument("--dtype", default=None, choices=("fp32", "bf16"))
+    parser.add_argument("--nproc", type=int, default=1, help="local ranks to start (default 1)")
+    parser.add_argument("--run-dir", default=None, help="run directory (default runs/<model>-<time>)")
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="STEP",
+        help="continue the run in --run-dir from its latest checkpoint (or STEP)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = parser.add_argument_group("training")
+    for name, (kind, text) in TRAIN_FLAGS.items():
+        g.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=text)
+    add_layout_arguments(parser)
+
+
+def _config_file(path: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    data = read_toml(path)
+    unknown = sorted(set(data) - {"model", "train", "layout"})
+    if unknown:
+        raise FivefoldError(
+            f"{path}: unknown table(s) {', '.join(unknown)}; a run config has model, train, layout"
+        )
+    return data.get("model"), data.get("train", {}), data.get("layout", {})
+
+
+def build_run_config(args: argparse.Namespace) -> RunConfig:
+    """The run's configuration from `--config`, `--model` and the flags (not yet resolved)."""
+    model_entry, train_data, layout_data = (None, {}, {})
+    if args.config:
+        model_entry, train_data, layout_data = _config_file(args.config)
+    if args.model:
+        spec = load_model(args.model)
+    elif isinstance(model_entry, dict):
+        spec = _from_dict(ModelSpec, model_entry, f"{args.config} [model]").validate()
+    else:
+        spec = load_model(model_entry or "small")
+    train = _from_dict(TrainSpec, dict(train_data), f"{args.config} [train]")
+    for name in TRAIN_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None:
+            train = replace(train, **{_FIELD.get(name, name): value})
+    if args.dtype:
+        train = replace(train, dtype=args.dtype)
+    layout = layout_from_args(args, _from_dict(Layout, dict(layout_data), f"{args.config} [layout]"))
+    return RunConfig(model=spec, train=train.validate(), layout=layout)
+
+
+def default_run_dir(model_name: str) -> Path:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{model_name}-{stamp}"
+
+
+def _launched() -> bool:
+    """Inside a rank that torchrun (or our own launcher) started."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.nproc < 1:
+        raise FivefoldError(f"--nproc must be >= 1, got {args.nproc}")
+    cfg = build_run_config(args)
+    if args.resume is not None and not args.run_dir:
+        raise FivefoldError("--resume needs the --run-dir of the run to continue")
+    if args.resume is not None and args.config is None and args.model is None:
+        saved = Path(args.run_dir) / "config.toml"
+        if saved.exists():  # continue with the run's own settings; flags still override
+            args.config = str(saved)
+            cfg = build_run_config(args)
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg.model.name)
+    if args.nproc > 1 and not _launched():
+        from fivefold.train.launch import launch
+        from fivefold.train.loop import default_layout
+
+        # an impossible layout is reported here, before any process starts
+        default_layout(cfg.layout, args.nproc).resolve(args.nproc).check_model(cfg.model, cfg.train.seq_len)
+
+        args.run_dir = str(run_dir)
+        return launch(args.nproc, args)
+    return run_rank(args, cfg, run_dir)
+
+
+def run_rank(args: argparse.Namespace, cfg: RunConfig | None = None, run_dir: Path | None = None) -> int:
+    """Train in this process: alone, or as one rank of a launched world."""
+    from fivefold.train.loop import train
+
+    cfg = cfg or build_run_config(args)
+    run_dir = run_dir or Path(args.run_dir)
+    result = train(cfg, run_dir, resume=args.resume, progress=not args.no_progress)
+    if result.trained and int(os.environ.get("RANK", "0")) == 0:
+        held = f"; held-out loss {result.held_out_loss:.4f}" if result.held_out_loss is not None else ""
+        print(f"run directory: {result.run_dir}{held}")
+    return 0

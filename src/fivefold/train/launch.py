@@ -1,0 +1,115 @@
+"""`fivefold train --nproc N`: N local ranks through torch's own elastic launcher.
+
+Rendezvous is c10d on localhost with an OS-chosen port (as `torchrun --standalone` does). Each rank
+runs the same command in-process; gloo on CPU, NCCL on GPU (chosen by the loop from the device).
+
+Failures surface once: a rank that fails writes its one-line reason to a shared folder and exits
+non-zero; the launcher stops the other ranks, and the parent reports the first failure — a
+`FivefoldError` (exit code 2) for bad input, otherwise the exception with the path of its
+traceback (exit code 1). The launcher's own log chatter is silenced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import traceback
+import uuid
+from pathlib import Path
+
+from fivefold.errors import FivefoldError
+
+_QUIET_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
+
+
+def _rank_entry(args: argparse.Namespace, error_dir: str) -> int:
+    """Runs in each spawned rank."""
+    from fivefold.commands.train import run_rank
+
+    rank = os.environ.get("RANK", "?")
+    try:
+        return run_rank(args)
+    except FivefoldError as exc:
+        _report(error_dir, rank, 2, str(exc))
+        sys.exit(2)
+    except BaseException as exc:  # noqa: BLE001 - anything else is reported with its traceback
+        trace = Path(error_dir) / f"rank{rank}.traceback"
+        trace.write_text(traceback.format_exc())
+        _report(error_dir, rank, 1, f"{type(exc).__name__}: {exc}".splitlines()[0] + f" (traceback: {trace})")
+        sys.exit(1)
+
+
+def _report(error_dir: str, rank: str, code: int, message: str) -> None:
+    path = Path(error_dir) / f"rank{rank}.error"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f"{code}\n{message}")
+    os.replace(tmp, path)  # whole or absent: the parent never reads half a message
+
+
+def _first_failure(error_dir: Path) -> tuple[int, int, str] | None:
+    """(rank, code, message) of the earliest reported failure: the cause, not its echoes."""
+    reports = sorted(error_dir.glob("rank*.error"), key=lambda p: (p.stat().st_mtime_ns, p.name))
+    for path in reports:
+        code, _, message = path.read_text().partition("\n")
+        rank = path.stem.removeprefix("rank")
+        return (int(rank) if rank.isdigit() else -1), int(code), message
+    return None
+
+
+def launch(nproc: int, args: argparse.Namespace) -> int:
+    """Start `nproc` ranks running `fivefold train` with `args`; 0 when all of them succeed."""
+    import torch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    if torch.cuda.is_available() and nproc > torch.cuda.device_count() and args.device != "cpu":
+        raise FivefoldError(
+            f"--nproc {nproc} needs {nproc} GPUs but {torch.cuda.device_count()} are visible; "
+            "use --device cpu for gloo ranks on the CPU"
+        )
+    error_dir = Path(tempfile.mkdtemp(prefix="fivefold-ranks-"))
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"fivefold-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        rdzv_configs={"timeout": 120},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    levels = {name: logging.getLogger(name).level for name in _QUIET_LOGGERS}
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    keep_errors = False
+    try:
+        elastic_launch(config, _rank_entry)(args, str(error_dir))
+        return 0
+    except ChildFailedError as exc:
+        failure = _first_failure(error_dir)
+        if failure is None:  # died without reporting (killed, out of memory, a signal)
+            rank, info = next(iter(sorted(exc.failures.items())))
+            print(
+                f"fivefold train: rank {rank} exited with code {info.exitcode} without a message",
+                file=sys.stderr,
+            )
+            return 1
+        rank, code, message = failure
+        if code == 2:
+            raise FivefoldError(f"rank {rank}: {message}") from None
+        keep_errors = True
+        print(f"fivefold train: rank {rank} failed: {message}", file=sys.stderr)
+        return 1
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+        if not keep_errors:
+            shutil.rmtree(error_dir, ignore_errors=True)

@@ -1,0 +1,42 @@
+"""The loss curve of a run: training loss per step and held-out loss where it was measured."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_loss_curve(metrics_path: Path, out_path: Path, vocab: int | None = None) -> Path | None:
+    """Write a PNG of train + held-out loss; returns None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    records = read_metrics(metrics_path)
+    if not records:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.2, label="train")
+    held = [r for r in records if r.get("held_out_loss") is not None]
+    if held:
+        ax.plot([r["step"] for r in held], [r["held_out_loss"] for r in held], "o-", ms=4, label="held-out")
+    if vocab:
+        ax.axhline(math.log(vocab), color="grey", ls=":", lw=1, label=f"ln(vocab) = {math.log(vocab):.2f}")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_path)
+    plt.close(fig)
+    return out_path

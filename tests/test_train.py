@@ -1,0 +1,163 @@
+"""The training loop on one process: determinism, learning, accumulation, bf16, recompute, memory."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from fivefold.config import Layout, RunConfig, TrainSpec, load_model
+from fivefold.model import build_model, lm_loss, materialize
+from fivefold.parallel.recompute import apply_recompute, recompute_mode
+from fivefold.train import lr_at, train
+from fivefold.train.memory import ActivationMeter, state_bytes
+from fivefold.train.plots import read_metrics
+
+REQUIRED = {"step", "loss", "tokens_per_s", "mfu", "grad_norm", "lr", "memory"}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """A small, fixed text corpus: some of the stdlib's json package (fast to read)."""
+    import json as json_module
+
+    folder = Path(json_module.__file__).parent
+    path = tmp_path_factory.mktemp("corpus") / "code.txt"
+    path.write_bytes(b"".join(p.read_bytes() for p in sorted(folder.glob("*.py"))))
+    return str(path)
+
+
+def tiny_run(corpus: str, model: str = "tiny", **train) -> RunConfig:
+    base = dict(
+        steps=4,
+        seq_len=32,
+        micro_batch=4,
+        warmup_steps=2,
+        eval_every=1000,
+        eval_batches=2,
+        data=corpus,
+        lr=3e-3,
+        device="cpu",
+    )
+    base.update(train)
+    return RunConfig(model=load_model(model), train=TrainSpec(**base))
+
+
+def test_same_seed_gives_bitwise_the_same_losses(tmp_path, corpus):
+    a = train(tiny_run(corpus), tmp_path / "a", progress=False).losses
+    b = train(tiny_run(corpus), tmp_path / "b", progress=False).losses
+    c = train(tiny_run(corpus, seed=1), tmp_path / "c", progress=False).losses
+    assert a == b  # exact float equality, not approx
+    assert a != c
+
+
+def test_loss_falls_and_the_run_directory_is_complete(tmp_path, corpus):
+    result = train(tiny_run(corpus, steps=30, eval_every=15), tmp_path / "run", progress=False)
+    first, last = result.losses[0], sum(result.losses[-3:]) / 3
+    assert abs(first - math.log(256)) < 0.2  # random init: about uniform over 256 bytes
+    assert last < first - 0.8
+    run = tmp_path / "run"
+    for name in ("config.toml", "metrics.jsonl", "trace.json", "loss.png"):
+        assert (run / name).exists(), name
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 31))
+    assert all(set(r) >= REQUIRED for r in records)
+    assert [r["step"] for r in records if "held_out_loss" in r] == [15, 30]
+    assert result.held_out_loss == records[-1]["held_out_loss"] < first
+    assert all(r["mfu"] > 0 and r["tokens_per_s"] > 0 for r in records)
+    events = json.loads((run / "trace.json").read_text())["traceEvents"]
+    names = {e["name"] for e in events if e.get("ph") == "X"}
+    assert {"forward_backward", "optimizer", "eval", "checkpoint"} <= names
+    saved = RunConfig.from_toml(run / "config.toml")
+    assert saved.train.steps == 30 and saved.train.global_batch == 4 and saved.model.name == "tiny"
+
+
+def test_lr_schedule_is_warmup_then_cosine():
+    t = TrainSpec(steps=110, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(5, t) == pytest.approx(0.5)
+    assert lr_at(10, t) == pytest.approx(1.0)
+    assert lr_at(60, t) == pytest.approx(0.1 + 0.9 * 0.5)  # half way down the cosine
+    assert lr_at(110, t) == pytest.approx(0.1)
+
+
+def test_gradient_accumulation_equals_the_big_batch(tmp_path, corpus):
+    big = train(tiny_run(corpus, micro_batch=8, global_batch=8), tmp_path / "big", progress=False).losses
+    acc = train(tiny_run(corpus, micro_batch=2, global_batch=8), tmp_path / "acc", progress=False).losses
+    assert acc == pytest.approx(big, rel=1e-5, abs=1e-5)
+    small = train(tiny_run(corpus, micro_batch=2, global_batch=2), tmp_path / "small", progress=False).losses
+    assert small[0] != pytest.approx(big[0], rel=1e-4)  # a different batch really is different
+
+
+def test_bf16_trains_close_to_fp32(tmp_path, corpus):
+    fp32 = train(tiny_run(corpus, steps=3), tmp_path / "fp32", progress=False).losses
+    bf16 = train(tiny_run(corpus, steps=3, dtype="bf16"), tmp_path / "bf16", progress=False).losses
+    assert all(math.isfinite(v) for v in bf16)
+    assert bf16 == pytest.approx(fp32, abs=0.05)
+    assert bf16 != fp32  # autocast really ran in bf16
+
+
+def _grads_and_activations(mode: str, spec, batch):
+    model = materialize(build_model(spec), "cpu", seed=5)
+    apply_recompute(model, mode)
+    x, y = batch
+    with ActivationMeter() as meter:
+        lm_loss(model(x), y).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, meter.peak_bytes, model
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "tiny-moe"])
+def test_recompute_gives_the_same_gradients_and_saves_less(model_name):
+    spec = load_model(model_name)
+    gen = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, 256, (2, 64), generator=gen), torch.randint(0, 256, (2, 64), generator=gen))
+    ref, ref_bytes, _ = _grads_and_activations("none", spec, batch)
+    for mode in ("selective", "full"):
+        grads, saved, model = _grads_and_activations(mode, spec, batch)
+        assert recompute_mode(model) == mode
+        assert set(grads) == set(ref)  # parameter names are untouched
+        for name in ref:
+            torch.testing.assert_close(grads[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+        assert saved < ref_bytes, mode
+    # full keeps only block inputs: much less than selective
+    assert (
+        _grads_and_activations("full", spec, batch)[1] < _grads_and_activations("selective", spec, batch)[1]
+    )
+
+
+def test_recompute_through_the_loop_matches(tmp_path, corpus):
+    base = tiny_run(corpus, steps=3)
+    plain = train(base, tmp_path / "none", progress=False).losses
+    full = train(replace(base, layout=Layout(recompute="full")), tmp_path / "full", progress=False).losses
+    assert full == pytest.approx(plain, rel=1e-6)
+
+
+def test_moe_model_trains(tmp_path, corpus):
+    result = train(tiny_run(corpus, model="tiny-moe", steps=3), tmp_path / "moe", progress=False)
+    assert len(result.losses) == 3 and all(math.isfinite(v) for v in result.losses)
+
+
+def test_state_memory_matches_the_parameter_count(tmp_path, corpus):
+    spec = load_model("tiny")
+    train(tiny_run(corpus, steps=2), tmp_path / "m", progress=False)
+    memory = read_metrics(tmp_path / "m" / "metrics.jsonl")[-1]["memory"]
+    assert memory["params"] == 4 * spec.num_params()  # fp32, closed form from the spec
+    assert memory["grads"] == memory["params"]
+    assert memory["optimizer"] == 2 * memory["params"]  # AdamW: exp_avg + exp_avg_sq
+    assert memory["activations"] > 0
+
+
+def test_activation_meter_counts_unique_storages_and_skips_parameters():
+    w = torch.nn.Parameter(torch.randn(16, 8))
+    x = torch.randn(4, 8)  # 128 bytes
+    with ActivationMeter() as meter:
+        h = torch.nn.functional.linear(x, w)  # saves x (and w, a parameter: not counted)
+        out = (h * h).sum()  # saves h twice: one storage, 4*16*4 = 256 bytes
+    assert meter.peak_bytes == x.numel() * 4 + h.numel() * 4
+    out.backward()
+    del out, h
+    assert meter.live_bytes == 0  # everything was released by the backward
+    assert state_bytes([torch.nn.Linear(8, 16, bias=False)], None)["params"] == 16 * 8 * 4

@@ -8,8 +8,11 @@ Model FLOPs (what MFU divides by peak) follow the PaLM / Megatron convention:
     where d_attn = heads · head_dim, times 3 for forward + backward.
 `causal=True` counts only the lower triangle (half the attention FLOPs), as FlashAttention
 and TorchTitan do; `causal=False` counts the full square, as Megatron's and PaLM's MFU do.
-Hardware FLOPs add the recomputed forward: full recompute adds one more forward of everything
-(2·N_matmul + attention forward); selective recompute adds the attention-core forward only.
+Hardware FLOPs add the recomputed forward: full recompute adds one more forward of every
+transformer layer (2·N_matmul without the output head, which sits outside the checkpointed layers,
++ attention forward); selective recompute adds the attention-core forward only.
+`matmul_params` overrides N_matmul for blocks ModelSpec does not describe (the planner's GPT block
+with a two-matrix MLP).
 """
 
 from __future__ import annotations
@@ -32,19 +35,23 @@ def attention_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = Fal
     return model.layers * per_layer * (0.5 if causal else 1.0)
 
 
-def model_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = False) -> float:
+def model_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = False,
+                          matmul_params: int | None = None) -> float:
     """Training (forward + backward) model FLOPs per token."""
-    return 6.0 * matmul_params_per_token(model) + 3.0 * attention_flops_per_token(model, seq_len, causal)
+    n = matmul_params_per_token(model) if matmul_params is None else matmul_params
+    return 6.0 * n + 3.0 * attention_flops_per_token(model, seq_len, causal)
 
 
 def hardware_flops_per_token(
-    model: ModelSpec, seq_len: int, recompute: str = "none", causal: bool = False
+    model: ModelSpec, seq_len: int, recompute: str = "none", causal: bool = False,
+    matmul_params: int | None = None,
 ) -> float:
     """Training FLOPs per token actually executed, including recomputation."""
-    base = model_flops_per_token(model, seq_len, causal)
+    n = matmul_params_per_token(model) if matmul_params is None else matmul_params
+    base = model_flops_per_token(model, seq_len, causal, matmul_params=n)
     attn_fwd = attention_flops_per_token(model, seq_len, causal)
-    if recompute == "full":
-        return base + 2.0 * matmul_params_per_token(model) + attn_fwd
+    if recompute == "full":  # the output head is outside the checkpointed layers
+        return base + 2.0 * (n - model.vocab * model.hidden) + attn_fwd
     if recompute == "selective":
         return base + attn_fwd
     return base

@@ -1,0 +1,133 @@
+"""`fivefold plan`: predict memory, communication, bubble, step time and MFU; `--search` the best layout."""
+
+from __future__ import annotations
+
+import argparse
+
+from fivefold.config import add_layout_arguments
+
+HELP = "predict memory, communication, bubble, step time and MFU; search layouts"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="model preset, MODEL.toml or HF config.json")
+    parser.add_argument("--hardware", required=True, help="hardware preset or HW.toml")
+    parser.add_argument("--gpus", type=int, required=True, help="world size")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="default: the hardware's")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (training)")
+    parser.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    parser.add_argument("--mode", choices=("train", "inference"), default="train")
+    parser.add_argument("--search", action="store_true", help="rank every valid layout that fits")
+    parser.add_argument("--top", type=int, default=5, help="layouts to show with --search")
+    parser.add_argument(
+        "--block",
+        choices=("auto", "llama", "gpt"),
+        default="auto",
+        help="layer implementation: llama (SwiGLU, FlashAttention) or gpt (GeLU, dropout, "
+        "materialised attention, tied embeddings); auto: gpt for MHA with a 4h MLP",
+    )
+    parser.add_argument(
+        "--grad-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="gradient accumulation dtype (fp32: Megatron/FSDP2; bf16: the ZeRO paper's fp16)",
+    )
+    parser.add_argument(
+        "--no-overlap-grad-reduce",
+        action="store_true",
+        help="data-parallel gradient reduction does not overlap the backward",
+    )
+    parser.add_argument("--batch", type=int, default=1, help="inference: concurrent sequences per replica")
+    parser.add_argument("--context", type=int, default=None, help="inference: prompt + generated tokens")
+    parser.add_argument(
+        "--prompt", type=int, default=None, help="inference: prompt tokens (default: context)"
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    add_layout_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from fivefold.config import layout_from_args, load_hardware, load_model
+    from fivefold.errors import FivefoldError
+
+    model = load_model(args.model)
+    hw = load_hardware(args.hardware)
+    if args.gpus <= 0:
+        raise FivefoldError(f"--gpus must be positive, got {args.gpus}")
+    gpn = args.gpus_per_node or hw.gpus_per_node
+    if args.mode == "inference":
+        return _inference(args, model, hw, gpn)
+    from fivefold.plan import TrainShape, plan
+    from fivefold.plan import text as view
+    from fivefold.plan.search import search
+
+    if args.seq_len is None or args.global_batch is None:
+        raise FivefoldError("training plans need --seq-len and --global-batch (sequences per step)")
+    shape = TrainShape(
+        seq_len=args.seq_len,
+        global_batch=args.global_batch,
+        micro_batch=args.micro_batch,
+        grad_bytes=4 if args.grad_dtype == "fp32" else 2,
+        block=args.block,
+        overlap_grad_reduce=not args.no_overlap_grad_reduce,
+    ).validate()
+    if args.search:
+        result = search(model, hw, args.gpus, shape, gpn, top=args.top)
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "search": {
+                            "considered": result.considered,
+                            "fitting": result.fitting,
+                            "seconds": result.seconds,
+                            "explanation": result.explanation,
+                        },
+                        "plans": [p.to_json() for p in result.plans],
+                    }
+                )
+            )
+        else:
+            print(view.search_text(result))
+        return 0
+    layout = layout_from_args(args)
+    if args.dp is None and args.fsdp is None:
+        layout.dp = -1  # the data-parallel degree fills whatever the other axes leave
+    if args.virtual_stages and args.virtual_stages > 1 and args.pp_schedule is None:
+        layout.pp_schedule = "interleaved-1f1b"
+    layout = layout.resolve(args.gpus)
+    if args.microbatches:
+        m = shape.microbatches(layout)
+        if args.microbatches != m:
+            raise FivefoldError(
+                f"--microbatches {args.microbatches} disagrees with global batch / (micro-batch × dp×fsdp) "
+                f"= {m}; "
+                "drop --microbatches or change --global-batch/--micro-batch"
+            )
+    p = plan(model, hw, layout, shape, gpn)
+    print(json.dumps(p.to_json()) if args.json else view.plan_text(p))
+    return 0
+
+
+def _inference(args: argparse.Namespace, model, hw, gpn: int) -> int:
+    import json
+
+    from fivefold.config import layout_from_args
+    from fivefold.errors import FivefoldError
+    from fivefold.plan import text as view
+    from fivefold.plan.inference import InferenceShape, inference_plan
+
+    context = args.context or args.seq_len
+    if not context:
+        raise FivefoldError("inference plans need --context (tokens per sequence: prompt + generated)")
+    layout = layout_from_args(args)
+    if args.dp is None and args.fsdp is None:
+        layout.dp = -1
+    layout = layout.resolve(args.gpus)
+    shape = InferenceShape(batch=args.batch, context=context, prompt=args.prompt or context)
+    p = inference_plan(model, hw, layout, shape, gpn)
+    print(json.dumps(p.to_json()) if args.json else view.inference_text(p))
+    return 0

@@ -1,0 +1,118 @@
+"""Collective costs: bytes on the wire per rank and time, from a latency + bandwidth model per link.
+
+Ring algorithms (Patarasuk & Yuan 2009; the seed's ring all-reduce theorem): for a payload of B
+bytes over n ranks, an all-reduce sends 2(n-1)/n·B per rank in 2(n-1) steps; all-gather and
+reduce-scatter send (n-1)/n·B in n-1 steps (B is the full, gathered size); an all-to-all sends
+(n-1)/n·B; a point-to-point send is B in one step. Time = steps·α + wire / (β·link_efficiency),
+with α and β those of the slowest link in the group (intra-node NVLink or the inter-node network).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from fivefold.config import HardwareSpec, Layout
+from fivefold.mesh import axis_link_kinds
+
+DEFAULT_LINK_EFFICIENCY = 0.75  # share of the per-direction link bandwidth a large collective reaches
+
+
+@dataclass
+class Collective:
+    """One kind of collective on one axis, summed over a training step (per rank)."""
+
+    axis: str
+    op: str
+    bytes: float  # payload per step: the tensor sizes handed to the collective, summed
+    wire_bytes: float  # what this rank sends on the wire per step
+    time_s: float
+    link: str
+    count: int
+    group: int
+    exposed_s: float = 0.0  # the part not hidden behind compute
+    overlap: str = "none"  # what it overlaps with, in words
+    note: str = field(default="")
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "axis": self.axis,
+            "op": self.op,
+            "bytes": int(self.bytes),
+            "wire_bytes": int(self.wire_bytes),
+            "time_s": self.time_s,
+            "exposed_s": self.exposed_s,
+            "link": self.link,
+            "count": self.count,
+            "group": self.group,
+            "overlap": self.overlap,
+        }
+
+
+def wire_factor(op: str, n: int) -> tuple[float, int]:
+    """(bytes sent per rank per payload byte, latency steps) of a ring collective over n ranks."""
+    if n <= 1:
+        return 0.0, 0
+    if op == "all-reduce":
+        return 2 * (n - 1) / n, 2 * (n - 1)
+    if op in ("all-gather", "reduce-scatter", "all-to-all"):
+        return (n - 1) / n, n - 1
+    if op == "send-recv":
+        return 1.0, 1
+    raise ValueError(op)
+
+
+def link_params(hw: HardwareSpec, link: str) -> tuple[float, float]:
+    """(latency in s, bandwidth in bytes/s) of a link kind; a group spanning nodes runs at the network's."""
+    eff = hw.link_efficiency or DEFAULT_LINK_EFFICIENCY
+    if link == "intra":
+        return hw.intra_node_latency_us * 1e-6, hw.intra_node_gbps * 1e9 * eff
+    return hw.inter_node_latency_us * 1e-6, hw.inter_node_gbps * 1e9 * eff
+
+
+def collective_time(hw: HardwareSpec, op: str, payload: float, n: int, link: str) -> tuple[float, float]:
+    """(wire bytes per rank, seconds) for one collective of `payload` bytes over n ranks."""
+    factor, steps = wire_factor(op, n)
+    if steps == 0:
+        return 0.0, 0.0
+    alpha, beta = link_params(hw, link)
+    wire = factor * payload
+    return wire, steps * alpha + wire / beta
+
+
+@lru_cache(maxsize=4096)
+def _links(sizes: tuple[int, ...], order: str, gpus_per_node: int) -> dict[str, str]:
+    dp, fsdp, cp, tp, pp = sizes
+    lay = Layout(dp=dp, fsdp=fsdp, cp=cp, tp=tp, pp=pp, order=order, zero=0 if fsdp == 1 else 3)
+    return axis_link_kinds(lay, gpus_per_node)
+
+
+def links(layout: Layout, gpus_per_node: int) -> dict[str, str]:
+    """Link kind per axis of size > 1 (from `fivefold.mesh`); cached, the search asks often."""
+    sizes = (layout.dp, layout.fsdp, layout.cp, layout.tp, layout.pp)
+    return _links(sizes, layout.order, gpus_per_node)
+
+
+def worst_link(kinds: dict[str, str], *axes: str) -> str:
+    """The slowest link among axes that form one group (e.g. fsdp×cp shards)."""
+    found = [kinds[a] for a in axes if a in kinds]
+    if not found:
+        return "intra"
+    return "intra" if all(k == "intra" for k in found) else ("inter" if "inter" in found else "mixed")
+
+
+def ep_link(layout: Layout, gpus_per_node: int) -> str:
+    """Link of an expert group: the `ep` innermost ranks of the flattened fsdp×cp block (cp fastest)."""
+    if layout.ep <= 1:
+        return "intra"
+    from fivefold.mesh import strides
+
+    st = strides(layout)
+    if layout.ep <= layout.cp:
+        first, span = st["cp"], st["cp"] * layout.ep
+    else:
+        first = st["cp"] if layout.cp > 1 else st["fsdp"]
+        span = st["fsdp"] * (layout.ep // layout.cp)
+    if span <= gpus_per_node and gpus_per_node % span == 0:
+        return "intra"
+    return "inter" if first >= gpus_per_node else "mixed"

@@ -1,0 +1,147 @@
+"""Compute time of one transformer layer, the head and the optimizer, op by op, on a roofline.
+
+Each matmul takes max(FLOPs / (peak·matmul_efficiency·d/(d+128)), bytes / (HBM·memory_efficiency)),
+d its smallest dimension (tile and wave quantisation make thin matmuls slower); each
+elementwise op (norms, activations, residual adds, dropout, softmax, rotary) takes its bytes over the
+sustained HBM bandwidth. The backward of a matmul is two matmuls of the same shape; FlashAttention's
+backward costs 2.5 forwards (it recomputes the scores). Knobs (physical, per hardware, see
+docs/planner.md): matmul_efficiency, memory_efficiency; attention kernels reach ATTENTION_RATIO of
+the matmul efficiency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.config import HardwareSpec, Layout, ModelSpec
+from fivefold.plan.spec import Arch
+
+DEFAULT_MATMUL_EFFICIENCY = 0.75  # large bf16 GEMM, fraction of the dense peak
+DEFAULT_MEMORY_EFFICIENCY = 0.80  # streaming elementwise kernels, fraction of HBM bandwidth
+ATTENTION_RATIO = 0.80  # attention kernels relative to plain GEMMs (softmax, masking, tiling)
+OPTIMIZER_BYTES_PER_PARAM = 34  # Adam step: read grad + master/m/v, write master/m/v/16-bit param, zero grad
+BYTES = 2  # 16-bit activations
+GEMM_HALF_DIM = 128  # a matmul whose smallest dimension is this runs at half the large-GEMM rate
+
+
+@dataclass(frozen=True)
+class Rates:
+    flops: float  # sustained matmul FLOP/s
+    attn_flops: float
+    hbm: float  # sustained bytes/s
+
+    @classmethod
+    def of(cls, hw: HardwareSpec) -> Rates:
+        mm = hw.matmul_efficiency or DEFAULT_MATMUL_EFFICIENCY
+        mem = hw.memory_efficiency or DEFAULT_MEMORY_EFFICIENCY
+        return cls(
+            hw.peak_tflops * 1e12 * mm, hw.peak_tflops * 1e12 * mm * ATTENTION_RATIO, hw.hbm_gbps * 1e9 * mem
+        )
+
+    def gemm(self, m: float, k: float, n: float, count: float = 1.0) -> float:
+        """Seconds for `count` matmuls (m×k)·(k×n) in 16 bits, on the roofline."""
+        flops = 2.0 * m * k * n
+        traffic = BYTES * (m * k + k * n + m * n)
+        shape_eff = 1.0 / (1.0 + GEMM_HALF_DIM / min(m, k, n))  # thin matmuls fill fewer tiles
+        return count * max(flops / (self.flops * shape_eff), traffic / self.hbm)
+
+    def stream(self, nbytes: float) -> float:
+        return nbytes / self.hbm
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """One layer, one micro-batch, one rank (compute only; communication is added by the caller)."""
+
+    fwd: float
+    bwd: float
+    attn_core_fwd: float  # the part selective recompute redoes
+    wgrad: float  # weight-gradient matmuls of the backward (they hide the tp input-gradient collectives)
+    flops_fwd: float  # executed forward FLOPs (hardware)
+
+
+def layer_time(
+    model: ModelSpec, arch: Arch, layout: Layout, micro_batch: int, seq_len: int, rates: Rates, moe: bool
+) -> LayerTime:
+    h, hd, tp = model.hidden, model.head_dim, layout.tp
+    tokens = micro_batch * seq_len / layout.cp
+    norm_tokens = tokens / tp if layout.sp else tokens
+    q_local = model.heads * hd / tp
+    kv_local = max(model.kv_heads / tp, 1.0) * hd
+    heads_local = model.heads / tp
+    gemm_fwd = 0.0
+    flops = 0.0
+
+    def mm(m: float, k: float, n: float, count: float = 1.0) -> None:
+        nonlocal gemm_fwd, flops
+        gemm_fwd += rates.gemm(m, k, n, count)
+        flops += 2.0 * m * k * n * count
+
+    # attention projections
+    if model.is_mla:
+        mm(tokens, h, model.attention_params() / (tp * h))
+    else:
+        mm(tokens, h, q_local + 2 * kv_local)
+        mm(tokens, q_local, h)
+    # attention core: QK^T and PV over the whole sequence (ring CP visits every key block)
+    v_dim = model.v_head_dim if model.is_mla else hd
+    qk_dim = hd + (model.qk_rope_head_dim if model.is_mla else 0)
+    core_flops = 2.0 * tokens * seq_len * heads_local * (qk_dim + v_dim)
+    if arch.flash:
+        core_flops *= 0.5  # causal blocks above the diagonal are skipped
+        core = core_flops / rates.attn_flops
+        core_bwd = 2.5 * core
+        core_stream = 0.0
+    else:  # scores materialised: fused scale-mask-softmax (r+w) and dropout (r+w+mask) on a·s·s
+        core = core_flops / rates.attn_flops
+        core_bwd = 2.0 * core
+        core_stream = rates.stream(9 * heads_local * tokens * seq_len)
+    flops += core_flops
+    # MLP
+    if moe:
+        k, fe, experts_local = model.experts_per_token, model.expert_ffn_hidden, model.experts / layout.ep
+        routed_tokens = tokens * k  # balanced routing: each rank's experts see k·T tokens
+        per_expert = routed_tokens / experts_local
+        mm(per_expert, h, 2 * fe / tp, experts_local)
+        mm(per_expert, fe / tp, h, experts_local)
+        if model.shared_experts:
+            fs = model.shared_experts * fe
+            mm(tokens, h, 2 * fs / tp)
+            mm(tokens, fs / tp, h)
+        mm(tokens, h, model.experts)  # router
+        act_elems = routed_tokens * fe / tp + tokens * model.shared_experts * fe / tp
+        permute = 2 * 2 * routed_tokens * h * BYTES  # gather to experts and scatter back
+    else:
+        f = model.ffn_hidden
+        mm(tokens, h, (2 if arch.gated_mlp else 1) * f / tp)
+        mm(tokens, f / tp, h)
+        act_elems = tokens * f / tp
+        permute = 0.0
+    # elementwise traffic (bytes): two norms (r+w), two residual adds (or bias-dropout-adds),
+    # the MLP activation, rotary embedding on q and k
+    stream = 2 * 4 * norm_tokens * h
+    stream += 2 * (7 if arch.dropout else 6) * norm_tokens * h
+    stream += (6 if arch.gated_mlp or moe else 4) * act_elems
+    if not arch.dropout:
+        stream += 4 * tokens * (q_local + kv_local)
+    stream += permute
+    elementwise = rates.stream(stream) + core_stream
+    fwd = gemm_fwd + core + elementwise
+    bwd = 2 * gemm_fwd + core_bwd + 2 * elementwise
+    return LayerTime(fwd=fwd, bwd=bwd, attn_core_fwd=core + core_stream, wgrad=gemm_fwd, flops_fwd=flops)
+
+
+def head_time(
+    model: ModelSpec, layout: Layout, micro_batch: int, seq_len: int, rates: Rates
+) -> tuple[float, float]:
+    """(forward, backward) seconds of the output head and the cross-entropy loss (vocab split by tp)."""
+    tokens = micro_batch * seq_len / layout.cp
+    vocab_local = model.vocab / layout.tp
+    fwd = rates.gemm(tokens, model.hidden, vocab_local) + rates.stream(10 * tokens * vocab_local)
+    bwd = 2 * rates.gemm(tokens, model.hidden, vocab_local) + rates.stream(8 * tokens * vocab_local)
+    return fwd, bwd
+
+
+def optimizer_time(local_params: float, rates: Rates) -> float:
+    """Adam over the parameters this rank updates (a memory-bound stream)."""
+    return rates.stream(OPTIMIZER_BYTES_PER_PARAM * local_params)

@@ -1,0 +1,218 @@
+"""Memory per GPU for the worst pipeline stage: model state, activations, buffers (bytes).
+
+Model state (Rajbhandari et al. 2020, ZeRO §5): with Ψ parameters on a rank, 16-bit weights take
+param_bytes·Ψ, gradients grad_bytes·Ψ, the optimizer K·Ψ (fp32 master + Adam m, v: K = 12); stage 1
+divides the optimizer by the shard group N, stage 2 also the gradients, stage 3 also the weights.
+N is fsdp×cp (FSDP, HSDP) or dp×cp (DDP + sharded optimizer); routed experts are first split by ep
+and then sharded over N/ep.
+
+Activations per layer and micro-batch (Korthikanti et al. 2022 §4, generalised): for T tokens on a
+rank, hidden h, tp t, the tensors a layer keeps for its backward are
+  norm/residual region (÷t only with SP): norm inputs 2·2Th, norm outputs 2·2Th, dropout masks 2·Th
+  attention (÷t): q, k, v 2T(d_q + 2 d_kv); scores, softmax and dropout 5·a·s·T (materialised
+      attention only; FlashAttention keeps the 4-byte log-sum-exp instead); output-projection input 2T·d_q
+  MLP (÷t): GeLU 2·2Tf, SwiGLU 3·2Tf; MoE: dispatched input and output 2·2kTh, experts 3·2kTf_e.
+For a GPT block this is s·b·h·(10 + 24/t + 5as/(ht)) (no SP) and s·b·h·(34/t + 5as/(ht)) (SP).
+Selective recompute drops the attention-core term; full recompute keeps only each layer's input.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fivefold.config import Layout, ModelSpec
+from fivefold.plan.pipeline import in_flight
+from fivefold.plan.spec import Arch, TrainShape, layer_shard
+
+BYTES = 2
+
+
+@dataclass
+class Memory:
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    stage: str  # which pipeline stage is the worst: "first", "last" or "only"
+    detail: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "params": int(self.params),
+            "grads": int(self.grads),
+            "optimizer": int(self.optimizer),
+            "activations": int(self.activations),
+            "buffers": int(self.buffers),
+            "total": int(self.total),
+            "stage": self.stage,
+            "detail": {k: int(v) for k, v in self.detail.items()},
+        }
+
+
+def model_state(
+    dense: float, experts: float, zero: int, n: int, n_experts: int, shape: TrainShape
+) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes for `dense` and `experts` parameters under a ZeRO stage."""
+
+    def state(nbytes: float, sharded: bool) -> float:
+        return nbytes * (dense / n + experts / n_experts) if sharded else nbytes * (dense + experts)
+
+    return (
+        state(shape.param_bytes, zero >= 3),
+        state(shape.grad_bytes, zero >= 2),
+        state(shape.optimizer_bytes, zero >= 1),
+    )
+
+
+def shard_group(layout: Layout) -> int:
+    """Ranks that share one copy of the dense model state under ZeRO (fsdp×cp, else dp×cp)."""
+    return layout.fsdp * layout.cp if layout.fsdp > 1 else layout.dp * layout.cp
+
+
+def layer_activations(
+    model: ModelSpec, arch: Arch, layout: Layout, micro_batch: int, seq_len: int, moe: bool, recompute: str
+) -> float:
+    """Bytes one layer keeps for its backward, for one micro-batch, on one rank."""
+    t, h, hd = layout.tp, model.hidden, model.head_dim
+    tokens = micro_batch * seq_len / layout.cp
+    region = tokens / t if layout.sp else tokens
+    if recompute == "full":
+        return BYTES * region * h  # the checkpointed layer input
+    heads_local = model.heads / t
+    q_local = model.heads * hd / t
+    kv_local = max(model.kv_heads / t, 1.0) * hd
+    if model.is_mla:  # q, k, v per head of the decompressed attention + the latent
+        v_dim = model.v_head_dim
+        qk_dim = hd + model.qk_rope_head_dim
+        qkv = BYTES * tokens * (heads_local * (2 * qk_dim + v_dim) + model.kv_lora_rank + model.q_lora_rank)
+        out_in = BYTES * tokens * heads_local * v_dim
+    else:
+        qkv = BYTES * tokens * (q_local + 2 * kv_local)
+        out_in = BYTES * tokens * q_local
+    norms = (10 if arch.dropout else 8) * region * h
+    if arch.flash:
+        core = 0.0 if recompute == "selective" else 4.0 * heads_local * tokens
+    else:
+        core = 0.0 if recompute == "selective" else 5.0 * heads_local * seq_len * tokens
+    if moe:
+        k, fe = model.experts_per_token, model.expert_ffn_hidden
+        mlp = BYTES * (2 * k * tokens * h + 3 * k * tokens * fe / t) + 4.0 * tokens * model.experts
+        if model.shared_experts:
+            mlp += BYTES * 3 * tokens * model.shared_experts * fe / t
+    else:
+        mlp = BYTES * (3 if arch.gated_mlp else 2) * tokens * model.ffn_hidden / t
+    return norms + qkv + core + out_in + mlp
+
+
+def stage_counts(model: ModelSpec, pp: int, which: str) -> tuple[int, int]:
+    """(dense layers, MoE layers) on the first or last stage; MoE layers are the model's last ones."""
+    per = math.ceil(model.layers / pp)
+    start = 0 if which in ("first", "only") else model.layers - per
+    n_moe = max(0, start + per - max(start, model.first_moe_layer)) if model.is_moe else 0
+    return per - n_moe, n_moe
+
+
+def stage_params(model: ModelSpec, arch: Arch, layout: Layout, which: str) -> tuple[float, float, float]:
+    """(dense, expert, one-layer) parameters a rank of this stage holds after tp and ep."""
+    n_dense, n_moe = stage_counts(model, layout.pp, which)
+    dense = experts = biggest = 0.0
+    for count, moe in ((n_dense, False), (n_moe, True)):
+        if count:
+            shard = layer_shard(model, arch, layout, moe)
+            dense += count * (shard.dense + shard.replicated)
+            experts += count * shard.experts
+            biggest = max(biggest, shard.dense + shard.replicated + shard.experts)
+    emb = model.vocab * model.hidden / layout.tp
+    first, last = which in ("first", "only"), which in ("last", "only")
+    if first:
+        dense += emb
+    if last and (not arch.tied or layout.pp > 1 or not first):
+        dense += emb  # the output head (a second copy of tied embeddings on the last stage)
+    dense += model.hidden if last else 0  # final norm
+    return dense, experts, biggest
+
+
+def memory(
+    model: ModelSpec,
+    arch: Arch,
+    layout: Layout,
+    shape: TrainShape,
+    microbatches: int,
+    memo: dict | None = None,
+) -> Memory:
+    """Memory of the worst rank: the larger of the first and the last pipeline stage.
+
+    `memo` (a dict the caller owns, for one model, arch and shape) caches per-layer pieces across
+    layouts; the search passes one.
+    """
+    stages = ["only"] if layout.pp == 1 else ["first", "last"]
+    memo = {} if memo is None else memo
+    return max(
+        (_stage_memory(model, arch, layout, shape, microbatches, s, memo) for s in stages),
+        key=lambda mem: mem.total,
+    )
+
+
+def cached_stage_params(
+    model: ModelSpec, arch: Arch, layout: Layout, which: str, memo: dict
+) -> tuple[float, float, float]:
+    key = ("params", layout.tp, layout.pp, layout.ep, which)
+    if key not in memo:
+        memo[key] = stage_params(model, arch, layout, which)
+    return memo[key]
+
+
+def _stage_memory(
+    model: ModelSpec, arch: Arch, layout: Layout, shape: TrainShape, m: int, which: str, memo: dict
+) -> Memory:
+    dense, experts, biggest = cached_stage_params(model, arch, layout, which, memo)
+    n = shard_group(layout)
+    n_exp = max(n // layout.ep, 1)
+    z = layout.zero
+    params, grads, optimizer = model_state(dense, experts, z, n, n_exp, shape)
+
+    n_dense, n_moe = stage_counts(model, layout.pp, which)
+    rc = layout.recompute
+
+    def act(moe: bool, recompute: str) -> float:
+        key = ("act", layout.tp, layout.cp, layout.sp, shape.micro_batch, moe, recompute)
+        if key not in memo:
+            memo[key] = layer_activations(
+                model, arch, layout, shape.micro_batch, shape.seq_len, moe, recompute
+            )
+        return memo[key]
+
+    kinds = [(c, moe) for c, moe in ((n_dense, False), (n_moe, True)) if c]
+    per_layer = {moe: act(moe, rc) for _, moe in kinds}
+    # the last stage runs each micro-batch's backward right after its forward
+    flight = 1.0 if which == "last" else in_flight(layout.pp_schedule, layout.pp, m, layout.virtual_stages)
+    activations = flight * sum(c * per_layer[moe] for c, moe in kinds)
+    working = 0.0
+    if rc == "full":  # during the backward one layer's activations are rebuilt at a time
+        working = max(act(moe, "none") for _, moe in kinds)
+    tokens = shape.micro_batch * shape.seq_len / layout.cp
+    logits = 0.0
+    if which in ("last", "only"):  # 16-bit logits + fp32 softmax kept by the vocab-parallel loss
+        logits = (BYTES + 4) * tokens * model.vocab / layout.tp
+    gather = 0.0
+    if z >= 2 and n > 1:  # unsharded grads of one layer before the reduce-scatter
+        gather += shape.grad_bytes * biggest
+    if z >= 3 and n > 1:  # the gathered layer being used and the next one prefetched
+        gather += 2 * shape.param_bytes * biggest
+    buffers = logits + gather + working
+    detail = {
+        "activations_per_layer": max(per_layer.values()),
+        "in_flight_microbatches": flight,
+        "layers_on_stage": n_dense + n_moe,
+        "logits": logits,
+        "fsdp_gather": gather,
+        "recompute_working": working,
+        "params_on_rank": dense + experts,
+    }
+    return Memory(params, grads, optimizer, activations, buffers, which, detail)

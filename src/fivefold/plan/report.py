@@ -1,0 +1,554 @@
+"""`plan()`: memory, communication, bubble, step time and MFU of one layout, as a `Plan`.
+
+Step time of the busiest pipeline stage:
+    step = m·(t_f + t_b) + bubble + exposed pipeline transfers + exposed data-parallel traffic + optimizer
+where t_f, t_b are one micro-batch's forward and backward (recompute included) through the stage,
+with the tensor-, context- and expert-parallel collectives that sit on the critical path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from fivefold.config import HardwareSpec, Layout, ModelSpec
+from fivefold.errors import FivefoldError
+from fivefold.flops import hardware_flops_per_token, model_flops_per_token
+from fivefold.plan.comm import Collective, collective_time, ep_link, links, worst_link
+from fivefold.plan.compute import LayerTime, Rates, head_time, layer_time, optimizer_time
+from fivefold.plan.memory import BYTES, Memory, cached_stage_params, memory, shard_group, stage_counts
+from fivefold.plan.pipeline import bubble_time, p2p_on_critical_path
+from fivefold.plan.spec import Arch, TrainShape, matmul_params, resolve_arch, total_params
+
+MEMORY_RESERVE = 0.04  # share of HBM kept by the CUDA context, NCCL buffers and fragmentation
+
+
+@dataclass
+class Plan:
+    model: ModelSpec
+    hardware: HardwareSpec
+    layout: Layout
+    shape: TrainShape
+    arch: Arch
+    gpus_per_node: int
+    microbatches: int
+    memory: Memory
+    fits: bool
+    comm: list[Collective]
+    compute_time_s: float
+    bubble_time_s: float
+    bubble_fraction: float
+    exposed_comm_s: float
+    optimizer_time_s: float
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float
+    hardware_tflops_per_gpu: float
+    hfu: float
+    model_flops_per_token: float
+    hardware_flops_per_token: float
+    mfu_causal: float
+    params: int
+    stage_times: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def gpus(self) -> int:
+        return self.layout.world
+
+    def to_json(self) -> dict[str, object]:
+        lay = self.layout
+        return {
+            "model": self.model.name,
+            "hardware": self.hardware.name,
+            "gpus": self.gpus,
+            "gpus_per_node": self.gpus_per_node,
+            "block": self.arch.name,
+            "params": self.params,
+            "layout": {
+                "dp": lay.dp,
+                "fsdp": lay.fsdp,
+                "tp": lay.tp,
+                "pp": lay.pp,
+                "cp": lay.cp,
+                "ep": lay.ep,
+                "zero": lay.zero,
+                "sp": lay.sp,
+                "pp_schedule": lay.pp_schedule,
+                "virtual_stages": lay.virtual_stages,
+                "recompute": lay.recompute,
+                "order": lay.order,
+                "cp_impl": lay.cp_impl,
+            },
+            "seq_len": self.shape.seq_len,
+            "global_batch": self.shape.global_batch,
+            "micro_batch": self.shape.micro_batch,
+            "microbatches": self.microbatches,
+            "memory": self.memory.to_json(),
+            "memory_capacity": int(capacity(self.hardware)),
+            "fits": self.fits,
+            "comm": [c.to_json() for c in self.comm],
+            "compute_time_s": self.compute_time_s,
+            "bubble_time_s": self.bubble_time_s,
+            "bubble_fraction": self.bubble_fraction,
+            "exposed_comm_s": self.exposed_comm_s,
+            "optimizer_time_s": self.optimizer_time_s,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "mfu": self.mfu,
+            "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
+            "hfu": self.hfu,
+            "model_flops_per_token": self.model_flops_per_token,
+            "hardware_flops_per_token": self.hardware_flops_per_token,
+            "flops_convention": "model FLOPs = 6·N_matmul + 12·layers·s·d_attn per token, full (non-causal) "
+            "attention square as Megatron/PaLM; mfu_causal counts only the causal half",
+            "mfu_causal": self.mfu_causal,
+            "stage_times": self.stage_times,
+            "notes": self.notes,
+        }
+
+
+def capacity(hw: HardwareSpec) -> float:
+    return hw.gpu_memory_gb * 1e9 * (1 - MEMORY_RESERVE)
+
+
+def check_plan_inputs(model: ModelSpec, layout: Layout, shape: TrainShape) -> None:
+    layout.check_model(model, shape.seq_len)
+    if layout.pp > 1 and layout.pp_schedule == "interleaved-1f1b" and layout.virtual_stages < 2:
+        raise FivefoldError(
+            "--pp-schedule interleaved-1f1b needs --virtual-stages >= 2 (model chunks per rank)"
+        )
+    if layout.pp == 1 and layout.virtual_stages > 1:
+        raise FivefoldError("--virtual-stages > 1 needs --pp > 1")
+
+
+def plan(
+    model: ModelSpec, hw: HardwareSpec, layout: Layout, shape: TrainShape, gpus_per_node: int | None = None
+) -> Plan:
+    """Predict one training step of `model` on `hw` with a resolved `layout`."""
+    shape.validate()
+    check_plan_inputs(model, layout, shape)
+    gpn = gpus_per_node or hw.gpus_per_node
+    arch = resolve_arch(model, shape.block)
+    m = shape.microbatches(layout)
+    return _plan(model, hw, layout, shape, arch, gpn, m)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Per-model numbers every layout shares (computed once per search)."""
+
+    params: int
+    model_flops: float  # per token, full attention square
+    causal_flops: float  # per token, causal half of attention
+    hardware_flops: dict[str, float]  # per token, by recompute
+
+
+def model_facts(model: ModelSpec, arch: Arch, seq_len: int) -> ModelFacts:
+    n = matmul_params(model, arch)
+    mflops = model_flops_per_token(model, seq_len, causal=False, matmul_params=n)
+    causal = model_flops_per_token(model, seq_len, causal=True, matmul_params=n)
+    hw = {
+        rc: hardware_flops_per_token(model, seq_len, rc, causal=False, matmul_params=n)
+        for rc in ("none", "selective", "full")
+    }
+    return ModelFacts(total_params(model, arch), mflops, causal, hw)
+
+
+def layer_times(
+    model: ModelSpec, arch: Arch, layout: Layout, shape: TrainShape, rates: Rates, memo: dict
+) -> dict[bool, LayerTime]:
+    """Dense (False) and MoE (True) layer times, cached in `memo` across layouts."""
+    out = {}
+    for moe in (False, True) if model.is_moe else (False,):
+        key = ("time", layout.tp, layout.cp, layout.sp, layout.ep, shape.micro_batch, moe)
+        if key not in memo:
+            memo[key] = layer_time(model, arch, layout, shape.micro_batch, shape.seq_len, rates, moe)
+        out[moe] = memo[key]
+    return out
+
+
+def step_lower_bound(
+    model: ModelSpec, arch: Arch, hw: HardwareSpec, layout: Layout, shape: TrainShape, m: int, memo: dict
+) -> float:
+    """Step time with every collective free: never above `_plan`'s (the search's pruning bound)."""
+    rates = Rates.of(hw)
+    lt = layer_times(model, arch, layout, shape, rates, memo)
+    stages = ["only"] if layout.pp == 1 else ["first", "last"]
+    times = []
+    for which in stages:
+        n_dense, n_moe = stage_counts(model, layout.pp, which)
+        mix = [(n_dense, lt[False])] + ([(n_moe, lt[True])] if n_moe else [])
+        f = sum(c * x.fwd for c, x in mix)
+        b = sum(c * x.bwd for c, x in mix)
+        b += (
+            f
+            if layout.recompute == "full"
+            else (sum(c * x.attn_core_fwd for c, x in mix) if layout.recompute == "selective" else 0.0)
+        )
+        if which != "first":
+            key = ("head", layout.tp, layout.cp, shape.micro_batch)
+            if key not in memo:
+                memo[key] = head_time(model, layout, shape.micro_batch, shape.seq_len, rates)
+            hf, hb = memo[key]
+            f, b = f + hf, b + hb
+        times.append((f, b))
+    worst = max(f + b for f, b in times)
+    mean_f = sum(t[0] for t in times) / len(times)
+    mean_b = sum(t[1] for t in times) / len(times)
+    bubble = bubble_time(layout.pp_schedule, layout.pp, m, layout.virtual_stages, mean_f, mean_b)
+    return m * worst + bubble
+
+
+def _plan(
+    model: ModelSpec,
+    hw: HardwareSpec,
+    layout: Layout,
+    shape: TrainShape,
+    arch: Arch,
+    gpn: int,
+    m: int,
+    mem: Memory | None = None,
+    facts: ModelFacts | None = None,
+    memo: dict | None = None,
+) -> Plan:
+    memo = {} if memo is None else memo
+    rates = Rates.of(hw)
+    kinds = links(layout, gpn)
+    mem = mem or memory(model, arch, layout, shape, m, memo)
+    comms: dict[tuple[str, str], Collective] = {}
+
+    def add(
+        axis: str,
+        op: str,
+        payload: float,
+        n: int,
+        link: str,
+        count: float,
+        exposed: float = -1.0,
+        overlap: str = "none",
+    ) -> float:
+        """Record `count` collectives of `payload` bytes; return their time (all counted as exposed
+        unless `exposed` says otherwise)."""
+        if n <= 1 or count <= 0:
+            return 0.0
+        wire, t = collective_time(hw, op, payload, n, link)
+        key = (axis, op)
+        c = comms.get(key) or Collective(axis, op, 0.0, 0.0, 0.0, link, 0, n, overlap=overlap)
+        c.bytes += payload * count
+        c.wire_bytes += wire * count
+        c.time_s += t * count
+        c.count += int(round(count))
+        c.exposed_s += t * count if exposed < 0 else exposed
+        comms[key] = c
+        return t
+
+    tokens = shape.micro_batch * shape.seq_len / layout.cp
+    act_bytes = BYTES * tokens * model.hidden
+    tp_link, cp_link = kinds.get("tp", "intra"), kinds.get("cp", "intra")
+    exp_link = ep_link(layout, gpn)
+    rc = layout.recompute
+    lt = layer_times(model, arch, layout, shape, rates, memo)
+
+    full = rc == "full"  # full recompute runs every forward (and its collectives) twice
+
+    def t_of(op: str, payload: float, group: int, link: str) -> float:
+        return collective_time(hw, op, payload, group, link)[1]
+
+    def stage_costs(which: str) -> tuple[float, float, float, float, list[tuple]]:
+        """(t_f, t_b, compute, exposed comm) of one micro-batch through a stage, and its collectives
+        as (axis, op, payload, group, link, calls, exposed seconds, overlap) per micro-batch."""
+        n_dense, n_moe = stage_counts(model, layout.pp, which)
+        n = n_dense + n_moe
+        mix = [(n_dense, lt[False])] + ([(n_moe, lt[True])] if n_moe else [])
+        f = sum(c * x.fwd for c, x in mix)
+        b = sum(c * x.bwd for c, x in mix)
+        core = sum(c * x.attn_core_fwd for c, x in mix)
+        wgrad = sum(c * x.wgrad for c, x in mix)
+        recs: list[tuple] = []
+        exp_f = exp_b = 0.0
+        if layout.tp > 1:  # two collectives per layer and pass: all-reduce, or all-gather + reduce-scatter
+            ops = ("all-gather", "reduce-scatter") if layout.sp else ("all-reduce",)
+            times = {op: t_of(op, act_bytes, layout.tp, tp_link) for op in ops}
+            t_pass = 2 * n * sum(times.values())
+            # backward: each input-gradient collective overlaps the weight-gradient matmul
+            hidden_b = min(t_pass, wgrad)
+            exp_f += t_pass * (2 if full else 1)
+            exp_b += t_pass - hidden_b
+            for op in ops:
+                share = times[op] / sum(times.values())
+                calls = 2 * n * (3 if full else 2)
+                recs.append(
+                    (
+                        "tp",
+                        op,
+                        act_bytes,
+                        layout.tp,
+                        tp_link,
+                        calls,
+                        share * ((2 if full else 1) * t_pass + t_pass - hidden_b),
+                        "weight-grad matmuls",
+                    )
+                )
+            if layout.sp:  # norm outputs are kept sharded: re-gather them for the weight gradients
+                t_ag = 2 * n * times["all-gather"]
+                exp_b += t_ag
+                recs.append(("tp", "all-gather", act_bytes, layout.tp, tp_link, 2 * n, t_ag, "none"))
+        if layout.cp > 1:
+            c = layout.cp
+            kv_local = max(model.kv_heads / layout.tp, 1.0) * model.head_dim
+            passes = 2 if full else 1
+            if layout.cp_impl == "ring":  # K,V blocks pass around the ring behind each block's attention
+                block = 2 * BYTES * tokens * kv_local
+                step_f = (c - 1) * t_of("send-recv", block, 2, cp_link)
+                step_b = (c - 1) * t_of("send-recv", 2 * block, 2, cp_link)  # K,V and their grads
+                e_f = n * max(step_f - core / n, 0.0)
+                e_b = n * max(step_b - 2 * core / n, 0.0)
+                exp_f += passes * e_f
+                exp_b += e_b
+                recs.append(
+                    (
+                        "cp",
+                        "send-recv",
+                        block,
+                        c,
+                        cp_link,
+                        (c - 1) * n * (passes + 2),
+                        passes * e_f + e_b,
+                        "attention blocks",
+                    )
+                )
+            elif layout.cp_impl == "allgather":  # K,V gathered forward, their grads reduce-scattered
+                gathered = 2 * BYTES * shape.seq_len * shape.micro_batch * kv_local
+                t_ag = n * t_of("all-gather", gathered, c, cp_link)
+                t_rs = n * t_of("reduce-scatter", gathered, c, cp_link)
+                exp_f += passes * t_ag
+                exp_b += t_rs
+                recs.append(("cp", "all-gather", gathered, c, cp_link, n * passes, passes * t_ag, "none"))
+                recs.append(("cp", "reduce-scatter", gathered, c, cp_link, n, t_rs, "none"))
+            else:  # Ulysses: q, k, v in and the output back, all-to-all over heads
+                payload = BYTES * tokens * (model.heads * model.head_dim / layout.tp + kv_local) / 2
+                t4 = 4 * n * t_of("all-to-all", payload, c, cp_link)
+                exp_f += passes * t4
+                exp_b += t4
+                recs.append(
+                    ("cp", "all-to-all", payload, c, cp_link, 4 * n * (passes + 1), (passes + 1) * t4, "none")
+                )
+        if layout.ep > 1 and n_moe:  # dispatch and combine, forward and backward
+            payload = BYTES * tokens * model.experts_per_token * model.hidden
+            t2 = 2 * n_moe * t_of("all-to-all", payload, layout.ep, exp_link)
+            hidden = layout.pp_schedule == "dualpipev" and layout.pp > 1  # overlapped with the paired chunk
+            passes = 2 if full else 1
+            if not hidden:
+                exp_f += passes * t2
+                exp_b += t2
+            recs.append(
+                (
+                    "ep",
+                    "all-to-all",
+                    payload,
+                    layout.ep,
+                    exp_link,
+                    2 * n_moe * (passes + 1),
+                    0.0 if hidden else (passes + 1) * t2,
+                    "paired chunk (DualPipe)" if hidden else "none",
+                )
+            )
+        if layout.tp > 1:  # vocab-parallel embedding (forward) and the head's input gradient (backward)
+            t_ar = t_of("all-reduce", act_bytes, layout.tp, tp_link)
+            ends = (which in ("first", "only"), which in ("last", "only"))
+            exp_f += t_ar * ends[0]
+            exp_b += t_ar * ends[1]
+            if sum(ends):
+                recs.append(
+                    ("tp", "all-reduce", act_bytes, layout.tp, tp_link, sum(ends), t_ar * sum(ends), "none")
+                )
+        recompute = f if full else (core if rc == "selective" else 0.0)
+        hf = hb = 0.0
+        if which in ("last", "only"):
+            hf, hb = head_time(model, layout, shape.micro_batch, shape.seq_len, rates)
+        compute = f + b + recompute + hf + hb
+        # full recompute's repeated forward collectives sit in the backward's time
+        fwd_comm = exp_f / (2 if full else 1)
+        t_f = f + hf + fwd_comm
+        t_b = b + recompute + hb + exp_b + (exp_f - fwd_comm)
+        return t_f, t_b, compute, exp_f + exp_b, recs
+
+    stage_names = ["only"] if layout.pp == 1 else ["first", "last"]
+    per_stage = {which: stage_costs(which) for which in stage_names}
+    worst = max(per_stage, key=lambda k: per_stage[k][0] + per_stage[k][1])
+    t_f, t_b, compute_mb, exposed_mb, recs = per_stage[worst]
+    for axis, op, payload, group, link, calls, exposed, overlap in recs:
+        add(axis, op, payload, group, link, calls * m, exposed=exposed * m, overlap=overlap)
+    mean_f = sum(v[0] for v in per_stage.values()) / len(per_stage)
+    mean_b = sum(v[1] for v in per_stage.values()) / len(per_stage)
+    v = layout.virtual_stages
+    bubble = bubble_time(layout.pp_schedule, layout.pp, m, v, mean_f, mean_b)
+    if layout.pp > 1:  # activations (and their grads) to the next stage
+        pp_payload = act_bytes / (layout.tp if layout.sp else 1)
+        pp_link = kinds.get("pp", "inter")
+        t_p2p = collective_time(hw, "send-recv", pp_payload, 2, pp_link)[1]
+        crit = p2p_on_critical_path(layout.pp_schedule, layout.pp, v)
+        add(
+            "pp",
+            "send-recv",
+            pp_payload,
+            layout.pp,
+            pp_link,
+            2 * m * v,
+            exposed=crit * t_p2p,
+            overlap="steady-state compute",
+        )
+    pipeline_time = m * (t_f + t_b) + bubble
+
+    # --- data-parallel traffic: gradients, and parameters under ZeRO-1/3
+    dense, experts, _ = cached_stage_params(model, arch, layout, worst if layout.pp > 1 else "only", memo)
+    _data_parallel(layout, shape, m, dense, experts, kinds, add, t_f, t_b, hw)
+    n = shard_group(layout)
+    local = (dense / n + experts / max(n // layout.ep, 1)) if layout.zero >= 1 else dense + experts
+    opt = optimizer_time(local, rates)
+    exposed = sum(c.exposed_s for c in comms.values() if c.axis in ("dp", "fsdp", "pp"))
+    step = pipeline_time + exposed + opt
+
+    facts = facts or model_facts(model, arch, shape.seq_len)
+    mflops = facts.model_flops
+    hflops = facts.hardware_flops[rc]
+    causal_flops = facts.causal_flops
+    gpus = layout.world
+    tokens_per_s = shape.global_batch * shape.seq_len / step
+    peak = hw.peak_tflops * 1e12
+    tflops = mflops * tokens_per_s / gpus
+    htflops = hflops * tokens_per_s / gpus
+    comm_list = sorted(comms.values(), key=lambda c: ("tp", "cp", "ep", "pp", "fsdp", "dp").index(c.axis))
+    notes = []
+    if layout.pp > 1 and layout.pp_schedule == "interleaved-1f1b" and m % layout.pp:
+        notes.append(f"interleaved 1F1B wants micro-batches ({m}) divisible by pp ({layout.pp})")
+    if (model.layers % (layout.pp * v)) != 0:
+        notes.append(f"{model.layers} layers do not split evenly into pp×virtual = {layout.pp * v} chunks")
+    return Plan(
+        model=model,
+        hardware=hw,
+        layout=layout,
+        shape=shape,
+        arch=arch,
+        gpus_per_node=gpn,
+        microbatches=m,
+        memory=mem,
+        fits=mem.total <= capacity(hw),
+        comm=comm_list,
+        compute_time_s=m * compute_mb,
+        bubble_time_s=bubble,
+        bubble_fraction=bubble / pipeline_time if pipeline_time else 0.0,
+        exposed_comm_s=exposed + m * exposed_mb,
+        optimizer_time_s=opt,
+        step_time_s=step,
+        tokens_per_s=tokens_per_s,
+        tflops_per_gpu=tflops / 1e12,
+        mfu=tflops / peak,
+        hardware_tflops_per_gpu=htflops / 1e12,
+        hfu=htflops / peak,
+        model_flops_per_token=mflops,
+        hardware_flops_per_token=hflops,
+        mfu_causal=causal_flops * tokens_per_s / gpus / peak,
+        params=facts.params,
+        stage_times={"forward_s": t_f, "backward_s": t_b, "pipeline_s": pipeline_time, "stage": worst},
+        notes=notes,
+    )
+
+
+def _data_parallel(
+    layout: Layout,
+    shape: TrainShape,
+    m: int,
+    dense: float,
+    experts: float,
+    kinds: dict[str, str],
+    add,
+    t_f: float,
+    t_b: float,
+    hw: HardwareSpec,
+) -> float:
+    """Record gradient (and ZeRO parameter) traffic; exposure is written into each record."""
+    overlap = shape.overlap_grad_reduce
+    g, p = shape.grad_bytes, shape.param_bytes
+    z = layout.zero
+    n = shard_group(layout)
+    ep = layout.ep
+    sharded_axes = ("fsdp", "cp") if layout.fsdp > 1 else ("dp", "cp")
+    shard_link = worst_link(kinds, *sharded_axes)
+    shard_axis = "fsdp" if layout.fsdp > 1 else "dp"
+
+    def once(axis: str, op: str, payload: float, group: int, link: str, window: float) -> None:
+        if group <= 1 or payload <= 0:
+            return
+        t = collective_time(hw, op, payload, group, link)[1]
+        hidden = window if overlap else 0.0
+        add(
+            axis,
+            op,
+            payload,
+            group,
+            link,
+            1,
+            exposed=max(t - hidden, 0.0),
+            overlap="last backward" if overlap else "none",
+        )
+
+    def per_microbatch(
+        axis: str, op: str, payload: float, group: int, link: str, per_step: int, window: float
+    ) -> None:
+        if group <= 1 or payload <= 0:
+            return
+        t = collective_time(hw, op, payload, group, link)[1]
+        add(
+            axis,
+            op,
+            payload,
+            group,
+            link,
+            per_step * m,
+            exposed=max(per_step * t - window, 0.0) * m,
+            overlap="layer prefetch",
+        )
+
+    n_exp = max(n // ep, 1)
+    if z <= 1:
+        for payload, group, link in ((dense, n, shard_link), (experts, n_exp, shard_link)):
+            if z == 0:
+                once(shard_axis, "all-reduce", g * payload, group, link, t_b)
+            else:
+                once(shard_axis, "reduce-scatter", g * payload, group, link, t_b)
+                once(shard_axis, "all-gather", p * payload, group, link, t_f)
+    else:
+        for payload, group in ((dense, n), (experts, n_exp)):
+            gathers = 2 if z == 3 else 1  # zero-3 gathers again for the backward
+            # each micro-batch's gathers and reduce-scatter hide behind its own compute
+            t_ag = collective_time(hw, "all-gather", p * payload, group, shard_link)[1] if group > 1 else 0.0
+            t_rs = (
+                collective_time(hw, "reduce-scatter", g * payload, group, shard_link)[1] if group > 1 else 0.0
+            )
+            busy = t_ag * gathers + t_rs
+            window = t_f + t_b
+            share_ag = (t_ag * gathers / busy) if busy else 0.0
+            per_microbatch(
+                shard_axis, "all-gather", p * payload, group, shard_link, gathers, window * share_ag
+            )
+            per_microbatch(
+                shard_axis, "reduce-scatter", g * payload, group, shard_link, 1, window * (1 - share_ag)
+            )
+        if layout.dp > 1 and layout.fsdp > 1:  # HSDP: replicas all-reduce their shard once a step
+            once(
+                "dp",
+                "all-reduce",
+                g * (dense / n + experts / n_exp),
+                layout.dp,
+                kinds.get("dp", "inter"),
+                t_b,
+            )
+    return 0.0
+
+
+def replace_layout(p: Plan, **changes: object) -> Layout:
+    return dataclasses.replace(p.layout, **changes)

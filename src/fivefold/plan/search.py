@@ -1,0 +1,296 @@
+"""`--search`: enumerate valid layouts, drop those that do not fit, rank by step time, explain the best.
+
+Enumeration (world = dp·fsdp·cp·tp·pp): tp over divisors of the heads (kv heads replicated evenly),
+pp over divisors of the rest up to the layer count, cp over powers of two that split the sequence,
+then the data-parallel ranks as DDP (zero 0/1), FSDP (zero 2/3) or HSDP (fsdp inside, dp across),
+ep over divisors of the experts that fold onto fsdp×cp, every pipeline schedule with its virtual
+stages, micro-batch sizes, and the least activation recompute that fits (none < selective < full in
+time, the reverse in memory, so the first that fits is the fastest of the three).
+Pruning, cheapest first: model state alone must fit; then memory with each recompute choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from fivefold.config import HardwareSpec, Layout, ModelSpec
+from fivefold.errors import FivefoldError, divisors
+from fivefold.plan.memory import Memory, memory, model_state, shard_group, stage_params
+from fivefold.plan.report import Plan, _plan, capacity, check_plan_inputs, model_facts, step_lower_bound
+from fivefold.plan.spec import TrainShape, resolve_arch
+
+RECOMPUTE_ORDER = ("none", "selective", "full")
+
+
+@dataclass
+class SearchResult:
+    plans: list[Plan]  # fitting layouts, fastest first
+    considered: int
+    fitting: int
+    seconds: float
+    explanation: list[str]
+
+
+def _tp_choices(model: ModelSpec, gpus: int, gpn: int) -> list[int]:
+    out = []
+    for t in divisors(math.gcd(model.heads, gpus)):
+        if t > gpn:  # across nodes tensor parallelism only loses (plan still scores such layouts)
+            continue
+        if t > model.kv_heads and t % model.kv_heads:
+            continue
+        out.append(t)
+    return out
+
+
+def _schedules(pp: int, layers: int, moe: bool) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("zero-bubble", 1)]  # ZB-H1 keeps 1F1B's memory with a smaller bubble: 1F1B is dominated
+    per = layers // pp
+    for v in (2, 3, 4, 6, 8):
+        if per >= v and per % v == 0:
+            out.append(("interleaved-1f1b", v))
+    if per >= 2:
+        out.append(("zbv", 2))
+        if moe:  # DualPipeV's gain over ZB-V is hiding the expert all-to-all
+            out.append(("dualpipev", 2))
+    return out
+
+
+def _data_modes(rest: int, cp: int, gpn: int) -> list[tuple[int, int, int]]:
+    """(dp, fsdp, zero) splits of the data-parallel ranks."""
+    if rest == 1:
+        return [(1, 1, 0)]
+    # plain DDP (zero 0) is dominated by zero 1: the same wire bytes, less memory
+    modes = [(rest, 1, 1), (1, rest, 2), (1, rest, 3)]
+    for f in divisors(rest):  # HSDP: shard inside a node (or a few), replicate across
+        if 1 < f < rest and f * cp <= 4 * gpn and (f & (f - 1)) == 0:
+            modes.append((rest // f, f, 3))
+    return modes
+
+
+def candidates(
+    model: ModelSpec, hw: HardwareSpec, gpus: int, shape: TrainShape, gpn: int
+) -> Iterator[Layout]:
+    """Every layout the search scores (before memory pruning and micro-batch choice)."""
+    for tp in _tp_choices(model, gpus, gpn):
+        for pp in divisors(gpus // tp):
+            if pp > model.layers:
+                break
+            for cp in (c for c in divisors(gpus // (tp * pp)) if c & (c - 1) == 0):
+                if cp > 1 and (shape.seq_len % (2 * cp) or shape.seq_len // cp < 1024):
+                    continue
+                rest = gpus // (tp * pp * cp)
+                for dp, fsdp, zero in _data_modes(rest, cp, gpn):
+                    eps = [1]
+                    if model.is_moe:
+                        room = fsdp * cp
+                        eps = [e for e in divisors(math.gcd(room, model.experts))]
+                    for ep in eps:
+                        for sched, v in _schedules(pp, model.layers, model.is_moe):
+                            yield Layout(
+                                dp=dp,
+                                fsdp=fsdp,
+                                tp=tp,
+                                pp=pp,
+                                cp=cp,
+                                ep=ep,
+                                zero=zero,
+                                sp=tp > 1,
+                                pp_schedule=sched,
+                                virtual_stages=v,
+                            )
+
+
+def search(
+    model: ModelSpec,
+    hw: HardwareSpec,
+    gpus: int,
+    shape: TrainShape,
+    gpus_per_node: int | None = None,
+    top: int = 5,
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8),
+) -> SearchResult:
+    start = time.perf_counter()
+    gpn = gpus_per_node or hw.gpus_per_node
+    arch = resolve_arch(model, shape.block)
+    cap = capacity(hw)
+    facts = model_facts(model, arch, shape.seq_len)
+    memo: dict = {}
+    considered = fitting = 0
+    state_cache: dict[tuple, float] = {}
+    bounded: list[tuple[float, int, Layout, TrainShape, int, Memory]] = []
+    for base in candidates(model, hw, gpus, shape, gpn):
+        n = shard_group(base)
+        key = (base.tp, base.pp, base.ep, base.zero, n)
+        if key not in state_cache:  # model state of the worst stage: no schedule or batch enters
+            worst = 0.0
+            for which in ("only",) if base.pp == 1 else ("first", "last"):
+                dense, experts, _ = stage_params(model, arch, base, which)
+                worst = max(
+                    worst, sum(model_state(dense, experts, base.zero, n, max(n // base.ep, 1), shape))
+                )
+            state_cache[key] = worst
+        if state_cache[key] > cap:
+            considered += 1
+            continue
+        data = base.dp * base.fsdp
+        if shape.global_batch % data:
+            continue
+        for b in micro_batches:
+            if (shape.global_batch // data) % b:
+                continue
+            sh = dataclasses.replace(shape, micro_batch=b)
+            m = shape.global_batch // (data * b)
+            if base.pp_schedule == "interleaved-1f1b" and m % base.pp:
+                continue
+            for rc in RECOMPUTE_ORDER:
+                considered += 1
+                lay = dataclasses.replace(base, recompute=rc)
+                try:
+                    check_plan_inputs(model, lay, sh)
+                except FivefoldError:
+                    break
+                mem = memory(model, arch, lay, sh, m, memo)
+                if mem.total > cap:
+                    continue
+                fitting += 1
+                bound = step_lower_bound(model, arch, hw, lay, sh, m, memo)
+                bounded.append((bound, len(bounded), lay, sh, m, mem))
+                break  # a heavier recompute only adds time
+    # branch and bound: score layouts in order of their collective-free bound, stop when the bound
+    # alone is slower than the top-k found so far
+    bounded.sort(key=lambda item: item[:2])
+    results: list[Plan] = []
+    kth = math.inf
+    for bound, _, lay, sh, m, mem in bounded:
+        if bound >= kth:
+            break
+        results.append(_plan(model, hw, lay, sh, arch, gpn, m, mem, facts, memo))
+        if len(results) >= top:
+            kth = sorted(p.step_time_s for p in results)[top - 1]
+    results.sort(key=lambda p: p.step_time_s)
+    best = results[:top]
+    explanation = (
+        explain(best, model, hw, gpus, gpn)
+        if best
+        else ["no layout fits: the model state alone exceeds GPU memory at every sharding degree tried"]
+    )
+    return SearchResult(best, considered, fitting, time.perf_counter() - start, explanation)
+
+
+def _fmt_gb(x: float) -> str:
+    return f"{x / 1e9:.1f} GB"
+
+
+def explain(plans: list[Plan], model: ModelSpec, hw: HardwareSpec, gpus: int, gpn: int) -> list[str]:
+    """The best layout in words, in the seed's decision order: TP, PP, DP, then SP/CP, then EP."""
+    p = plans[0]
+    lay = p.layout
+    lines = [
+        f"Best: {layout_flags(lay)}, micro-batch {p.shape.micro_batch}: step {p.step_time_s:.3g} s, "
+        f"MFU {p.mfu:.1%}, {_fmt_gb(p.memory.total)} of {hw.gpu_memory_gb:g} GB per GPU."
+    ]
+    weights = p.params * p.shape.param_bytes
+    t_words = "inside one node (NVLink)" if lay.tp <= gpn else "across nodes (slow: no smaller choice fit)"
+    lines.append(
+        f"1. Tensor parallel {lay.tp} {t_words}: the 16-bit weights are {_fmt_gb(weights)}; "
+        f"tp splits every layer's matmuls, and its per-layer collectives cost "
+        f"{_axis_time(p, 'tp'):.3g} s a step on the fast link."
+    )
+    if lay.pp > 1:
+        lines.append(
+            f"2. Pipeline parallel {lay.pp} across nodes ({lay.pp_schedule}, {lay.virtual_stages} "
+            f"chunk(s) per rank, {p.microbatches} micro-batches): only activations cross the slower "
+            f"link; the bubble is {p.bubble_fraction:.1%} of the step."
+        )
+    else:
+        lines.append("2. No pipeline: the model state fits without splitting the layer stack, so no bubble.")
+    data = lay.dp * lay.fsdp
+    zero_words = {
+        0: "plain DDP (full copies)",
+        1: "DDP with a sharded optimizer (ZeRO-1)",
+        2: "FSDP with sharded gradients (ZeRO-2)",
+        3: "FSDP with sharded weights (ZeRO-3)",
+    }[lay.zero]
+    hsdp = f", HSDP: shards over {lay.fsdp}, replicas over {lay.dp}" if lay.dp > 1 and lay.fsdp > 1 else ""
+    lines.append(
+        f"3. Data parallel {data} for throughput: {zero_words}{hsdp}; gradient traffic "
+        f"{_axis_time(p, 'dp') + _axis_time(p, 'fsdp'):.3g} s a step, "
+        f"{_axis_exposed(p, ('dp', 'fsdp')):.3g} s of it not hidden behind the backward."
+    )
+    extra = []
+    if lay.sp:
+        extra.append("sequence parallel shards the norm/residual activations over tp")
+    if lay.cp > 1:
+        extra.append(f"context parallel {lay.cp} splits the {p.shape.seq_len}-token sequence")
+    if lay.recompute != "none":
+        extra.append(f"{lay.recompute} recompute, because keeping every activation does not fit")
+    lines.append(
+        "4. Activations: "
+        + ("; ".join(extra) if extra else "no SP/CP/recompute needed")
+        + f" ({_fmt_gb(p.memory.activations)} per GPU)."
+    )
+    if model.is_moe:
+        lines.append(
+            f"5. Expert parallel {lay.ep}: each rank holds {model.experts // lay.ep} of "
+            f"{model.experts} experts; all-to-all {_axis_time(p, 'ep'):.3g} s a step."
+        )
+    for i, q in enumerate(plans[1:3], start=2):
+        lines.append(
+            f"#{i}: {layout_flags(q.layout)}, micro-batch {q.shape.micro_batch}: "
+            f"{q.step_time_s / p.step_time_s - 1:+.1%} step time ({_why(p, q)})."
+        )
+    return lines
+
+
+def _axis_time(p: Plan, axis: str) -> float:
+    return sum(c.time_s for c in p.comm if c.axis == axis)
+
+
+def _axis_exposed(p: Plan, axes: tuple[str, ...]) -> float:
+    return sum(c.exposed_s for c in p.comm if c.axis in axes)
+
+
+def _why(best: Plan, other: Plan) -> str:
+    parts = []
+    if other.bubble_time_s > best.bubble_time_s * 1.05:
+        parts.append(f"bubble {other.bubble_fraction:.1%} vs {best.bubble_fraction:.1%}")
+    if other.exposed_comm_s > best.exposed_comm_s * 1.05:
+        parts.append(f"exposed comm {other.exposed_comm_s:.3g} s vs {best.exposed_comm_s:.3g} s")
+    if other.compute_time_s > best.compute_time_s * 1.02:
+        parts.append(f"compute {other.compute_time_s:.3g} s vs {best.compute_time_s:.3g} s")
+    return ", ".join(parts) or "close"
+
+
+def layout_flags(lay: Layout) -> str:
+    parts = [
+        f"--{a} {getattr(lay, a)}" for a in ("tp", "pp", "cp", "dp", "fsdp", "ep") if getattr(lay, a) > 1
+    ]
+    parts.append(f"--zero {lay.zero}")
+    if lay.sp:
+        parts.append("--sp")
+    if lay.pp > 1:
+        parts.append(f"--pp-schedule {lay.pp_schedule}")
+        if lay.virtual_stages > 1 and lay.pp_schedule == "interleaved-1f1b":
+            parts.append(f"--virtual-stages {lay.virtual_stages}")
+    parts.append(f"--recompute {lay.recompute}")
+    return " ".join(parts)
+
+
+def min_tp_for_weights(params: float, bytes_per_param: int, gpu_memory_gb: float) -> int:
+    """Smallest power-of-two tensor-parallel degree whose weight shard fits a GPU (the seed's exercise)."""
+    tp = 1
+    while params * bytes_per_param / tp > gpu_memory_gb * 1e9:
+        tp *= 2
+    return tp
+
+
+def data_parallel_replicas(gpus: int, tp: int, pp: int) -> int:
+    if gpus % (tp * pp):
+        raise FivefoldError(f"tp×pp = {tp * pp} must divide {gpus} GPUs")
+    return gpus // (tp * pp)

@@ -1,0 +1,135 @@
+"""What the planner is asked about: the training shape, the block style, and per-rank parameter counts.
+
+The model's parameter count comes from `ModelSpec.num_params`; the only correction is for the classic
+GPT block (two-matrix GeLU MLP, tied embeddings), which ModelSpec (a Llama-style SwiGLU block)
+would otherwise overcount.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.config import Layout, ModelSpec
+from fivefold.errors import FivefoldError, divisors, suggest
+
+BLOCKS = ("auto", "llama", "gpt")
+
+
+@dataclass(frozen=True)
+class TrainShape:
+    """One optimizer step: sequence length, batch sizes (in sequences) and state precisions (bytes)."""
+
+    seq_len: int
+    global_batch: int
+    micro_batch: int = 1
+    param_bytes: int = 2  # 16-bit weights used by the matmuls
+    grad_bytes: int = 4  # fp32 gradient accumulation (Megatron main grads, FSDP2 reduce dtype)
+    optimizer_bytes: int = 12  # fp32 master weights + Adam first and second moments
+    block: str = "auto"  # auto | llama | gpt (see Arch)
+    overlap_grad_reduce: bool = True  # data-parallel gradient reduction overlaps the last backward
+
+    def validate(self) -> TrainShape:
+        for name in ("seq_len", "global_batch", "micro_batch"):
+            if getattr(self, name) <= 0:
+                raise FivefoldError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.block not in BLOCKS:
+            raise FivefoldError(f"--block must be one of {', '.join(BLOCKS)}, got {self.block!r}")
+        return self
+
+    def microbatches(self, layout: Layout) -> int:
+        """Micro-batches per data-parallel rank per step (the pipeline's m)."""
+        per = self.micro_batch * layout.dp * layout.fsdp
+        if self.global_batch % per:
+            ok = [per * k for k in range(1, 9)]
+            fits = (
+                [b for b in divisors(self.global_batch // (layout.dp * layout.fsdp))][:8]
+                if (self.global_batch % (layout.dp * layout.fsdp) == 0)
+                else []
+            )
+            hint = f"; or --micro-batch in {suggest(fits)}" if fits else ""
+            raise FivefoldError(
+                f"--global-batch {self.global_batch} must be a multiple of micro_batch × data-parallel ranks "
+                f"(dp×fsdp) = {self.micro_batch}×{layout.dp * layout.fsdp} = {per}; "
+                f"valid: {suggest(ok)}{hint}"
+            )
+        return self.global_batch // per
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Implementation facts that change memory and time but are not in the model's shape.
+
+    `gpt`: the Megatron GPT block of the 2021-22 papers: two-matrix GeLU MLP, LayerNorm, dropout,
+    tied embeddings, and attention that materialises the s×s score matrix (no FlashAttention).
+    `llama`: SwiGLU, RMSNorm, no dropout, rotary embeddings and FlashAttention.
+    `auto` picks gpt for a dense multi-head model whose MLP is exactly 4·hidden (GPT-2/3, OPT,
+    BLOOM, MT-NLG, Megatron's tables), llama otherwise.
+    """
+
+    name: str
+    gated_mlp: bool
+    dropout: bool
+    flash: bool
+    tied: bool
+
+
+def resolve_arch(model: ModelSpec, block: str = "auto") -> Arch:
+    if block == "auto":
+        classic = (
+            not model.is_moe
+            and not model.is_mla
+            and model.kv_heads == model.heads
+            and model.ffn_hidden == 4 * model.hidden
+        )
+        block = "gpt" if classic else "llama"
+    if block == "gpt":
+        return Arch("gpt", gated_mlp=False, dropout=True, flash=False, tied=True)
+    return Arch("llama", gated_mlp=True, dropout=False, flash=True, tied=model.tie_embeddings)
+
+
+def mlp_params(model: ModelSpec, arch: Arch) -> int:
+    return (3 if arch.gated_mlp else 2) * model.hidden * model.ffn_hidden
+
+
+def total_params(model: ModelSpec, arch: Arch) -> int:
+    """All parameters (ModelSpec's count, corrected for a GPT block's MLP and tied embeddings)."""
+    n = model.num_params()
+    if not arch.gated_mlp:
+        n -= (model.layers - model.moe_layers) * model.hidden * model.ffn_hidden
+    if arch.tied and not model.tie_embeddings:
+        n -= model.vocab * model.hidden
+    return n
+
+
+def matmul_params(model: ModelSpec, arch: Arch) -> int:
+    """Weights a token multiplies in one forward pass (active experts, the output head, no gather)."""
+    from fivefold.flops import matmul_params_per_token
+
+    n = matmul_params_per_token(model)
+    if not arch.gated_mlp:
+        n -= (model.layers - model.moe_layers) * model.hidden * model.ffn_hidden
+    return n
+
+
+@dataclass(frozen=True)
+class LayerShard:
+    """Parameters of one transformer layer held by one rank, split by how they are sharded."""
+
+    dense: float  # attention + dense MLP (+ shared experts), after tensor parallelism
+    experts: float  # routed experts, after expert and tensor parallelism
+    replicated: float  # norms and router: the same on every tp rank
+
+
+def layer_shard(model: ModelSpec, arch: Arch, layout: Layout, moe: bool) -> LayerShard:
+    h, d, tp = model.hidden, model.head_dim, layout.tp
+    if model.is_mla:
+        attn = model.attention_params() / tp
+    else:
+        kv_local = max(model.kv_heads / tp, 1.0)  # kv heads are replicated when tp > kv_heads
+        attn = (2 * model.heads * d * h) / tp + 2 * kv_local * d * h
+    norms = 2 * h
+    if moe:
+        shared = model.shared_experts * model.expert_params() / tp
+        routed = model.experts * model.expert_params() / (layout.ep * tp)
+        return LayerShard(attn + shared, routed, norms + h * model.experts)
+    return LayerShard(attn + mlp_params(model, arch) / tp, 0.0, norms)

@@ -1,0 +1,122 @@
+"""Human output of the planner: tables and a terminal bar chart of the memory breakdown."""
+
+from __future__ import annotations
+
+from fivefold.plan.report import Plan, capacity
+
+BAR_WIDTH = 48
+PARTS = (("params", "█"), ("grads", "▓"), ("optimizer", "▒"), ("activations", "░"), ("buffers", "·"))
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:8.2f} GB"
+
+
+def memory_chart(parts: dict[str, float], cap: float) -> list[str]:
+    """One bar per part, scaled to the GPU's capacity, then the stacked total against it."""
+    scale = max(cap, sum(parts.values()))
+    lines = []
+    stacked = ""
+    for name, ch in PARTS:
+        if name not in parts:
+            continue
+        n = round(BAR_WIDTH * parts[name] / scale)
+        lines.append(f"  {name:<12}{_gb(parts[name])}  {ch * n}")
+        stacked += ch * n
+    total = sum(parts.values())
+    cap_mark = round(BAR_WIDTH * cap / scale)
+    bar = stacked.ljust(BAR_WIDTH)
+    bar = bar[:cap_mark] + "|" + bar[cap_mark:]
+    lines.append(f"  {'total':<12}{_gb(total)}  {bar}  (| = {cap / 1e9:.1f} GB usable)")
+    return lines
+
+
+def plan_text(p: Plan) -> str:
+    lay = p.layout
+    m = p.memory
+    out = [
+        f"{p.model.name} on {p.gpus} × {p.hardware.name} ({p.gpus_per_node} per node), block {p.arch.name}, "
+        f"{p.params / 1e9:.2f}B params",
+        f"layout: dp {lay.dp} · fsdp {lay.fsdp} · cp {lay.cp} · tp {lay.tp} · pp {lay.pp} · ep {lay.ep}  "
+        f"zero {lay.zero}  sp {'on' if lay.sp else 'off'}  recompute {lay.recompute}  "
+        f"schedule {lay.pp_schedule} (v={lay.virtual_stages})",
+        f"batch: {p.shape.global_batch} sequences × {p.shape.seq_len} tokens, "
+        f"micro-batch {p.shape.micro_batch}, "
+        f"{p.microbatches} micro-batches per step",
+        "",
+        f"memory per GPU (worst rank: {m.stage} stage) — {'fits' if p.fits else 'DOES NOT FIT'}",
+    ]
+    out += memory_chart(
+        {
+            "params": m.params,
+            "grads": m.grads,
+            "optimizer": m.optimizer,
+            "activations": m.activations,
+            "buffers": m.buffers,
+        },
+        capacity(p.hardware),
+    )
+    out += [
+        "",
+        "communication per step (per rank)",
+        f"  {'axis':<5}{'op':<16}{'link':<7}{'group':>6}{'calls':>8}{'payload':>12}{'wire':>12}{'time':>10}"
+        f"{'exposed':>10}",
+    ]
+    for c in p.comm:
+        out.append(
+            f"  {c.axis:<5}{c.op:<16}{c.link:<7}{c.group:>6}{c.count:>8}{c.bytes / 1e9:>10.2f}GB"
+            f"{c.wire_bytes / 1e9:>10.2f}GB{c.time_s:>9.3f}s{c.exposed_s:>9.3f}s"
+        )
+    if not p.comm:
+        out.append("  (none: a single GPU)")
+    out += [
+        "",
+        "time per step",
+        f"  compute       {p.compute_time_s:10.3f} s   (incl. recompute)",
+        f"  bubble        {p.bubble_time_s:10.3f} s   ({p.bubble_fraction:.1%} of the pipeline)",
+        f"  exposed comm  {p.exposed_comm_s:10.3f} s",
+        f"  optimizer     {p.optimizer_time_s:10.3f} s",
+        f"  step          {p.step_time_s:10.3f} s   {p.tokens_per_s:,.0f} tokens/s",
+        f"  model   {p.tflops_per_gpu:7.1f} TFLOP/s per GPU   MFU {p.mfu:.1%}  (causal-half count: "
+        f"{p.mfu_causal:.1%})",
+        f"  hardware {p.hardware_tflops_per_gpu:6.1f} TFLOP/s per GPU   HFU {p.hfu:.1%}  (with recompute)",
+    ]
+    out += [f"note: {n}" for n in p.notes]
+    return "\n".join(out)
+
+
+def search_text(result) -> str:
+    out = [f"searched {result.considered} layouts, {result.fitting} fit, in {result.seconds:.2f} s", ""]
+    from fivefold.plan.search import layout_flags
+
+    out.append(f"  {'#':>2} {'step s':>9}{'MFU':>7}{'mem GB':>8}  layout")
+    for i, p in enumerate(result.plans, start=1):
+        out.append(
+            f"  {i:>2} {p.step_time_s:>9.3f}{p.mfu:>7.1%}{p.memory.total / 1e9:>8.1f}  "
+            f"{layout_flags(p.layout)} --micro-batch {p.shape.micro_batch}"
+        )
+    out += [""] + result.explanation
+    return "\n".join(out)
+
+
+def inference_text(p) -> str:
+    lay = p.layout
+    out = [
+        f"{p.model.name} serving on {lay.world} × {p.hardware.name}: "
+        f"tp {lay.tp} · pp {lay.pp} · cp {lay.cp} · "
+        f"ep {lay.ep} · {p.replicas} replica(s); batch {p.shape.batch}, context {p.shape.context}, "
+        f"prompt {p.shape.prompt}",
+        "",
+        f"memory per GPU — {'fits' if p.fits else 'DOES NOT FIT'}",
+    ]
+    out += memory_chart(
+        {"params": p.weights, "activations": p.activations, "buffers": p.kv_cache}, capacity(p.hardware)
+    )
+    out[-2] = out[-2].replace("buffers ", "kv cache")
+    out += [
+        "",
+        f"  prefill (time to first token) {p.prefill_time_s * 1e3:10.2f} ms",
+        f"  decode per token              {p.decode_time_per_token_s * 1e3:10.2f} ms",
+        f"  decode throughput             {p.decode_tokens_per_s:10,.0f} tokens/s (all replicas)",
+    ]
+    return "\n".join(out)

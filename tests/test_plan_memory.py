@@ -1,0 +1,124 @@
+"""Planner memory against closed forms: ZeRO's model-state example, Korthikanti's activation formulas,
+pipeline in-flight micro-batches, GQA and the KV cache."""
+
+from __future__ import annotations
+
+import pytest
+
+from fivefold.config import Layout, ModelSpec, load_hardware, load_model
+from fivefold.plan import TrainShape, plan
+from fivefold.plan.inference import InferenceShape, inference_plan
+from fivefold.plan.memory import layer_activations, model_state
+from fivefold.plan.spec import resolve_arch
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("zero, published_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_figure1(zero: int, published_gb: float) -> None:
+    """ZeRO §5 / Figure 1: Ψ = 7.5B, Nd = 64, K = 12, fp16 weights and gradients."""
+    psi, nd = 7.5e9, 64
+    shape = TrainShape(seq_len=1, global_batch=1, param_bytes=2, grad_bytes=2, optimizer_bytes=12)
+    total = sum(model_state(psi, 0.0, zero, nd, nd, shape))
+    closed_form = {0: (2 + 2 + 12) * psi, 1: (2 + 2) * psi + 12 * psi / nd,
+                   2: 2 * psi + (2 + 12) * psi / nd, 3: (2 + 2 + 12) * psi / nd}[zero]
+    assert total == pytest.approx(closed_form, rel=1e-12)
+    assert total / 1e9 == pytest.approx(published_gb, abs=0.05)  # the paper rounds to 0.1 GB
+
+
+def gpt(layers: int, hidden: int, heads: int) -> ModelSpec:
+    return ModelSpec(layers=layers, hidden=hidden, heads=heads, vocab=51200, ffn_hidden=4 * hidden)
+
+
+def korthikanti_layer(s: int, b: int, h: int, a: int, t: int, sp: bool, recompute: str) -> float:
+    """Korthikanti et al. 2022, Table 2: activation bytes per layer."""
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sp else 1)
+    core = 0 if recompute == "selective" else 5 * a * s / (h * t)
+    if sp:
+        return sbh * (34 / t + core)
+    return sbh * (10 + 24 / t + core)
+
+
+@pytest.mark.parametrize("t", [1, 2, 8])
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_gpt_layer_activations_match_korthikanti(t: int, sp: bool, recompute: str) -> None:
+    model = gpt(4, 6144, 64)
+    arch = resolve_arch(model)
+    assert arch.name == "gpt"
+    layout = Layout(tp=t, sp=sp).resolve(t)
+    got = layer_activations(model, arch, layout, 4, 2048, moe=False, recompute=recompute)
+    assert got == pytest.approx(korthikanti_layer(2048, 4, 6144, 64, t, layout.sp, recompute), rel=1e-12)
+
+
+def test_pipeline_first_stage_holds_whole_model_of_activations() -> None:
+    """1F1B: p micro-batches × L/p layers on the first stage = L layers of one micro-batch; interleaving
+    multiplies by 1 + (p-1)/(p·v) (Korthikanti §4.2.3)."""
+    model = gpt(96, 12288, 96)
+    hw = load_hardware("a100-80gb")
+    shape = TrainShape(seq_len=2048, global_batch=64, micro_batch=1)
+    per_layer = korthikanti_layer(2048, 1, 12288, 96, 8, True, "selective")
+    for schedule, v in (("1f1b", 1), ("interleaved-1f1b", 3)):
+        lay = Layout(tp=8, pp=8, sp=True, recompute="selective", pp_schedule=schedule, virtual_stages=v).resolve(64)
+        p = plan(model, hw, lay, shape)
+        factor = 1 + (8 - 1) / (8 * v) if v > 1 else 1.0
+        assert p.memory.stage == "first"
+        assert p.memory.activations == pytest.approx(96 * per_layer * factor, rel=1e-9)
+
+
+def test_published_analytic_activation_memory() -> None:
+    """Korthikanti Figure 1 (as encoded by Calculon): 175B, tp 8, pp 8, interleaved m=3."""
+    model = gpt(96, 12288, 96)
+    hw = load_hardware("a100-80gb")
+    shape = TrainShape(seq_len=2048, global_batch=64, micro_batch=1)
+    for sp, rc, gib in ((False, "none", 66.84375), (True, "selective", 12.3515625)):
+        lay = Layout(tp=8, pp=8, sp=sp, recompute=rc, pp_schedule="interleaved-1f1b", virtual_stages=3).resolve(64)
+        assert plan(model, hw, lay, shape).memory.activations / GIB == pytest.approx(gib, rel=1e-6)
+
+
+def test_gqa_shrinks_kv_activations_and_fsdp_shards_state() -> None:
+    mha = ModelSpec(layers=2, hidden=4096, heads=32, kv_heads=32, vocab=32000, ffn_hidden=11008)
+    gqa = ModelSpec(layers=2, hidden=4096, heads=32, kv_heads=8, vocab=32000, ffn_hidden=11008)
+    lay = Layout().resolve(1)
+    a_mha = layer_activations(mha, resolve_arch(mha), lay, 1, 4096, False, "none")
+    a_gqa = layer_activations(gqa, resolve_arch(gqa), lay, 1, 4096, False, "none")
+    # only k and v shrink: 2 tensors × 2 bytes × tokens × (32 - 8) heads × 128
+    assert a_mha - a_gqa == pytest.approx(2 * 2 * 4096 * 24 * 128)
+    hw = load_hardware("h100-80gb")
+    shape = TrainShape(seq_len=4096, global_batch=8)
+    p1 = plan(gqa, hw, Layout(dp=8, zero=0).resolve(8), shape)
+    p3 = plan(gqa, hw, Layout(fsdp=8, zero=3).resolve(8), shape)
+    n = p1.memory.detail["params_on_rank"]
+    assert p1.memory.params == pytest.approx(2 * n)
+    assert p3.memory.params == pytest.approx(2 * n / 8)
+    assert p3.memory.optimizer == pytest.approx(12 * n / 8)
+    assert p3.memory.buffers > p1.memory.buffers - p1.memory.detail["logits"]  # gather buffers
+
+
+def test_moe_expert_parallel_splits_expert_state() -> None:
+    model = load_model("mixtral-8x7b")
+    hw = load_hardware("h100-80gb")
+    shape = TrainShape(seq_len=4096, global_batch=64)
+    p1 = plan(model, hw, Layout(fsdp=8, ep=1).resolve(8), shape)
+    p8 = plan(model, hw, Layout(fsdp=8, ep=8).resolve(8), shape)
+    # experts are sharded 8 ways either way (ep × fsdp/ep), so state is equal; all-to-all appears with ep
+    assert p8.memory.optimizer == pytest.approx(p1.memory.optimizer, rel=1e-9)
+    assert any(c.axis == "ep" and c.op == "all-to-all" for c in p8.comm)
+    assert not any(c.axis == "ep" for c in p1.comm)
+
+
+def test_kv_cache_formula() -> None:
+    model = load_model("llama3-70b")
+    hw = load_hardware("h100-80gb")
+    for tp in (1, 4, 8, 16):
+        gpus = tp
+        p = inference_plan(model, hw, Layout(tp=tp).resolve(gpus), InferenceShape(batch=4, context=8192, prompt=1024))
+        kv_local = max(model.kv_heads / tp, 1)  # heads replicated once tp exceeds kv_heads
+        expected = 2 * model.layers * kv_local * model.head_dim * 2 * 8192 * 4
+        assert p.kv_cache == pytest.approx(expected)
+    mla = load_model("deepseek-v3")
+    p = inference_plan(mla, hw, Layout(tp=8, pp=8).resolve(64), InferenceShape(batch=1, context=4096, prompt=4096))
+    per_token_layer = (mla.kv_lora_rank + mla.qk_rope_head_dim) * 2  # the latent, not per-head K/V
+    assert p.kv_cache == pytest.approx(per_token_layer * 8 * 4096)  # 61 layers → 8 on the worst stage

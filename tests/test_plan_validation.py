@@ -1,0 +1,73 @@
+"""Predicted vs published for every run of ../shared/reference/published_runs.toml.
+
+Bounds (stated in docs/planner.md): step time, TFLOP/s, MFU and HFU within 10% per run and 5% on
+average; analytic activation memory within 1%; model-state memory within 10% (we count the embedding
+the first pipeline stage really holds; the paper's formula leaves it out); the ZeRO example exactly,
+up to the paper's rounding to 0.1 GB.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fivefold.plan.validation import compare, load_runs, table
+
+REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "published_runs.toml"
+pytestmark = pytest.mark.skipif(not REFERENCE.exists(), reason=f"reference data not found at {REFERENCE}")
+
+TIME_METRICS = ("step time s", "TFLOP/s (hardware)", "TFLOP/s (model)", "MFU", "HFU")
+
+
+@pytest.fixture(scope="module")
+def results():
+    runs = load_runs(REFERENCE)
+    out = {run["id"]: compare(run) for run in runs}
+    rows = [row for _, comparisons in out.values() for row in comparisons]
+    print("\n" + table(rows))
+    return out, rows
+
+
+def test_time_and_throughput_within_bounds(results) -> None:
+    _, rows = results
+    timed = [r for r in rows if r.metric in TIME_METRICS]
+    assert len(timed) >= 30
+    worst = max(timed, key=lambda r: abs(r.error))
+    assert abs(worst.error) <= 0.10, f"{worst.run} {worst.metric}: {worst.error:+.1%}"
+    mean = sum(abs(r.error) for r in timed) / len(timed)
+    assert mean <= 0.05, f"mean |error| {mean:.1%}"
+
+
+def test_memory_within_bounds(results) -> None:
+    _, rows = results
+    for r in rows:
+        if r.metric == "activations GiB":
+            assert abs(r.error) <= 0.01, (r.run, r.error)
+        elif r.metric == "model state GiB":
+            assert abs(r.error) <= 0.10, (r.run, r.error)
+        elif r.metric == "model state GB":  # ZeRO Figure 1, rounded to 0.1 GB by the paper
+            assert abs(r.predicted - r.published) <= 0.05, (r.run, r.predicted)
+
+
+def test_rankings_follow_published_runs(results) -> None:
+    plans, _ = results
+
+    def step(run_id: str) -> float:
+        return plans[run_id][0].step_time_s
+
+    # selective + sequence parallel is faster than full recompute, as Table 5 measured
+    for size in ("22b", "175b", "530b", "1t"):
+        assert step(f"korthikanti-{size}-seq-selective") < step(f"korthikanti-{size}-full-recompute")
+    # adding 8-way data parallelism at a fixed batch per replica costs a little efficiency
+    single = plans["korthikanti-530b-seq-selective"][0]
+    scaled = plans["korthikanti-530b-dp8-2240gpu-seq-selective"][0]
+    assert scaled.mfu < single.mfu
+    assert scaled.step_time_s > single.step_time_s
+    # weak scaling in the Megatron table: the largest models reach the highest TFLOP/s
+    small = plans["megatron-a100-2021-1.7b"][0].hardware_tflops_per_gpu
+    large = plans["megatron-a100-2021-1t"][0].hardware_tflops_per_gpu
+    assert large > small
+    # the no-recompute baselines do not fit 80 GB (Figure 1), the published layouts do
+    assert not plans["korthikanti-22b-no-recompute-analytic"][0].fits
+    assert plans["korthikanti-22b-seq-selective"][0].fits

@@ -18,12 +18,26 @@ from torch import nn
 from fivefold.config import Layout, TrainSpec
 from fivefold.errors import FivefoldError
 from fivefold.model.transformer import materialize
-from fivefold.parallel.data import apply_ddp, apply_fsdp
+from fivefold.parallel.data import apply_ddp, apply_fsdp, apply_replicate
 from fivefold.parallel.tensor import apply_tensor_parallel
 
 
 def uses_fsdp(layout: Layout) -> bool:
     return layout.fsdp > 1
+
+
+def uses_replicate(layout: Layout) -> bool:
+    """Replicas of tensor-parallel weights: torch's FSDP2-based `replicate` rather than DDP."""
+    return layout.fsdp == 1 and layout.tp > 1 and layout.dp * layout.cp > 1
+
+
+def check_layout(layout: Layout) -> None:
+    if layout.zero == 1 and layout.tp > 1 and layout.dp > 1:
+        raise FivefoldError(
+            f"--zero 1 (ZeroRedundancyOptimizer) works on DDP's plain replicated weights, not on the "
+            f"tensor-parallel shards of --tp {layout.tp}; use --fsdp to shard optimizer state with TP, "
+            "or --zero 0"
+        )
 
 
 def replica_dim(layout: Layout) -> str:
@@ -34,8 +48,9 @@ def replica_dim(layout: Layout) -> str:
 def parallelize_chunk(module: nn.Module, runtime_mesh: Any, layout: Layout, train: TrainSpec) -> nn.Module:
     """Apply TP(+SP), recompute and FSDP/HSDP/DDP to one model chunk (a Transformer, maybe partial).
 
-    Returns the module to call: a DDP wrapper around `module` for replicated data parallelism,
-    else `module` itself (FSDP and TP work in place). Parameters stay those of `module`.
+    Returns the module to call: a DDP wrapper around `module` for replicated data parallelism
+    without TP, else `module` itself (TP, FSDP and `replicate` work in place). The parameters are
+    always those of `module`.
     """
     spec = module.spec
     on_meta = any(p.is_meta for p in module.parameters())
@@ -52,10 +67,12 @@ def parallelize_chunk(module: nn.Module, runtime_mesh: Any, layout: Layout, trai
         if on_meta:
             materialize(module, device, train.seed)
         return module
+    replicas = replica_dim(layout)
+    if runtime_mesh.size(replicas) > 1 and uses_replicate(layout):
+        apply_replicate(module, runtime_mesh.get(replicas), train)
     if on_meta:
         materialize(module, device, train.seed)
-    replicas = replica_dim(layout)
-    if runtime_mesh.size(replicas) > 1:
+    if runtime_mesh.size(replicas) > 1 and layout.tp == 1:
         return apply_ddp(module, runtime_mesh.group(replicas))
     return module
 
@@ -74,6 +91,7 @@ def _apply_recompute(module: nn.Module, mode: str) -> None:
 def build_runner(model: nn.Module, runtime_mesh: Any, layout: Layout, train: TrainSpec):
     """A StepRunner for any layout; `model` is built on meta (or materialised identically on every rank)."""
     layout.check_model(model.spec, train.seq_len)
+    check_layout(layout)
     if layout.pp > 1:
         from fivefold.parallel.pipeline import build_pipeline_runner
 

@@ -85,14 +85,10 @@ def run_layout(spec: ModelSpec, train: TrainSpec, layout: Layout, rows: int, ste
 
 
 def gather_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter as the full tensor (DTensor shards gathered; shards hidden by DDP rebuilt)."""
-    hidden = getattr(model, "_dtensor_specs", {})
+    """Every parameter as the full tensor (DTensor shards gathered)."""
     out = {}
     for name, p in model.named_parameters():
         t = p.detach()
-        if not isinstance(t, DTensor) and name in hidden:
-            mesh, placements = hidden[name]
-            t = DTensor.from_local(t, mesh, placements, run_check=False)
         out[name] = t.full_tensor() if isinstance(t, DTensor) else t.clone()
     return out
 

@@ -1,8 +1,8 @@
 """Data and sharded-data parallelism: DDP (+ ZeRO-1), FSDP2 per block (ZeRO-2/3), HSDP.
 
 * `dp` only: torch DDP, gradients all-reduced in buckets while the backward still runs. With
-  tensor parallelism underneath, the DTensor parameters are handed to DDP as their local shards
-  (`_pre_dp_module_transform`), so each shard is averaged over its own data-parallel replicas.
+  tensor parallelism underneath (DTensor weights, which DDP does not take), torch's FSDP2-based
+  `replicate` does the same per block: all-reduce of each block's gradients over `dp`.
 * `--zero 1`: the same DDP plus `ZeroRedundancyOptimizer`: each replica keeps the AdamW state of
   its share of the parameters, steps only those, and broadcasts them to the other replicas.
 * `fsdp` (> 1): FSDP2 `fully_shard` on each block, on the embedding, on the final norm + head
@@ -16,6 +16,8 @@
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import nn
@@ -41,30 +43,41 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, zero: int, train: TrainSpec) 
     """
     policy = mixed_precision(train)
     reshard = zero == 3
-    decoder = model.model
-    if decoder.embed_tokens is not None:
-        fully_shard(decoder.embed_tokens, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-    for block in decoder.layers.values():
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-    tail = [m for m in (decoder.norm, model.lm_head) if m is not None]
-    if tail:
-        fully_shard(tail, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    for unit in _units(model):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     # the root owns no parameters of its own; it drives the units (prefetch, final reduce wait)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
 
 
 def apply_ddp(model: nn.Module, group: torch.distributed.ProcessGroup) -> DistributedDataParallel:
-    """Wrap in DDP over `group`; tensor-parallel DTensor parameters go in as their local shards."""
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
-
-        model._dtensor_specs = {  # the clip-norm needs to know which local tensors are shards
-            name: (p.device_mesh, p.placements) for name, p in model.named_parameters()
-            if isinstance(p, DTensor)
-        }
-        _pre_dp_module_transform(model)
+    """Wrap in torch DDP over `group`: bucketed gradient all-reduce overlapped with the backward."""
     # buffers are deterministic (rotary tables) or per-rank statistics (MoE token counts): no broadcast
-    return DistributedDataParallel(model, process_group=group, broadcast_buffers=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers is being renamed
+        return DistributedDataParallel(model, process_group=group, broadcast_buffers=False)
+
+
+def apply_replicate(model: nn.Module, mesh: DeviceMesh, train: TrainSpec) -> None:
+    """Replicated data parallelism for tensor-parallel (DTensor) weights, in place.
+
+    torch's FSDP2-based `replicate` on the same units as FSDP (each block, the embedding,
+    norm + head, the root): each unit's gradients are all-reduced over `mesh` as soon as its
+    backward is done, which is DDP's bucketing with one bucket per block.
+    """
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    policy = mixed_precision(train)
+    for unit in _units(model):
+        replicate(unit, mesh=mesh, mp_policy=policy)
+    replicate(model, mesh=mesh, mp_policy=policy)
+
+
+def _units(model: nn.Module) -> list:
+    decoder = model.model
+    units: list = [decoder.embed_tokens] if decoder.embed_tokens is not None else []
+    units += list(decoder.layers.values())
+    tail = [m for m in (decoder.norm, model.lm_head) if m is not None]
+    return units + ([tail] if tail else [])
 
 
 def make_optimizer(

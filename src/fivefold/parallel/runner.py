@@ -8,8 +8,8 @@ One optimizer step on this rank:
   * the returned loss is that mean, all-reduced over the ranks that hold different data.
 
 The global gradient norm sums squares of local gradient shards, reduced over exactly the mesh
-dims each gradient is sharded on (a DTensor's Shard placements, or the TP spec that DDP hid),
-so a replicated gradient counts once and a sharded one over all its pieces.
+dims each gradient is sharded on (a DTensor's non-Replicate placements), so a replicated
+gradient counts once and a sharded one over all its pieces.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel
 
@@ -42,6 +43,7 @@ class ParallelRunner:
         self.train = train
         self.micro_batch = train.micro_batch
         self.is_fsdp = layout.fsdp > 1
+        self.is_fsdp_module = isinstance(model, FSDPModule)  # FSDP, HSDP or `replicate`
         self.is_ddp = isinstance(wrapped, DistributedDataParallel)
         # loss and token counts are averaged over every rank that holds the same weights
         self.replica_group = runtime_mesh.group("dp_fsdp_cp") if runtime_mesh.size("dp_fsdp_cp") > 1 else None
@@ -113,7 +115,7 @@ class ParallelRunner:
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager:
         if self.is_ddp and not last:
             return self.wrapped.no_sync()
-        if self.is_fsdp:
+        if self.is_fsdp_module:
             self.model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
@@ -126,18 +128,13 @@ class ParallelRunner:
 
     def _global_grad_norm(self) -> torch.Tensor:
         """sqrt of the sum of squares over all gradient shards; each shard counted once."""
-        hidden_specs = getattr(self.model, "_dtensor_specs", {})
         by_groups: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
-        for name, p in self.model.named_parameters():
+        for p in self.model.parameters():
             if p.grad is None:
                 continue
             grad = p.grad
-            if isinstance(grad, DTensor):
-                mesh, placements = grad.device_mesh, grad.placements
-            elif name in hidden_specs or _strip_ddp(name) in hidden_specs:
-                mesh, placements = hidden_specs.get(name) or hidden_specs[_strip_ddp(name)]
-            else:
-                mesh, placements = None, ()
+            is_dtensor = isinstance(grad, DTensor)
+            mesh, placements = (grad.device_mesh, grad.placements) if is_dtensor else (None, ())
             if any(pl.is_partial() for pl in placements):
                 grad = grad.redistribute(placements=[Replicate()] * len(placements))
                 placements = grad.placements
@@ -161,7 +158,3 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _strip_ddp(name: str) -> str:
-    return name.removeprefix("module.")

@@ -10,8 +10,21 @@ import pytest
 
 from fivefold.cli import main
 
-BASE = ["plan", "--model", "llama3-70b", "--hardware", "h100-80gb", "--gpus", "64", "--seq-len", "4096",
-        "--global-batch", "64", "--micro-batch", "1"]
+BASE = [
+    "plan",
+    "--model",
+    "llama3-70b",
+    "--hardware",
+    "h100-80gb",
+    "--gpus",
+    "64",
+    "--seq-len",
+    "4096",
+    "--global-batch",
+    "64",
+    "--micro-batch",
+    "1",
+]
 
 
 def run_cli(capsys, *extra: str) -> tuple[int, str, str]:
@@ -27,10 +40,20 @@ def test_json_contract(capsys) -> None:
     for key in ("params", "grads", "optimizer", "activations", "buffers", "total"):
         assert isinstance(data["memory"][key], int)
     m = data["memory"]
-    assert m["total"] == pytest.approx(sum(m[k] for k in ("params", "grads", "optimizer", "activations", "buffers")),
-                                       abs=8)
-    for key in ("fits", "compute_time_s", "bubble_fraction", "step_time_s", "tokens_per_s", "tflops_per_gpu",
-                "mfu", "hardware_tflops_per_gpu", "hfu"):
+    assert m["total"] == pytest.approx(
+        sum(m[k] for k in ("params", "grads", "optimizer", "activations", "buffers")), abs=8
+    )
+    for key in (
+        "fits",
+        "compute_time_s",
+        "bubble_fraction",
+        "step_time_s",
+        "tokens_per_s",
+        "tflops_per_gpu",
+        "mfu",
+        "hardware_tflops_per_gpu",
+        "hfu",
+    ):
         assert key in data
     assert data["layout"]["dp"] == 4  # filled from the world size
     axes = {c["axis"] for c in data["comm"]}
@@ -53,20 +76,41 @@ def test_search_and_inference_modes(capsys) -> None:
     assert code == 0
     data = json.loads(out)
     assert len(data["plans"]) == 2 and data["search"]["explanation"]
-    code = main(["plan", "--model", "llama3-70b", "--hardware", "h100-80gb", "--gpus", "16", "--tp", "8",
-                 "--mode", "inference", "--batch", "8", "--context", "8192", "--json"])
+    code = main(
+        [
+            "plan",
+            "--model",
+            "llama3-70b",
+            "--hardware",
+            "h100-80gb",
+            "--gpus",
+            "16",
+            "--tp",
+            "8",
+            "--mode",
+            "inference",
+            "--batch",
+            "8",
+            "--context",
+            "8192",
+            "--json",
+        ]
+    )
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["memory"]["kv_cache"] > 0
     assert data["decode_time_per_token_s"] < data["prefill_time_s"]
 
 
-@pytest.mark.parametrize("extra, needle", [
-    (["--tp", "8", "--pp", "3", "--dp", "2"], "must equal the world size"),
-    (["--tp", "8", "--global-batch", "12"], "must be a multiple of micro_batch"),
-    (["--hardware", "tpu-v9"], "unknown hardware"),
-    (["--model", "nope"], "unknown model"),
-    (["--tp", "8", "--pp", "2", "--pp-schedule", "interleaved-1f1b"], "virtual-stages"),
-])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--tp", "8", "--pp", "3", "--dp", "2"], "must equal the world size"),
+        (["--tp", "8", "--global-batch", "12"], "must be a multiple of micro_batch"),
+        (["--hardware", "tpu-v9"], "unknown hardware"),
+        (["--model", "nope"], "unknown model"),
+        (["--tp", "8", "--pp", "2", "--pp-schedule", "interleaved-1f1b"], "virtual-stages"),
+    ],
+)
 def test_bad_input_exits_2_with_a_hint(capsys, extra: list[str], needle: str) -> None:
     code, out, err = run_cli(capsys, *extra)
     assert code == 2 and out == ""
@@ -75,12 +119,32 @@ def test_bad_input_exits_2_with_a_hint(capsys, extra: list[str], needle: str) ->
 
 def test_model_and_hardware_toml_files(capsys, tmp_path) -> None:
     model = tmp_path / "m.toml"
-    model.write_text("layers = 24\nhidden = 2304\nffn_hidden = 9216\nheads = 24\nkv_heads = 24\nvocab = 51200\n")
+    model.write_text(
+        "layers = 24\nhidden = 2304\nffn_hidden = 9216\nheads = 24\nkv_heads = 24\nvocab = 51200\n"
+    )
     hw = tmp_path / "hw.toml"
-    hw.write_text("gpu_memory_gb = 80\npeak_tflops = 312\ngpus_per_node = 8\nintra_node_gbps = 300\n"
-                  "inter_node_gbps = 25\n")
-    args = ["plan", "--model", str(model), "--hardware", str(hw), "--gpus", "32", "--seq-len", "2048",
-            "--global-batch", "512", "--micro-batch", "16", "--recompute", "full", "--json"]
+    hw.write_text(
+        "gpu_memory_gb = 80\npeak_tflops = 312\ngpus_per_node = 8\nintra_node_gbps = 300\n"
+        "inter_node_gbps = 25\n"
+    )
+    args = [
+        "plan",
+        "--model",
+        str(model),
+        "--hardware",
+        str(hw),
+        "--gpus",
+        "32",
+        "--seq-len",
+        "2048",
+        "--global-batch",
+        "512",
+        "--micro-batch",
+        "16",
+        "--recompute",
+        "full",
+        "--json",
+    ]
     assert main(args) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["block"] == "gpt" and 1.6e9 < data["params"] < 1.8e9  # Megatron's "1.7B"
@@ -89,7 +153,9 @@ def test_model_and_hardware_toml_files(capsys, tmp_path) -> None:
 
 
 def test_import_does_not_load_torch() -> None:
-    code = ("import sys, fivefold.plan, fivefold.plan.search, fivefold.plan.inference, fivefold.commands.plan;"
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys, fivefold.plan, fivefold.plan.search, fivefold.plan.inference, fivefold.commands.plan;"
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -20,8 +20,12 @@ def test_zero_paper_figure1(zero: int, published_gb: float) -> None:
     psi, nd = 7.5e9, 64
     shape = TrainShape(seq_len=1, global_batch=1, param_bytes=2, grad_bytes=2, optimizer_bytes=12)
     total = sum(model_state(psi, 0.0, zero, nd, nd, shape))
-    closed_form = {0: (2 + 2 + 12) * psi, 1: (2 + 2) * psi + 12 * psi / nd,
-                   2: 2 * psi + (2 + 12) * psi / nd, 3: (2 + 2 + 12) * psi / nd}[zero]
+    closed_form = {
+        0: (2 + 2 + 12) * psi,
+        1: (2 + 2) * psi + 12 * psi / nd,
+        2: 2 * psi + (2 + 12) * psi / nd,
+        3: (2 + 2 + 12) * psi / nd,
+    }[zero]
     assert total == pytest.approx(closed_form, rel=1e-12)
     assert total / 1e9 == pytest.approx(published_gb, abs=0.05)  # the paper rounds to 0.1 GB
 
@@ -61,7 +65,9 @@ def test_pipeline_first_stage_holds_whole_model_of_activations() -> None:
     shape = TrainShape(seq_len=2048, global_batch=64, micro_batch=1)
     per_layer = korthikanti_layer(2048, 1, 12288, 96, 8, True, "selective")
     for schedule, v in (("1f1b", 1), ("interleaved-1f1b", 3)):
-        lay = Layout(tp=8, pp=8, sp=True, recompute="selective", pp_schedule=schedule, virtual_stages=v).resolve(64)
+        lay = Layout(
+            tp=8, pp=8, sp=True, recompute="selective", pp_schedule=schedule, virtual_stages=v
+        ).resolve(64)
         p = plan(model, hw, lay, shape)
         factor = 1 + (8 - 1) / (8 * v) if v > 1 else 1.0
         assert p.memory.stage == "first"
@@ -74,7 +80,9 @@ def test_published_analytic_activation_memory() -> None:
     hw = load_hardware("a100-80gb")
     shape = TrainShape(seq_len=2048, global_batch=64, micro_batch=1)
     for sp, rc, gib in ((False, "none", 66.84375), (True, "selective", 12.3515625)):
-        lay = Layout(tp=8, pp=8, sp=sp, recompute=rc, pp_schedule="interleaved-1f1b", virtual_stages=3).resolve(64)
+        lay = Layout(
+            tp=8, pp=8, sp=sp, recompute=rc, pp_schedule="interleaved-1f1b", virtual_stages=3
+        ).resolve(64)
         assert plan(model, hw, lay, shape).memory.activations / GIB == pytest.approx(gib, rel=1e-6)
 
 
@@ -114,11 +122,15 @@ def test_kv_cache_formula() -> None:
     hw = load_hardware("h100-80gb")
     for tp in (1, 4, 8, 16):
         gpus = tp
-        p = inference_plan(model, hw, Layout(tp=tp).resolve(gpus), InferenceShape(batch=4, context=8192, prompt=1024))
+        p = inference_plan(
+            model, hw, Layout(tp=tp).resolve(gpus), InferenceShape(batch=4, context=8192, prompt=1024)
+        )
         kv_local = max(model.kv_heads / tp, 1)  # heads replicated once tp exceeds kv_heads
         expected = 2 * model.layers * kv_local * model.head_dim * 2 * 8192 * 4
         assert p.kv_cache == pytest.approx(expected)
     mla = load_model("deepseek-v3")
-    p = inference_plan(mla, hw, Layout(tp=8, pp=8).resolve(64), InferenceShape(batch=1, context=4096, prompt=4096))
+    p = inference_plan(
+        mla, hw, Layout(tp=8, pp=8).resolve(64), InferenceShape(batch=1, context=4096, prompt=4096)
+    )
     per_token_layer = (mla.kv_lora_rank + mla.qk_rope_head_dim) * 2  # the latent, not per-head K/V
     assert p.kv_cache == pytest.approx(per_token_layer * 8 * 4096)  # 61 layers → 8 on the worst stage

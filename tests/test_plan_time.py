@@ -38,7 +38,9 @@ def test_causal_half_is_reported_separately() -> None:
     model = load_model("llama3-8b")
     p = plan(model, load_hardware("h100-80gb"), Layout(fsdp=8).resolve(8), TrainShape(8192, 64))
     attn = 3 * 2 * 2 * 8192 * model.heads * model.head_dim * model.layers
-    assert p.mfu / p.mfu_causal == pytest.approx(p.model_flops_per_token / (p.model_flops_per_token - attn / 2))
+    assert p.mfu / p.mfu_causal == pytest.approx(
+        p.model_flops_per_token / (p.model_flops_per_token - attn / 2)
+    )
 
 
 @pytest.mark.parametrize("p_stages, m", [(4, 8), (8, 64), (16, 3)])
@@ -105,8 +107,12 @@ def test_tp_across_nodes_is_slow() -> None:
     inside = plan(model, hw, Layout(tp=8, pp=2, dp=1, sp=True, recompute="selective").resolve(16), shape)
     across = plan(model, hw, Layout(tp=16, pp=1, dp=1, sp=True, recompute="selective").resolve(16), shape)
     # the same tp=8 group placed with stride 2 (pp innermost) straddles nodes
-    strided = plan(model, hw, Layout(tp=8, pp=2, sp=True, recompute="selective",
-                                     order="pp,tp,cp,fsdp,dp").resolve(16), shape)
+    strided = plan(
+        model,
+        hw,
+        Layout(tp=8, pp=2, sp=True, recompute="selective", order="pp,tp,cp,fsdp,dp").resolve(16),
+        shape,
+    )
     assert {c.link for c in across.comm if c.axis == "tp"} != {"intra"}
     assert across.step_time_s > 1.3 * inside.step_time_s
     assert strided.step_time_s > 1.3 * inside.step_time_s
@@ -131,3 +137,34 @@ def test_bigger_hardware_knobs_go_faster() -> None:
     faster = plan(model, dataclasses.replace(A100, matmul_efficiency=0.9), lay, shape)
     slow_net = plan(model, dataclasses.replace(A100, inter_node_gbps=2.5), lay, shape)
     assert faster.step_time_s < base.step_time_s < slow_net.step_time_s
+
+
+def test_link_kinds_agree_with_the_mesh() -> None:
+    """The planner asks the mesh on a reduced world; the answer must equal the mesh's on the full one."""
+    import random
+
+    from fivefold.mesh import axis_link_kinds
+    from fivefold.plan.comm import links
+
+    rng = random.Random(0)
+    checked = 0
+    for world in (16, 48, 96, 256, 1024):
+        sizes = [d for d in range(1, world + 1) if world % d == 0]
+        for gpn in (4, 6, 8):
+            for _ in range(120):
+                dp, fsdp, cp, tp = (rng.choice(sizes) for _ in range(4))
+                if world % (dp * fsdp * cp * tp):
+                    continue
+                order = ",".join(rng.sample(["dp", "fsdp", "cp", "tp", "pp"], 5))
+                lay = Layout(
+                    dp=dp,
+                    fsdp=fsdp,
+                    cp=cp,
+                    tp=tp,
+                    pp=world // (dp * fsdp * cp * tp),
+                    order=order,
+                    zero=3 if fsdp > 1 else 0,
+                )
+                assert links(lay, gpn) == axis_link_kinds(lay, gpn), (lay, gpn)
+                checked += 1
+    assert checked > 50

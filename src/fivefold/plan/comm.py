@@ -9,6 +9,7 @@ with α and β those of the slowest link in the group (intra-node NVLink or the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -81,16 +82,27 @@ def collective_time(hw: HardwareSpec, op: str, payload: float, n: int, link: str
 
 
 @lru_cache(maxsize=4096)
-def _links(sizes: tuple[int, ...], order: str, gpus_per_node: int) -> dict[str, str]:
-    dp, fsdp, cp, tp, pp = sizes
-    lay = Layout(dp=dp, fsdp=fsdp, cp=cp, tp=tp, pp=pp, order=order, zero=0 if fsdp == 1 else 3)
-    return axis_link_kinds(lay, gpus_per_node)
+def _axis_kind(stride: int, size: int, world: int, gpus_per_node: int) -> str:
+    """Link kind of an axis of this stride and size, asked of `fivefold.mesh` on the smallest world
+    with the same answer: the node pattern of its groups repeats every lcm(stride·size, node) ranks."""
+    block = stride * size
+    period = math.lcm(block, gpus_per_node)
+    outer = period // block if world % period == 0 else world // block
+    probe = Layout(tp=stride, cp=size, fsdp=outer, order="tp,cp,fsdp,dp,pp", zero=3 if outer > 1 else 0)
+    return axis_link_kinds(probe, gpus_per_node)["cp"]
 
 
 def links(layout: Layout, gpus_per_node: int) -> dict[str, str]:
-    """Link kind per axis of size > 1 (from `fivefold.mesh`); cached, the search asks often."""
-    sizes = (layout.dp, layout.fsdp, layout.cp, layout.tp, layout.pp)
-    return _links(sizes, layout.order, gpus_per_node)
+    """Link kind per axis of size > 1 (from `fivefold.mesh`), cached per stride and size."""
+    world = layout.world
+    out: dict[str, str] = {}
+    stride = 1
+    for axis in layout.order_list:
+        size = getattr(layout, axis)
+        if size > 1:
+            out[axis] = _axis_kind(stride, size, world, gpus_per_node)
+        stride *= size
+    return out
 
 
 def worst_link(kinds: dict[str, str], *axes: str) -> str:

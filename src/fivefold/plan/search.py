@@ -11,7 +11,9 @@ Pruning, cheapest first: model state alone must fit; then memory with each recom
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import heapq
 import math
 import time
 from collections.abc import Iterator
@@ -123,6 +125,7 @@ def search(
     memo: dict = {}
     considered = fitting = 0
     state_cache: dict[tuple, float] = {}
+    shapes = [(b, dataclasses.replace(shape, micro_batch=b)) for b in micro_batches]
     bounded: list[tuple[float, int, Layout, TrainShape, int, Memory]] = []
     for base in candidates(model, hw, gpus, shape, gpn):
         n = shard_group(base)
@@ -141,20 +144,20 @@ def search(
         data = base.dp * base.fsdp
         if shape.global_batch % data:
             continue
-        for b in micro_batches:
+        try:  # model constraints depend on the axes only, not on recompute or batch
+            check_plan_inputs(model, base, shape)
+        except FivefoldError:
+            continue
+        for b, sh in shapes:
             if (shape.global_batch // data) % b:
                 continue
-            sh = dataclasses.replace(shape, micro_batch=b)
             m = shape.global_batch // (data * b)
             if base.pp_schedule == "interleaved-1f1b" and m % base.pp:
                 continue
             for rc in RECOMPUTE_ORDER:
                 considered += 1
-                lay = dataclasses.replace(base, recompute=rc)
-                try:
-                    check_plan_inputs(model, lay, sh)
-                except FivefoldError:
-                    break
+                lay = copy.copy(base)
+                lay.recompute = rc
                 mem = memory(model, arch, lay, sh, m, memo)
                 if mem.total > cap:
                     continue
@@ -166,13 +169,15 @@ def search(
     # alone is slower than the top-k found so far
     bounded.sort(key=lambda item: item[:2])
     results: list[Plan] = []
-    kth = math.inf
+    slowest_kept: list[float] = []  # max-heap (negated) of the top-k step times so far
     for bound, _, lay, sh, m, mem in bounded:
-        if bound >= kth:
+        if len(slowest_kept) >= top and bound >= -slowest_kept[0]:
             break
-        results.append(_plan(model, hw, lay, sh, arch, gpn, m, mem, facts, memo))
-        if len(results) >= top:
-            kth = sorted(p.step_time_s for p in results)[top - 1]
+        p = _plan(model, hw, lay, sh, arch, gpn, m, mem, facts, memo)
+        results.append(p)
+        heapq.heappush(slowest_kept, -p.step_time_s)
+        if len(slowest_kept) > top:
+            heapq.heappop(slowest_kept)
     results.sort(key=lambda p: p.step_time_s)
     best = results[:top]
     explanation = (

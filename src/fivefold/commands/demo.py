@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         tspec = replace(tspec, seed=args.seed)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir("demo")
     print(
-        f"training {spec.name} ({spec.num_params() / 1e6:.2f} M parameters) for {tspec.steps.__str__()} steps "
+        f"training {spec.name} ({spec.num_params() / 1e6:.2f} M parameters) for {tspec.steps} steps "
         f"on the Python standard library's sources, byte-level; run directory: {run_dir}",
         flush=True,
     )

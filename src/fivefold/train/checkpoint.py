@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -141,8 +142,8 @@ def load_checkpoint(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.load(state, checkpoint_id=str(path))
-    except Exception as exc:  # DCP raises several kinds; all mean the same to the user
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    except (Exception, CheckpointException) as exc:  # DCP raises several kinds; all mean the same here
+        detail = _first_cause(exc)
         raise FivefoldError(
             f"checkpoint {path} is corrupt or incomplete ({detail[:200]}); resume from another "
             f"step_<N> directory or start a new run"
@@ -170,3 +171,11 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _first_cause(exc: BaseException) -> str:
+    """A one-line reason; DCP wraps each rank's traceback, whose last line says what went wrong."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if isinstance(exc, CheckpointException) and lines:
+        return lines[-1]
+    return lines[0] if lines else type(exc).__name__

@@ -15,6 +15,7 @@ import inspect
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -256,7 +257,11 @@ def _train(
     tracer = Tracer(rank)
     model = build_model(spec, "meta")
     runner, mesh = build_runner(model, layout, tspec, device, tracer)
-    log = MetricsLog(run_dir, rank, world, tspec.steps, 0, progress=False).note
+
+    def log(text: str) -> None:
+        if rank == 0:
+            print(text, file=sys.stderr, flush=True)
+
     if runner is None:
         _layout_only(layout, mesh, log)
         return TrainResult(run_dir, layout, trained=False)

@@ -261,8 +261,7 @@ def _copy_from(chunk, source) -> None:
 
 def build_pipeline_runner(model, runtime_mesh, layout: Layout, train: TrainSpec):
     """The `StepRunner` for a layout with pp > 1 (see fivefold.parallel.api)."""
-    import torch
-
+    from fivefold.model import materialize
     from fivefold.parallel.pipeline_runner import PipelineRunner
 
     counts = check_pipeline(model.spec, layout, train)
@@ -272,34 +271,27 @@ def build_pipeline_runner(model, runtime_mesh, layout: Layout, train: TrainSpec)
     device = _device(runtime_mesh, train)
     pp_rank = runtime_mesh.coord("pp")
     source_is_meta = any(p.is_meta for p in model.parameters())
-    parts, stage_ids = [], rank_stages(pp_rank, pp, layout.virtual_stages, sched)
+    parts, modules, stage_ids = [], [], rank_stages(pp_rank, pp, layout.virtual_stages, sched)
     for s in stage_ids:
         chunk = build_chunk(model, range(starts[s], starts[s] + counts[s]), s == 0, s == chunks_total - 1)
-        chunk = _parallelize(chunk, runtime_mesh, layout, train)
-        chunk.to_empty(device=device)
-        with torch.no_grad():
-            if source_is_meta:
-                chunk.init_weights(train.seed)
-            else:
-                _copy_from(chunk, model)
+        module = _parallelize(chunk, runtime_mesh, layout, train)  # materialises it when it shards
+        if any(p.is_meta for p in chunk.parameters()):
+            materialize(chunk, device, train.seed)
+        if not source_is_meta:
+            _copy_from(chunk, model)
         parts.append(chunk)
-    return PipelineRunner(parts, stage_ids, counts, runtime_mesh, layout, device)
+        modules.append(module)
+    return PipelineRunner(parts, modules, stage_ids, counts, runtime_mesh, layout, device)
 
 
 def _parallelize(chunk, runtime_mesh, layout: Layout, train: TrainSpec):
-    """TP(+SP), recompute and FSDP/DDP on one chunk, by the parallel team's code when present."""
+    """TP(+SP), recompute and FSDP/DDP on one chunk; returns the module the stage calls."""
     others = layout.tp > 1 or layout.fsdp > 1 or layout.dp > 1 or layout.recompute != "none"
     if not others:
         return chunk
-    try:
-        from fivefold.parallel.apply import parallelize_chunk
-    except ImportError:
-        raise FivefoldError(
-            "--pp combined with --tp/--fsdp/--dp/--recompute needs fivefold.parallel.apply, which this "
-            "install lacks; run with --pp alone"
-        ) from None
-    out = parallelize_chunk(chunk, runtime_mesh, layout, train)
-    return chunk if out is None else out
+    from fivefold.parallel.apply import parallelize_chunk
+
+    return parallelize_chunk(chunk, runtime_mesh, layout, train)
 
 
 def _device(runtime_mesh, train: TrainSpec):

@@ -13,7 +13,7 @@ from torch.distributed import pipelining
 
 from fivefold.config import Layout
 from fivefold.errors import FivefoldError
-from fivefold.model.moe import set_aux_loss_scale
+from fivefold.model.moe import moe_layers, set_aux_loss_scale
 from fivefold.model.transformer import lm_loss
 from fivefold.parallel.pipeline import SCHEDULE_CLASSES, SINGLE_STAGE, stage_to_rank
 from fivefold.parallel.timeline import Timeline
@@ -22,9 +22,9 @@ from fivefold.parallel.timeline import Timeline
 class PipelineRunner:
     """One rank's chunks of a pipeline, stepped by a torch schedule."""
 
-    def __init__(self, parts: list[nn.Module], stage_ids: list[int], split: list[int], runtime_mesh,
-                 layout: Layout, device: torch.device) -> None:
-        self.model_parts = parts
+    def __init__(self, parts: list[nn.Module], modules: list[nn.Module], stage_ids: list[int],
+                 split: list[int], runtime_mesh, layout: Layout, device: torch.device) -> None:
+        self.model_parts = parts  # the chunks' own modules (a DDP wrapper, if any, is only called)
         self.stage_ids = stage_ids
         self.split = split  # layers per chunk, all chunks
         self.layout = layout
@@ -38,8 +38,8 @@ class PipelineRunner:
         last_pp_rank = stage_to_rank(self.num_stages - 1, layout.pp, layout.pp_schedule)
         self.last_stage_global_rank = dist.get_global_rank(self.pp_group, last_pp_rank)
         self.stages = [
-            pipelining.PipelineStage(part, s, self.num_stages, device, group=self.pp_group)
-            for part, s in zip(parts, stage_ids)
+            pipelining.PipelineStage(module, s, self.num_stages, device, group=self.pp_group)
+            for module, s in zip(modules, stage_ids)
         ]
         for stage in self.stages:
             self.timeline.instrument(stage)
@@ -70,10 +70,25 @@ class PipelineRunner:
         params = [p for part in self.model_parts for p in part.parameters() if p.grad is not None]
         squares = _local_grad_norm_squared(params, self._device())
         dist.all_reduce(squares, group=self.pp_group)  # the stages hold disjoint parameters
-        total = squares.sqrt()
+        total = squares.sqrt().float()
         if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+            # torch's rule and precision (clip_grad_norm_): an fp32 factor max_norm / (norm + 1e-6), at most 1
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).item()
+            if coef < 1.0:
+                for p in params:
+                    p.grad.mul_(coef)
         return total
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        """MoE auxiliary-loss-free balancing: nudge each router's bias with counts over all replicas."""
+        for part in self.model_parts:
+            for moe in moe_layers(part):
+                counts = None
+                if moe.bias_rate > 0 and self.batch_group is not None:
+                    counts = moe.tokens_per_expert.clone()
+                    dist.all_reduce(counts, group=self.batch_group)
+                moe.update_bias(counts)
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -81,9 +96,8 @@ class PipelineRunner:
         modes = [part.training for part in self.model_parts]
         for part in self.model_parts:
             part.eval()
-        losses: list[torch.Tensor] = []
         try:
-            self._step(inputs, labels, losses, train=False)
+            losses = self._forward_only(inputs, labels)
         finally:
             for part, mode in zip(self.model_parts, modes):
                 part.train(mode)
@@ -93,9 +107,35 @@ class PipelineRunner:
     def _step(self, inputs: torch.Tensor, labels: torch.Tensor, losses: list, train: bool) -> None:
         args = (inputs,) if self.has_first else ()
         target = labels if self.has_last else None
-        run = self.schedule.step if train else self.schedule.eval
-        kwargs = {"return_outputs": False} if train else {}
-        run(*args, target=target, losses=losses if self.has_last else None, **kwargs)
+        self.schedule.step(*args, target=target, losses=losses if self.has_last else None,
+                           return_outputs=False)
+
+    def _forward_only(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        """Micro-batch by micro-batch, stage by stage, every rank in the same order: no schedule state.
+
+        (torch's `schedule.eval` cannot run the V-shaped schedules, whose local hand-over between a
+        rank's two chunks expects a backward.) Each hand-over sends the shape first, so TP/SP
+        chunks whose outputs are shards work too.
+        """
+        m = self.microbatches
+        modules = dict(zip(self.stage_ids, (stage.submod for stage in self.stages)))
+        pp, sched = self.layout.pp, self.layout.pp_schedule
+        losses, carry = [], None
+        for x, y in zip(inputs.chunk(m), labels.chunk(m)):
+            for s in range(self.num_stages):
+                here, prev = stage_to_rank(s, pp, sched), stage_to_rank(s - 1, pp, sched) if s else -1
+                mine = here == self.mesh.coord("pp")
+                if s > 0 and here != prev:  # hand over from the previous chunk's rank
+                    if mine:
+                        carry = _recv_tensor(self.pp_group, prev, self._device())
+                    elif prev == self.mesh.coord("pp"):
+                        _send_tensor(carry, self.pp_group, here)
+                if not mine:
+                    continue
+                carry = modules[s](x if s == 0 else carry)
+                if s == self.num_stages - 1:
+                    losses.append(lm_loss(carry, y) / m)
+        return losses
 
     def _check_batch(self, inputs: torch.Tensor) -> None:
         if inputs.shape[0] % self.microbatches:
@@ -118,20 +158,51 @@ class PipelineRunner:
         return self.stages[0].device
 
 
-def _local_grad_norm_squared(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of squared gradient entries this pp rank owns, full over any DTensor shards.
+def _send_tensor(t: torch.Tensor, group, peer: int) -> None:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    header = torch.tensor([t.dim(), _DTYPES.index(t.dtype), *t.shape] + [0] * (8 - t.dim()),
+                          dtype=torch.int64, device=t.device)
+    dist.send(header, group=group, group_dst=peer)
+    dist.send(t.contiguous(), group=group, group_dst=peer)
 
-    DTensor gradients are grouped by mesh: the norm of a sharded DTensor is reduced over its own
-    mesh (fsdp, tp) when made full; plain tensors are local.
+
+def _recv_tensor(group, peer: int, device: torch.device) -> torch.Tensor:
+    header = torch.zeros(10, dtype=torch.int64, device=device)
+    dist.recv(header, group=group, group_src=peer)
+    ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+    out = torch.empty([int(v) for v in header[2:2 + ndim]], dtype=dtype, device=device)
+    dist.recv(out, group=group, group_src=peer)
+    return out
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def _local_grad_norm_squared(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squared gradient entries of this pp rank's parameters, complete over DTensor shards.
+
+    Each DTensor gradient's local squares are summed over the mesh dims it is sharded on (a
+    partial sum is made whole first); replicated dims are counted once.
     """
-    total = torch.zeros((), device=device, dtype=torch.float32)
-    groups: dict[object, list[torch.Tensor]] = {}
+    from torch.distributed.tensor import DTensor, Replicate
+
+    by_groups: dict[tuple, torch.Tensor] = {}
     for p in params:
-        key = getattr(p.grad, "device_mesh", None)
-        groups.setdefault(key, []).append(p.grad)
-    for mesh, grads in groups.items():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=None)
-        if mesh is not None:
-            norm = norm.full_tensor()
-        total = total + norm.float().to(device) ** 2
+        grad = p.grad
+        groups: tuple = ()
+        if isinstance(grad, DTensor):
+            if any(pl.is_partial() for pl in grad.placements):
+                grad = grad.redistribute(placements=[Replicate()] * len(grad.placements))
+            mesh = grad.device_mesh
+            groups = tuple(mesh.get_group(i) for i, pl in enumerate(grad.placements)
+                           if not isinstance(pl, Replicate) and mesh.size(i) > 1)
+            grad = grad.to_local()
+        square = grad.detach().double().pow(2).sum()
+        by_groups[groups] = by_groups[groups] + square if groups in by_groups else square
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for groups, square in by_groups.items():
+        square = square.to(device)
+        for group in groups:
+            dist.all_reduce(square, group=group)
+        total += square
     return total

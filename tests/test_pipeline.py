@@ -1,0 +1,183 @@
+"""Pipeline parallelism: the split, the errors, and every schedule against the single-process model."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+from distributed import run_distributed
+from fivefold.config import Layout, TrainSpec, load_model
+from fivefold.errors import FivefoldError
+from fivefold.parallel.pipeline import (
+    StageCosts,
+    balanced_split,
+    check_pipeline,
+    parse_split,
+    rank_stages,
+    stage_costs,
+    stage_to_rank,
+)
+from pipeline_cases import MICRO, SEQ, run_cases
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 2), ("zbv", 2),
+             ("dualpipev", 2)]
+
+
+# ---- the split (no processes)
+
+def _brute_force(costs: StageCosts, chunks: int) -> float:
+    n = len(costs.layers)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), chunks - 1):
+        bounds = (0, *cuts, n)
+        best = min(best, max(costs.chunk_cost(bounds[k], bounds[k + 1], k == 0, k == chunks - 1)
+                             for k in range(chunks)))
+    return best
+
+
+def test_balanced_split_is_optimal_against_brute_force():
+    for layers, head, emb, chunks in [(8, 0.0, 0.0, 4), (8, 3.0, 0.0, 4), (9, 2.5, 1.0, 3), (12, 5.0, 0.5, 4),
+                                      (7, 0.0, 4.0, 2)]:
+        costs = StageCosts(embedding=emb, layers=tuple(1.0 + 0.1 * (i % 3) for i in range(layers)), head=head)
+        counts = balanced_split(costs, chunks)
+        assert sum(counts) == layers and min(counts) >= 1 and len(counts) == chunks
+        bounds = [sum(counts[:k]) for k in range(chunks + 1)]
+        got = max(costs.chunk_cost(bounds[k], bounds[k + 1], k == 0, k == chunks - 1) for k in range(chunks))
+        assert got == pytest.approx(_brute_force(costs, chunks))
+
+
+def test_uniform_layers_split_evenly_and_a_heavy_head_gets_fewer_layers():
+    assert balanced_split(StageCosts(0.0, (1.0,) * 8, 0.0), 4) == [2, 2, 2, 2]
+    assert balanced_split(StageCosts(0.0, (1.0,) * 8, 2.0), 2) == [5, 3]
+    # a real model: the head of a 128k-vocab Llama-8B is worth a few layers
+    spec = load_model("llama3-8b")
+    counts = balanced_split(stage_costs(spec, 4096), 4)
+    assert sum(counts) == 32 and counts[-1] < counts[0]
+
+
+def test_v_shaped_placement_folds_the_chunks():
+    assert [stage_to_rank(s, 4, "zbv") for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert [stage_to_rank(s, 4, "interleaved-1f1b") for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert rank_stages(0, 4, 2, "dualpipev") == [0, 7]
+    assert rank_stages(1, 4, 2, "zero-bubble") == [1, 5]
+
+
+def test_manual_split():
+    assert parse_split("3, 1", 4, 2) == [3, 1]
+    assert parse_split("0,4", 4, 2) == [0, 4]  # the first chunk may hold only the embedding
+    for bad, match in [("2,1", "adds up"), ("1,2,1", "names 3 chunks"), ("a,b", "layer counts"),
+                       ("2,0,2", None)]:
+        chunks = 3 if bad == "2,0,2" else 2
+        with pytest.raises(FivefoldError, match=match):
+            parse_split(bad, 4, chunks)
+    spec = load_model("tiny")
+    assert check_pipeline(spec, Layout(pp=2, pp_split="3,1").resolve(2)) == [3, 1]
+
+
+@pytest.mark.parametrize(
+    "layout, train, match",
+    [
+        (Layout(pp=8), None, "exceeds the 4 layers"),
+        (Layout(pp=4, pp_schedule="1f1b", microbatches=2), None, "at least 4 micro-batches"),
+        (Layout(pp=2, pp_schedule="dualpipev", microbatches=2), None, "at least 4 micro-batches"),
+        (Layout(pp=2, pp_schedule="interleaved-1f1b", virtual_stages=3, microbatches=4), None, "virtual"),
+        (Layout(pp=2, pp_schedule="interleaved-1f1b", virtual_stages=2, microbatches=5), None, "multiple of"),
+        (Layout(pp=2, pp_schedule="gpipe", virtual_stages=2), None, "one chunk per rank"),
+        (Layout(pp=2, microbatches=4), TrainSpec(micro_batch=6), "does not divide into --microbatches 4"),
+    ],
+)
+def test_clear_errors(layout, train, match):
+    spec = load_model("tiny")
+    with pytest.raises(FivefoldError, match=match):
+        check_pipeline(spec, layout.resolve(layout.pp), train)
+
+
+def test_virtual_stages_must_divide_layers():
+    spec = dataclasses.replace(load_model("tiny"), layers=6)
+    with pytest.raises(FivefoldError, match="does not divide the 6 layers"):
+        check_pipeline(spec, Layout(pp=2, pp_schedule="interleaved-1f1b", virtual_stages=2,
+                                    microbatches=4).resolve(2))
+
+
+# ---- every schedule on 2 gloo ranks, against the single-process model
+
+def _assert_matches(result: dict, rel: float = 1e-5) -> None:
+    for got, want in zip(result["loss"], result["ref_loss"]):
+        assert got == pytest.approx(want, rel=rel)
+    for got, want in zip(result["norm"], result["ref_norm"]):
+        assert got == pytest.approx(want, rel=1e-4)
+    assert result["eval"] == pytest.approx(result["ref_eval"], rel=rel)
+    # AdamW at lr 1e-2 moves every weight ~1e-2 a step: a wrong gradient shows at that size, while
+    # float summation order (stages, clipping) leaves ~1e-5 on the few weights with tiny gradients
+    assert result["param_err"] < 5e-5
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    cases = [dict(pp=2, pp_schedule=s, virtual_stages=v, microbatches=4, ledger=(s in ("1f1b", "zbv")))
+             for s, v in SCHEDULES]
+    cases.append(dict(model="tiny-moe", pp=2, pp_schedule="1f1b", microbatches=4))
+    cases.append(dict(model="tiny-moe", pp=2, pp_schedule="zero-bubble", virtual_stages=2, microbatches=4))
+    cases.append(dict(pp=2, pp_schedule="gpipe", pp_split="3,1", microbatches=2))
+    return run_distributed(run_cases, 2, cases, timeout=400)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(SCHEDULES) + 3))
+def test_two_stage_pipeline_matches_single_process(two_ranks, index):
+    per_rank = [two_ranks[r][index] for r in range(2)]
+    for result in per_rank:
+        _assert_matches(result)
+        assert result["loss"] == per_rank[0]["loss"]  # every rank reports the same loss
+    names = per_rank[0]["names"] + per_rank[1]["names"]
+    assert len(names) == len(set(names))  # disjoint stages ...
+    spec = load_model("tiny-moe" if index in (6, 7) else "tiny")
+    from fivefold.model import build_model
+
+    # ... covering the model
+    assert sorted(names) == sorted(n for n, _ in build_model(spec).named_parameters())
+
+
+@pytest.mark.slow
+def test_manual_split_is_used(two_ranks):
+    result = two_ranks[0][-1]
+    assert result["split"] == [3, 1]
+    assert sum(".layers." in n for n in result["names"]) == 3 * 9  # 9 tensors per tiny layer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_ledger_counts_activations_and_gradients_per_micro_batch(two_ranks, schedule):
+    index = [s for s, _ in SCHEDULES].index(schedule)
+    spec = load_model("tiny")
+    m, v = 4, 2 if schedule == "zbv" else 1
+    activation = MICRO * SEQ * spec.hidden * 4  # fp32
+    for rank in range(2):
+        result = two_ranks[rank][index]
+        # boundaries between chunks on different ranks, seen from this rank: each carries m
+        # activations forward and m gradients back
+        boundaries = [s for s in range(2 * v - 1)
+                      if stage_to_rank(s, 2, schedule) != stage_to_rank(s + 1, 2, schedule)
+                      and rank in (stage_to_rank(s, 2, schedule), stage_to_rank(s + 1, 2, schedule))]
+        ops = m * len(boundaries)  # per step and direction: one tensor per micro-batch per boundary
+        for op in ("send", "recv"):
+            count, nbytes = result["p2p"][op]
+            assert count == pytest.approx(ops) and nbytes == pytest.approx(ops * activation)
+
+
+@pytest.mark.slow
+def test_timeline_records_every_op_of_the_schedule(two_ranks):
+    for index, (schedule, _) in enumerate(SCHEDULES):
+        for rank in range(2):
+            result = two_ranks[rank][index]
+            kinds = {(s, k, mb) for s, k, mb in result["kinds"]}
+            for stage in result["stages"]:
+                forwards = {mb for s, k, mb in kinds if s == stage and k == "F"}
+                backwards = {mb for s, k, mb in kinds if s == stage and k in ("B", "I")}
+                assert forwards == backwards == set(range(4)), (schedule, stage)
+            if schedule == "zero-bubble":
+                assert any(k == "W" for _, k, _ in kinds)
+            assert result["comm_events"] > 0
+        assert 0.0 < two_ranks[0][index]["measured_idle"] < 1.0  # gathered on rank 0

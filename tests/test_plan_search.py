@@ -6,7 +6,7 @@ import time
 
 from fivefold.config import load_hardware, load_model
 from fivefold.plan import TrainShape, plan
-from fivefold.plan.report import capacity
+from fivefold.plan.result import capacity
 from fivefold.plan.search import search
 
 

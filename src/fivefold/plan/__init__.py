@@ -3,7 +3,8 @@
 Pure Python (no torch import), fast enough to score thousands of layouts a second.
 """
 
-from fivefold.plan.report import Plan, plan
+from fivefold.plan.report import plan
+from fivefold.plan.result import Plan
 from fivefold.plan.spec import Arch, TrainShape, resolve_arch
 
 __all__ = ["Arch", "Plan", "TrainShape", "plan", "resolve_arch"]

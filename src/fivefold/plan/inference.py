@@ -19,7 +19,7 @@ from fivefold.errors import FivefoldError
 from fivefold.plan.comm import collective_time, ep_link, links
 from fivefold.plan.compute import Rates, layer_time
 from fivefold.plan.memory import stage_counts, stage_params
-from fivefold.plan.report import capacity
+from fivefold.plan.result import capacity
 from fivefold.plan.spec import Arch, resolve_arch
 
 BYTES = 2

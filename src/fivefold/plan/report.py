@@ -8,110 +8,18 @@ with the tensor-, context- and expert-parallel collectives that sit on the criti
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError
 from fivefold.flops import hardware_flops_per_token, model_flops_per_token
-from fivefold.plan.comm import Collective, collective_time, ep_link, links, worst_link
+from fivefold.plan.comm import Collective, collective_time, ep_link, links
 from fivefold.plan.compute import LayerTime, Rates, head_time, layer_time, optimizer_time
+from fivefold.plan.dataparallel import data_parallel_traffic
 from fivefold.plan.memory import BYTES, Memory, cached_stage_params, memory, shard_group, stage_counts
 from fivefold.plan.pipeline import bubble_time, p2p_on_critical_path
+from fivefold.plan.result import Plan, capacity
 from fivefold.plan.spec import Arch, TrainShape, matmul_params, resolve_arch, total_params
-
-MEMORY_RESERVE = 0.04  # share of HBM kept by the CUDA context, NCCL buffers and fragmentation
-
-
-@dataclass
-class Plan:
-    model: ModelSpec
-    hardware: HardwareSpec
-    layout: Layout
-    shape: TrainShape
-    arch: Arch
-    gpus_per_node: int
-    microbatches: int
-    memory: Memory
-    fits: bool
-    comm: list[Collective]
-    compute_time_s: float
-    bubble_time_s: float
-    bubble_fraction: float
-    exposed_comm_s: float
-    optimizer_time_s: float
-    step_time_s: float
-    tokens_per_s: float
-    tflops_per_gpu: float
-    mfu: float
-    hardware_tflops_per_gpu: float
-    hfu: float
-    model_flops_per_token: float
-    hardware_flops_per_token: float
-    mfu_causal: float
-    params: int
-    stage_times: dict[str, float] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def gpus(self) -> int:
-        return self.layout.world
-
-    def to_json(self) -> dict[str, object]:
-        lay = self.layout
-        return {
-            "model": self.model.name,
-            "hardware": self.hardware.name,
-            "gpus": self.gpus,
-            "gpus_per_node": self.gpus_per_node,
-            "block": self.arch.name,
-            "params": self.params,
-            "layout": {
-                "dp": lay.dp,
-                "fsdp": lay.fsdp,
-                "tp": lay.tp,
-                "pp": lay.pp,
-                "cp": lay.cp,
-                "ep": lay.ep,
-                "zero": lay.zero,
-                "sp": lay.sp,
-                "pp_schedule": lay.pp_schedule,
-                "virtual_stages": lay.virtual_stages,
-                "recompute": lay.recompute,
-                "order": lay.order,
-                "cp_impl": lay.cp_impl,
-            },
-            "seq_len": self.shape.seq_len,
-            "global_batch": self.shape.global_batch,
-            "micro_batch": self.shape.micro_batch,
-            "microbatches": self.microbatches,
-            "memory": self.memory.to_json(),
-            "memory_capacity": int(capacity(self.hardware)),
-            "fits": self.fits,
-            "comm": [c.to_json() for c in self.comm],
-            "compute_time_s": self.compute_time_s,
-            "bubble_time_s": self.bubble_time_s,
-            "bubble_fraction": self.bubble_fraction,
-            "exposed_comm_s": self.exposed_comm_s,
-            "optimizer_time_s": self.optimizer_time_s,
-            "step_time_s": self.step_time_s,
-            "tokens_per_s": self.tokens_per_s,
-            "tflops_per_gpu": self.tflops_per_gpu,
-            "mfu": self.mfu,
-            "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
-            "hfu": self.hfu,
-            "model_flops_per_token": self.model_flops_per_token,
-            "hardware_flops_per_token": self.hardware_flops_per_token,
-            "flops_convention": "model FLOPs = 6·N_matmul + 12·layers·s·d_attn per token, full (non-causal) "
-            "attention square as Megatron/PaLM; mfu_causal counts only the causal half",
-            "mfu_causal": self.mfu_causal,
-            "stage_times": self.stage_times,
-            "notes": self.notes,
-        }
-
-
-def capacity(hw: HardwareSpec) -> float:
-    return hw.gpu_memory_gb * 1e9 * (1 - MEMORY_RESERVE)
 
 
 def check_plan_inputs(model: ModelSpec, layout: Layout, shape: TrainShape) -> None:
@@ -405,7 +313,7 @@ def _plan(
 
     # --- data-parallel traffic: gradients, and parameters under ZeRO-1/3
     dense, experts, _ = cached_stage_params(model, arch, layout, worst if layout.pp > 1 else "only", memo)
-    _data_parallel(layout, shape, m, dense, experts, kinds, add, t_f, t_b, hw)
+    data_parallel_traffic(layout, shape, m, dense, experts, kinds, add, t_f, t_b, hw)
     n = shard_group(layout)
     local = (dense / n + experts / max(n // layout.ep, 1)) if layout.zero >= 1 else dense + experts
     opt = optimizer_time(local, rates)
@@ -456,99 +364,3 @@ def _plan(
         stage_times={"forward_s": t_f, "backward_s": t_b, "pipeline_s": pipeline_time, "stage": worst},
         notes=notes,
     )
-
-
-def _data_parallel(
-    layout: Layout,
-    shape: TrainShape,
-    m: int,
-    dense: float,
-    experts: float,
-    kinds: dict[str, str],
-    add,
-    t_f: float,
-    t_b: float,
-    hw: HardwareSpec,
-) -> float:
-    """Record gradient (and ZeRO parameter) traffic; exposure is written into each record."""
-    overlap = shape.overlap_grad_reduce
-    g, p = shape.grad_bytes, shape.param_bytes
-    z = layout.zero
-    n = shard_group(layout)
-    ep = layout.ep
-    sharded_axes = ("fsdp", "cp") if layout.fsdp > 1 else ("dp", "cp")
-    shard_link = worst_link(kinds, *sharded_axes)
-    shard_axis = "fsdp" if layout.fsdp > 1 else "dp"
-
-    def once(axis: str, op: str, payload: float, group: int, link: str, window: float) -> None:
-        if group <= 1 or payload <= 0:
-            return
-        t = collective_time(hw, op, payload, group, link)[1]
-        hidden = window if overlap else 0.0
-        add(
-            axis,
-            op,
-            payload,
-            group,
-            link,
-            1,
-            exposed=max(t - hidden, 0.0),
-            overlap="last backward" if overlap else "none",
-        )
-
-    def per_microbatch(
-        axis: str, op: str, payload: float, group: int, link: str, per_step: int, window: float
-    ) -> None:
-        if group <= 1 or payload <= 0:
-            return
-        t = collective_time(hw, op, payload, group, link)[1]
-        add(
-            axis,
-            op,
-            payload,
-            group,
-            link,
-            per_step * m,
-            exposed=max(per_step * t - window, 0.0) * m,
-            overlap="layer prefetch",
-        )
-
-    n_exp = max(n // ep, 1)
-    if z <= 1:
-        for payload, group, link in ((dense, n, shard_link), (experts, n_exp, shard_link)):
-            if z == 0:
-                once(shard_axis, "all-reduce", g * payload, group, link, t_b)
-            else:
-                once(shard_axis, "reduce-scatter", g * payload, group, link, t_b)
-                once(shard_axis, "all-gather", p * payload, group, link, t_f)
-    else:
-        for payload, group in ((dense, n), (experts, n_exp)):
-            gathers = 2 if z == 3 else 1  # zero-3 gathers again for the backward
-            # each micro-batch's gathers and reduce-scatter hide behind its own compute
-            t_ag = collective_time(hw, "all-gather", p * payload, group, shard_link)[1] if group > 1 else 0.0
-            t_rs = (
-                collective_time(hw, "reduce-scatter", g * payload, group, shard_link)[1] if group > 1 else 0.0
-            )
-            busy = t_ag * gathers + t_rs
-            window = t_f + t_b
-            share_ag = (t_ag * gathers / busy) if busy else 0.0
-            per_microbatch(
-                shard_axis, "all-gather", p * payload, group, shard_link, gathers, window * share_ag
-            )
-            per_microbatch(
-                shard_axis, "reduce-scatter", g * payload, group, shard_link, 1, window * (1 - share_ag)
-            )
-        if layout.dp > 1 and layout.fsdp > 1:  # HSDP: replicas all-reduce their shard once a step
-            once(
-                "dp",
-                "all-reduce",
-                g * (dense / n + experts / n_exp),
-                layout.dp,
-                kinds.get("dp", "inter"),
-                t_b,
-            )
-    return 0.0
-
-
-def replace_layout(p: Plan, **changes: object) -> Layout:
-    return dataclasses.replace(p.layout, **changes)

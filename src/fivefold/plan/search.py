@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError, divisors
 from fivefold.plan.memory import Memory, memory, model_state, shard_group, stage_params
-from fivefold.plan.report import Plan, _plan, capacity, check_plan_inputs, model_facts, step_lower_bound
+from fivefold.plan.report import _plan, check_plan_inputs, model_facts, step_lower_bound
+from fivefold.plan.result import Plan, capacity
 from fivefold.plan.spec import TrainShape, resolve_arch
 
 RECOMPUTE_ORDER = ("none", "selective", "full")

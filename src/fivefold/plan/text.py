@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fivefold.plan.report import Plan, capacity
+from fivefold.plan.result import Plan, capacity
 
 BAR_WIDTH = 48
 PARTS = (("params", "█"), ("grads", "▓"), ("optimizer", "▒"), ("activations", "░"), ("buffers", "·"))

@@ -15,7 +15,8 @@ from typing import Any
 
 from fivefold.config import Layout, ModelSpec, load_hardware
 from fivefold.plan.memory import model_state
-from fivefold.plan.report import Plan, plan
+from fivefold.plan.report import plan
+from fivefold.plan.result import Plan
 from fivefold.plan.spec import TrainShape
 
 GIB = 2**30

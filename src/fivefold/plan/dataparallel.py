@@ -1,0 +1,107 @@
+"""Data-parallel traffic of a step: gradients, and weights under ZeRO (see docs/planner.md).
+
+DDP all-reduces gradients once a step behind the last micro-batch's backward; the sharded optimizer
+(zero 1) reduce-scatters them and all-gathers the updated weights behind the next forward; FSDP
+(zero 2, 3) gathers weights and reduce-scatters gradients every micro-batch behind that micro-batch's
+compute; HSDP replicas all-reduce their shard once a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fivefold.config import HardwareSpec, Layout
+from fivefold.plan.comm import collective_time, worst_link
+from fivefold.plan.memory import shard_group
+from fivefold.plan.spec import TrainShape
+
+
+def data_parallel_traffic(
+    layout: Layout,
+    shape: TrainShape,
+    m: int,
+    dense: float,
+    experts: float,
+    kinds: dict[str, str],
+    add: Callable[..., float],
+    t_f: float,
+    t_b: float,
+    hw: HardwareSpec,
+) -> None:
+    """Record gradient (and ZeRO weight) traffic through `add`, each with the part no compute hides."""
+    overlap = shape.overlap_grad_reduce
+    g, p = shape.grad_bytes, shape.param_bytes
+    z = layout.zero
+    n = shard_group(layout)
+    ep = layout.ep
+    sharded_axes = ("fsdp", "cp") if layout.fsdp > 1 else ("dp", "cp")
+    shard_link = worst_link(kinds, *sharded_axes)
+    shard_axis = "fsdp" if layout.fsdp > 1 else "dp"
+
+    def once(axis: str, op: str, payload: float, group: int, link: str, window: float) -> None:
+        if group <= 1 or payload <= 0:
+            return
+        t = collective_time(hw, op, payload, group, link)[1]
+        hidden = window if overlap else 0.0
+        add(
+            axis,
+            op,
+            payload,
+            group,
+            link,
+            1,
+            exposed=max(t - hidden, 0.0),
+            overlap="last backward" if overlap else "none",
+        )
+
+    def per_microbatch(
+        axis: str, op: str, payload: float, group: int, link: str, per_step: int, window: float
+    ) -> None:
+        if group <= 1 or payload <= 0:
+            return
+        t = collective_time(hw, op, payload, group, link)[1]
+        add(
+            axis,
+            op,
+            payload,
+            group,
+            link,
+            per_step * m,
+            exposed=max(per_step * t - window, 0.0) * m,
+            overlap="layer prefetch",
+        )
+
+    n_exp = max(n // ep, 1)
+    if z <= 1:
+        for payload, group, link in ((dense, n, shard_link), (experts, n_exp, shard_link)):
+            if z == 0:
+                once(shard_axis, "all-reduce", g * payload, group, link, t_b)
+            else:
+                once(shard_axis, "reduce-scatter", g * payload, group, link, t_b)
+                once(shard_axis, "all-gather", p * payload, group, link, t_f)
+    else:
+        for payload, group in ((dense, n), (experts, n_exp)):
+            gathers = 2 if z == 3 else 1  # zero-3 gathers again for the backward
+            # each micro-batch's gathers and reduce-scatter hide behind its own compute
+            t_ag = collective_time(hw, "all-gather", p * payload, group, shard_link)[1] if group > 1 else 0.0
+            t_rs = (
+                collective_time(hw, "reduce-scatter", g * payload, group, shard_link)[1] if group > 1 else 0.0
+            )
+            busy = t_ag * gathers + t_rs
+            window = t_f + t_b
+            share_ag = (t_ag * gathers / busy) if busy else 0.0
+            per_microbatch(
+                shard_axis, "all-gather", p * payload, group, shard_link, gathers, window * share_ag
+            )
+            per_microbatch(
+                shard_axis, "reduce-scatter", g * payload, group, shard_link, 1, window * (1 - share_ag)
+            )
+        if layout.dp > 1 and layout.fsdp > 1:  # HSDP: replicas all-reduce their shard once a step
+            once(
+                "dp",
+                "all-reduce",
+                g * (dense / n + experts / n_exp),
+                layout.dp,
+                kinds.get("dp", "inter"),
+                t_b,
+            )

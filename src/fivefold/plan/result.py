@@ -1,0 +1,103 @@
+"""The `Plan` a prediction returns, and the usable memory it is compared with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fivefold.config import HardwareSpec, Layout, ModelSpec
+from fivefold.plan.comm import Collective
+from fivefold.plan.memory import Memory
+from fivefold.plan.spec import Arch, TrainShape
+
+MEMORY_RESERVE = 0.04  # share of HBM kept by the CUDA context, NCCL buffers and fragmentation
+
+
+@dataclass
+class Plan:
+    model: ModelSpec
+    hardware: HardwareSpec
+    layout: Layout
+    shape: TrainShape
+    arch: Arch
+    gpus_per_node: int
+    microbatches: int
+    memory: Memory
+    fits: bool
+    comm: list[Collective]
+    compute_time_s: float
+    bubble_time_s: float
+    bubble_fraction: float
+    exposed_comm_s: float
+    optimizer_time_s: float
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float
+    hardware_tflops_per_gpu: float
+    hfu: float
+    model_flops_per_token: float
+    hardware_flops_per_token: float
+    mfu_causal: float
+    params: int
+    stage_times: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def gpus(self) -> int:
+        return self.layout.world
+
+    def to_json(self) -> dict[str, object]:
+        lay = self.layout
+        return {
+            "model": self.model.name,
+            "hardware": self.hardware.name,
+            "gpus": self.gpus,
+            "gpus_per_node": self.gpus_per_node,
+            "block": self.arch.name,
+            "params": self.params,
+            "layout": {
+                "dp": lay.dp,
+                "fsdp": lay.fsdp,
+                "tp": lay.tp,
+                "pp": lay.pp,
+                "cp": lay.cp,
+                "ep": lay.ep,
+                "zero": lay.zero,
+                "sp": lay.sp,
+                "pp_schedule": lay.pp_schedule,
+                "virtual_stages": lay.virtual_stages,
+                "recompute": lay.recompute,
+                "order": lay.order,
+                "cp_impl": lay.cp_impl,
+            },
+            "seq_len": self.shape.seq_len,
+            "global_batch": self.shape.global_batch,
+            "micro_batch": self.shape.micro_batch,
+            "microbatches": self.microbatches,
+            "memory": self.memory.to_json(),
+            "memory_capacity": int(capacity(self.hardware)),
+            "fits": self.fits,
+            "comm": [c.to_json() for c in self.comm],
+            "compute_time_s": self.compute_time_s,
+            "bubble_time_s": self.bubble_time_s,
+            "bubble_fraction": self.bubble_fraction,
+            "exposed_comm_s": self.exposed_comm_s,
+            "optimizer_time_s": self.optimizer_time_s,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "mfu": self.mfu,
+            "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
+            "hfu": self.hfu,
+            "model_flops_per_token": self.model_flops_per_token,
+            "hardware_flops_per_token": self.hardware_flops_per_token,
+            "flops_convention": "model FLOPs = 6·N_matmul + 12·layers·s·d_attn per token, full (non-causal) "
+            "attention square as Megatron/PaLM; mfu_causal counts only the causal half",
+            "mfu_causal": self.mfu_causal,
+            "stage_times": self.stage_times,
+            "notes": self.notes,
+        }
+
+
+def capacity(hw: HardwareSpec) -> float:
+    return hw.gpu_memory_gb * 1e9 * (1 - MEMORY_RESERVE)

@@ -5,6 +5,7 @@ One optimizer step on this rank:
     bucketed all-reduce, FSDP's reduce-scatter / HSDP's all-reduce) runs only on the last one;
   * each micro-batch loss is scaled by 1/accumulation; the data-parallel reductions average
     over replicas, so the gradient is that of the mean loss over the global batch;
+  * gradients DTensor left partial (replicated norm weights under SP) are summed over `tp`;
   * the returned loss is that mean, all-reduced over the ranks that hold different data.
 
 The global gradient norm sums squares of local gradient shards, reduced over exactly the mesh
@@ -71,6 +72,7 @@ class ParallelRunner:
                 loss = lm_loss(logits, y)
                 (loss * scale).backward()
             total += _plain(loss).detach() * scale
+        self._finish_partial_grads()
         return self._mean_over_replicas(total)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -119,6 +121,18 @@ class ParallelRunner:
             self.model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
+    def _finish_partial_grads(self) -> None:
+        """Sum gradients DTensor left as per-rank partial sums (norm weights under SP) now.
+
+        Replicated weights that see only a sequence shard (SP norms) get Partial gradients;
+        reducing them here, once per step, keeps the optimizer and the clip on plain replicated
+        gradients and puts the all-reduce where the ledger sees it.
+        """
+        for p in self.model.parameters():
+            grad = p.grad
+            if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
+                p.grad = grad.redistribute(placements=p.placements)
+
     def _mean_over_replicas(self, value: torch.Tensor) -> torch.Tensor:
         value = value.detach().float().clone()
         if self.replica_group is not None:
@@ -135,7 +149,7 @@ class ParallelRunner:
             grad = p.grad
             is_dtensor = isinstance(grad, DTensor)
             mesh, placements = (grad.device_mesh, grad.placements) if is_dtensor else (None, ())
-            if any(pl.is_partial() for pl in placements):
+            if any(pl.is_partial() for pl in placements):  # not left by forward_backward; to be safe
                 grad = grad.redistribute(placements=[Replicate()] * len(placements))
                 placements = grad.placements
             groups = tuple(mesh.get_group(i) for i, pl in enumerate(placements)

@@ -159,3 +159,32 @@ def test_import_does_not_load_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_inference_with_expert_parallel_replicas(capsys) -> None:
+    """Serving replicas carry the expert split: 8 replicas of tp 8 with ep 8 on 64 GPUs."""
+    args = [
+        "plan",
+        "--model",
+        "mixtral-8x7b",
+        "--hardware",
+        "h100-80gb",
+        "--gpus",
+        "64",
+        "--tp",
+        "8",
+        "--mode",
+        "inference",
+        "--batch",
+        "16",
+        "--context",
+        "4096",
+        "--json",
+    ]
+    assert main([*args, "--ep", "8"]) == 0
+    with_ep = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    without = json.loads(capsys.readouterr().out)
+    assert with_ep["layout"]["replicas"] == 8 and with_ep["layout"]["ep"] == 8
+    assert with_ep["memory"]["params"] < without["memory"]["params"] / 3  # experts split 8 ways
+    assert with_ep["comm_time_s"]["ep"] > 0

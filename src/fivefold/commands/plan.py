@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     from fivefold.config import layout_from_args, load_hardware, load_model
     from fivefold.errors import FivefoldError
+    from fivefold.mesh import resolve_layout
 
     model = load_model(args.model)
     hw = load_hardware(args.hardware)
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         layout.dp = -1  # the data-parallel degree fills whatever the other axes leave
     if args.virtual_stages and args.virtual_stages > 1 and args.pp_schedule is None:
         layout.pp_schedule = "interleaved-1f1b"
-    layout = layout.resolve(args.gpus)
+    layout = resolve_layout(layout, args.gpus)
     if args.microbatches:
         m = shape.microbatches(layout)
         if args.microbatches != m:
@@ -117,6 +118,7 @@ def _inference(args: argparse.Namespace, model, hw, gpn: int) -> int:
 
     from fivefold.config import layout_from_args
     from fivefold.errors import FivefoldError
+    from fivefold.mesh import resolve_layout
     from fivefold.plan import text as view
     from fivefold.plan.inference import InferenceShape, inference_plan
 
@@ -124,9 +126,9 @@ def _inference(args: argparse.Namespace, model, hw, gpn: int) -> int:
     if not context:
         raise FivefoldError("inference plans need --context (tokens per sequence: prompt + generated)")
     layout = layout_from_args(args)
-    if args.dp is None and args.fsdp is None:
-        layout.dp = -1
-    layout = layout.resolve(args.gpus)
+    if args.fsdp is None:  # serving replicas sit on the fsdp axis so that ep can fold onto them
+        layout.fsdp, layout.dp = (layout.dp if args.dp is not None else -1), 1
+    layout = resolve_layout(layout, args.gpus)
     shape = InferenceShape(batch=args.batch, context=context, prompt=args.prompt or context)
     p = inference_plan(model, hw, layout, shape, gpn)
     print(json.dumps(p.to_json()) if args.json else view.inference_text(p))

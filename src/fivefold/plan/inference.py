@@ -168,24 +168,11 @@ def inference_plan(
             prefill += count * t_pre
             decode += count * t_dec
             comm["tp"] += count * t_dec
-        if moe and lay.ep > 1:
+        if moe and lay.ep > 1:  # dispatch and combine; tp ranks split the tokens they send
             link = ep_link(lay, gpn)
-            t_dec = (
-                2
-                * collective_time(
-                    hw,
-                    "all-to-all",
-                    BYTES * shape.batch * model.experts_per_token * model.hidden,
-                    lay.ep,
-                    link,
-                )[1]
-            )
-            t_pre = (
-                2
-                * collective_time(
-                    hw, "all-to-all", BYTES * tokens * model.experts_per_token * model.hidden, lay.ep, link
-                )[1]
-            )
+            per_token = BYTES * model.experts_per_token * model.hidden / lay.tp
+            t_dec = 2 * collective_time(hw, "all-to-all", per_token * shape.batch, lay.ep, link)[1]
+            t_pre = 2 * collective_time(hw, "all-to-all", per_token * tokens, lay.ep, link)[1]
             prefill += count * t_pre
             decode += count * t_dec
             comm["ep"] += count * t_dec

@@ -245,7 +245,9 @@ def _plan(
                     ("cp", "all-to-all", payload, c, cp_link, 4 * n * (passes + 1), (passes + 1) * t4, "none")
                 )
         if layout.ep > 1 and n_moe:  # dispatch and combine, forward and backward
-            payload = BYTES * tokens * model.experts_per_token * model.hidden
+            payload = (
+                BYTES * tokens / layout.tp * model.experts_per_token * model.hidden
+            )  # tp ranks split the tokens
             t2 = 2 * n_moe * t_of("all-to-all", payload, layout.ep, exp_link)
             hidden = layout.pp_schedule == "dualpipev" and layout.pp > 1  # overlapped with the paired chunk
             passes = 2 if full else 1

@@ -248,7 +248,13 @@ def _train(
             f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens but model "
             f"{spec.name} only {spec.vocab}; pick a model with vocab >= {tokenizer.vocab_size}"
         )
+    data = load_data(tspec.data, tokenizer, tspec.seq_len)  # bad data fails before anything is written
+    if data.max_token >= spec.vocab:
+        raise FivefoldError(
+            f"data {tspec.data} holds token id {data.max_token}, outside the model's vocab {spec.vocab}"
+        )
     run_dir = Path(_broadcast(str(run_dir)))
+    checkpoint = find_checkpoint(run_dir, resume) if resume is not None else None
     resolved = RunConfig(model=spec, train=tspec, layout=layout)
     _setup_run_dir(run_dir, resolved, resume, rank)
     _barrier()
@@ -265,18 +271,13 @@ def _train(
     if runner is None:
         _layout_only(layout, mesh, log)
         return TrainResult(run_dir, layout, trained=False)
-    data = load_data(tspec.data, tokenizer, tspec.seq_len)
-    if data.max_token >= spec.vocab:
-        raise FivefoldError(
-            f"data {tspec.data} holds token id {data.max_token}, outside the model's vocab {spec.vocab}"
-        )
     batch_rank = mesh.coord("batch") if mesh is not None else 0
 
     parts = runner.model_parts
     optimizers = [make_optimizer(part, tspec) for part in parts]
     start = 0
-    if resume is not None:
-        state = load_checkpoint(find_checkpoint(run_dir, resume), parts, optimizers)
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, parts, optimizers)
         start = state["step"]
         if start >= tspec.steps:
             log(f"checkpoint is at step {start}, at or past --steps {tspec.steps}: nothing to train")
@@ -384,12 +385,13 @@ def _make_ledger(mesh: Any) -> Any:
 
 @contextlib.contextmanager
 def _step_ledger(ledger: Any):
+    """Record one optimizer step's collectives (forward, backward, clipping, optimizer)."""
     if ledger is None:
         yield
         return
-    step_ctx = getattr(ledger, "step", None)
-    with step_ctx() if callable(step_ctx) else ledger:
+    with ledger:
         yield
+    ledger.next_step()
 
 
 def _write_outputs(
@@ -404,11 +406,11 @@ def _write_outputs(
         from fivefold.parallel.timeline import write_trace
 
         write_trace(run_dir / "trace.json", timeline)
-    if ledger is not None:
-        to_json = getattr(ledger, "to_json", None)
-        data = to_json() if callable(to_json) else None
-        if rank == 0 and data is not None:
-            (run_dir / "ledger.json").write_text(json.dumps(data, indent=1))
+    if rank == 0 and ledger is not None:
+        ledger.write(run_dir / "ledger.json")
+    elif rank == 0:  # one process: nothing crosses a process boundary
+        empty = {"rank": 0, "steps": 0, "per_step": [], "summary": [], "by_axis": {}}
+        (run_dir / "ledger.json").write_text(json.dumps(empty, indent=1))
     if rank == 0:
         plot_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss.png", vocab)
         (run_dir / "run.json").write_text(json.dumps({"world": world, "mfu_peak_from": hardware}, indent=1))

@@ -1,0 +1,191 @@
+"""Bad input on every command: one line on stderr, exit code 2, no traceback; `--nproc 2` runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fivefold.cli import main
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("inputs")
+    (root / "bad.toml").write_text("[train\nsteps = 3\n")
+    (root / "unknown_key.toml").write_text("[train]\nstepz = 3\n")
+    (root / "big_tp.toml").write_text('model = "tiny"\n[layout]\ntp = 3\n')
+    corpus = root / "code.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 400)
+    return {
+        "bad": str(root / "bad.toml"),
+        "unknown_key": str(root / "unknown_key.toml"),
+        "big_tp": str(root / "big_tp.toml"),
+        "missing": str(root / "missing.toml"),
+        "corpus": str(corpus),
+        "root": str(root),
+    }
+
+
+def _has(command: str) -> bool:
+    return importlib.util.find_spec(f"fivefold.commands.{command}") is not None
+
+
+# (command, argv after the command, words the message must contain); {placeholders} from `files`
+BAD_INPUT = [
+    ("train", ["--model", "no-such-model"], "unknown model"),
+    ("train", ["--config", "{bad}"], "malformed TOML"),
+    ("train", ["--config", "{missing}"], "not found"),
+    ("train", ["--model", "{missing}"], "not found"),
+    ("train", ["--config", "{unknown_key}"], "unknown key"),
+    ("train", ["--config", "{big_tp}"], "world size"),
+    ("train", ["--model", "tiny", "--tp", "3", "--nproc", "3"], "must divide"),
+    ("train", ["--model", "tiny", "--dp", "3", "--nproc", "2"], "world size"),
+    ("train", ["--model", "tiny", "--steps", "0"], "--steps must be positive"),
+    ("train", ["--model", "tiny", "--global-batch", "12", "--micro-batch", "8"], "multiple of"),
+    ("train", ["--model", "tiny", "--nproc", "0"], "--nproc"),
+    ("train", ["--model", "tiny", "--data", "{root}/nothing-here", "--seq-len", "16"], "data not found"),
+    ("train", ["--model", "tiny", "--tokenizer", "{root}/none.json"], "tokenizer not found"),
+    ("train", ["--model", "tiny", "--resume"], "--run-dir"),
+    (
+        "train",
+        ["--model", "tiny", "--run-dir", "{root}/fresh", "--resume", "--data", "{corpus}", "--seq-len", "16"],
+        "no checkpoint",
+    ),
+    ("demo", ["--steps", "0"], "--steps must be positive"),
+    ("mesh", ["--gpus", "4", "--tp", "3"], "world size"),
+    ("plan", ["--model", "no-such-model", "--hardware", "h100-80gb", "--gpus", "8"], "unknown model"),
+    ("plan", ["--model", "llama3-8b", "--hardware", "no-such-gpu", "--gpus", "8"], "unknown hardware"),
+    ("generate", ["--from", "{root}/no-run", "--prompt", "x"], "no-run"),
+]
+
+
+@pytest.mark.parametrize(("command", "argv", "words"), BAD_INPUT, ids=[f"{c}-{w}" for c, _, w in BAD_INPUT])
+def test_bad_input_is_one_line_and_exit_code_2(command, argv, words, files, capsys):
+    if not _has(command):
+        pytest.skip(f"fivefold {command} is not in this build")
+    code = main([command] + [a.format(**files) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert words in lines[0]
+    assert lines[0].startswith(f"fivefold {command}: error: ")
+
+
+def _fivefold(*argv: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, "-m", "fivefold", *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_nproc_2_starts_agrees_on_a_layout_and_exits_cleanly(files, tmp_path):
+    common = [
+        "--model",
+        "tiny",
+        "--steps",
+        "3",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "2",
+        "--data",
+        files["corpus"],
+        "--device",
+        "cpu",
+        "--no-progress",
+    ]
+    proc = _fivefold("train", *common, "--nproc", "2", "--run-dir", str(tmp_path / "two"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    two = tmp_path / "two"
+    config = (two / "config.toml").read_text()
+    assert "dp = 2" in config  # no axis given: plain data parallel over both ranks
+    metrics = two / "metrics.jsonl"
+    if metrics.exists():  # the data-parallel runner is in this build: compare with one process
+        losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+        assert "rank 1 step 3/3 loss" in proc.stderr  # every rank reports its loss
+        one = _fivefold(
+            "train", *common, "--global-batch", "4", "--run-dir", str(tmp_path / "one"), cwd=tmp_path
+        )
+        assert one.returncode == 0, one.stderr[-3000:]
+        single = [
+            json.loads(line)["loss"] for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()
+        ]
+        assert losses == pytest.approx(single, rel=1e-5)
+    else:
+        assert "agreed on the layout" in proc.stderr
+        assert "rank 0: dp=0" in proc.stdout and "rank 1: dp=1" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_failing_rank_is_reported_once(files, tmp_path):
+    proc = _fivefold(
+        "train",
+        "--model",
+        "tiny",
+        "--nproc",
+        "2",
+        "--device",
+        "cpu",
+        "--data",
+        f"{files['root']}/nothing-here",
+        "--run-dir",
+        str(tmp_path / "r"),
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "data not found" in lines[0] and "rank" in lines[0]
+
+
+@pytest.mark.slow
+def test_torchrun_module_entry_point(files, tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            "-m",
+            "fivefold.train",
+            "--model",
+            "tiny",
+            "--steps",
+            "2",
+            "--seq-len",
+            "32",
+            "--micro-batch",
+            "2",
+            "--data",
+            files["corpus"],
+            "--device",
+            "cpu",
+            "--no-progress",
+            "--run-dir",
+            str(tmp_path / "t"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len((tmp_path / "t" / "metrics.jsonl").read_text().splitlines()) == 2

@@ -39,7 +39,7 @@ class Plan:
     hardware_flops_per_token: float
     mfu_causal: float
     params: int
-    stage_times: dict[str, float] = field(default_factory=dict)
+    stage_times: dict[str, object] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     @property

@@ -41,12 +41,9 @@ class TrainShape:
         per = self.micro_batch * layout.dp * layout.fsdp
         if self.global_batch % per:
             ok = [per * k for k in range(1, 9)]
-            fits = (
-                [b for b in divisors(self.global_batch // (layout.dp * layout.fsdp))][:8]
-                if (self.global_batch % (layout.dp * layout.fsdp) == 0)
-                else []
-            )
-            hint = f"; or --micro-batch in {suggest(fits)}" if fits else ""
+            data = layout.dp * layout.fsdp
+            sizes = divisors(self.global_batch // data) if self.global_batch % data == 0 else []
+            hint = f"; or --micro-batch in {suggest(sizes)}" if sizes else ""
             raise FivefoldError(
                 f"--global-batch {self.global_batch} must be a multiple of micro_batch × data-parallel ranks "
                 f"(dp×fsdp) = {self.micro_batch}×{layout.dp * layout.fsdp} = {per}; "

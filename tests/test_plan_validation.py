@@ -1,9 +1,9 @@
 """Predicted vs published for every run of ../shared/reference/published_runs.toml.
 
 Bounds (stated in docs/planner.md): step time, TFLOP/s, MFU and HFU within 10% per run and 5% on
-average; analytic activation memory within 1%; model-state memory within 10% (we count the embedding
-the first pipeline stage really holds; the paper's formula leaves it out); the ZeRO example exactly,
-up to the paper's rounding to 0.1 GB.
+average; analytic activation memory within 1% and Figure 7's activation ratios within 2%; model-state
+memory within 10% (we count the embedding the first pipeline stage really holds; the paper's formula
+leaves it out); the ZeRO example exactly, up to the paper's rounding to 0.1 GB.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ def test_memory_within_bounds(results) -> None:
     for r in rows:
         if r.metric == "activations GiB":
             assert abs(r.error) <= 0.01, (r.run, r.error)
+        elif r.metric == "activations % of base":  # Figure 7, read off a chart
+            assert abs(r.error) <= 0.02, (r.run, r.error)
         elif r.metric == "model state GiB":
             assert abs(r.error) <= 0.10, (r.run, r.error)
         elif r.metric == "model state GB":  # ZeRO Figure 1, rounded to 0.1 GB by the paper

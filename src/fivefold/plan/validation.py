@@ -153,6 +153,10 @@ def compare(run: dict[str, Any]) -> tuple[Plan | None, list[Comparison]]:
                 p.memory.activations / GIB,
             )
         )
+    if "fig7_activation_pct_of_tp_baseline" in meas:  # Korthikanti Figure 7: vs tp only, no recompute
+        base = plan(model, hw, dataclasses.replace(layout, sp=False, recompute="none"), shape)
+        pct = 100 * p.memory.activations / base.memory.activations
+        out.append(Comparison(rid, "activations % of base", meas["fig7_activation_pct_of_tp_baseline"], pct))
     return p, out
 
 

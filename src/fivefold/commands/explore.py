@@ -1,0 +1,86 @@
+"""`fivefold explore`: write one self-contained HTML page of mesh, plan and (optionally) a run."""
+
+from __future__ import annotations
+
+import argparse
+
+from fivefold.config import add_layout_arguments
+
+HELP = "write an interactive HTML page of mesh, plan and run"
+_LAYOUT_FLAGS = (
+    "dp",
+    "fsdp",
+    "tp",
+    "pp",
+    "cp",
+    "ep",
+    "zero",
+    "sp",
+    "pp_schedule",
+    "virtual_stages",
+    "recompute",
+    "order",
+    "cp_impl",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="model preset, MODEL.toml or HF config.json (default: the run's)")
+    parser.add_argument(
+        "--hardware", default=None, help="hardware preset or HW.toml (default: h100-80gb, or cpu for a run)"
+    )
+    parser.add_argument("--gpus", type=int, default=None, help="world size (default: the run's)")
+    parser.add_argument("--gpus-per-node", type=int, default=None)
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--global-batch", type=int, default=None, help="sequences per step")
+    parser.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default 1)")
+    parser.add_argument("--run", default=None, help="a run directory: its config, loss, ledger and timeline")
+    parser.add_argument("--top", type=int, default=5, help="also show the search's best N layouts (0: none)")
+    parser.add_argument("--out", default="explore.html", help="where to write the page")
+    add_layout_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fivefold.config import RunConfig, layout_from_args, load_hardware, load_model
+    from fivefold.errors import FivefoldError
+    from fivefold.explore import build_page
+    from fivefold.mesh import resolve_layout
+    from fivefold.plan import TrainShape
+
+    base = None
+    if args.run:
+        cfg_path = Path(args.run) / "config.toml"
+        if not cfg_path.exists():
+            raise FivefoldError(f"{args.run} is not a run directory: config.toml is missing")
+        base = RunConfig.from_toml(cfg_path)
+    if args.model:
+        model = load_model(args.model)
+    elif base:
+        model = base.model
+    else:
+        raise FivefoldError("give --model (a preset, MODEL.toml or config.json) or --run DIR")
+    hw = load_hardware(args.hardware or ("cpu" if base and not args.model else "h100-80gb"))
+    layout = layout_from_args(args, base.layout if base else None)
+    given = base is not None or any(getattr(args, f) is not None for f in _LAYOUT_FLAGS)
+    gpus = args.gpus or (base.layout.world if base else None)
+    if not gpus:
+        raise FivefoldError("give --gpus N (the world size)")
+    seq_len = args.seq_len or (base.train.seq_len if base else 4096)
+    global_batch = args.global_batch or (
+        (base.train.global_batch or base.train.micro_batch * layout.data_parallel) if base else 8 * gpus
+    )
+    micro = args.micro_batch or (base.train.micro_batch if base else 1)
+    shape = TrainShape(seq_len=seq_len, global_batch=global_batch, micro_batch=micro).validate()
+    if given and args.dp is None and args.fsdp is None and not base:
+        layout.dp = -1
+    resolved = resolve_layout(layout, gpus) if given else None
+    html = build_page(model, hw, gpus, shape, resolved, args.gpus_per_node, args.run, args.top)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(html)
+    tmp.replace(out)
+    print(f"wrote {out} ({len(html) / 1e3:.0f} kB): open it in a browser")
+    return 0

@@ -17,7 +17,15 @@ from fivefold.plan.validation import compare, load_runs, table
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "published_runs.toml"
 pytestmark = pytest.mark.skipif(not REFERENCE.exists(), reason=f"reference data not found at {REFERENCE}")
 
-TIME_METRICS = ("step time s", "TFLOP/s (hardware)", "TFLOP/s (model)", "MFU", "HFU")
+TIME_METRICS = (
+    "step time s",
+    "TFLOP/s (hardware)",
+    "TFLOP/s (model)",
+    "MFU",
+    "HFU",
+    "layer forward ms",
+    "layer backward ms",
+)
 
 
 @pytest.fixture(scope="module")

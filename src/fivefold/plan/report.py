@@ -165,9 +165,9 @@ def _plan(
     def t_of(op: str, payload: float, group: int, link: str) -> float:
         return collective_time(hw, op, payload, group, link)[1]
 
-    def stage_costs(which: str) -> tuple[float, float, float, float, list[tuple]]:
-        """(t_f, t_b, compute, exposed comm) of one micro-batch through a stage, and its collectives
-        as (axis, op, payload, group, link, calls, exposed seconds, overlap) per micro-batch."""
+    def stage_costs(which: str) -> tuple[float, float, float, float, list[tuple], tuple[float, float]]:
+        """(t_f, t_b, compute, exposed comm) of one micro-batch through a stage, its collectives as
+        (axis, op, payload, group, link, calls, exposed seconds, overlap), and one layer's (fwd, bwd)."""
         n_dense, n_moe = stage_counts(model, layout.pp, which)
         n = n_dense + n_moe
         mix = [(n_dense, lt[False])] + ([(n_moe, lt[True])] if n_moe else [])
@@ -183,7 +183,7 @@ def _plan(
             t_pass = 2 * n * sum(times.values())
             # backward: each input-gradient collective overlaps the weight-gradient matmul
             hidden_b = min(t_pass, wgrad)
-            exp_f += t_pass * (2 if full else 1)
+            exp_f += t_pass
             exp_b += t_pass - hidden_b
             for op in ops:
                 share = times[op] / sum(times.values())
@@ -214,7 +214,7 @@ def _plan(
                 step_b = (c - 1) * t_of("send-recv", 2 * block, 2, cp_link)  # K,V and their grads
                 e_f = n * max(step_f - core / n, 0.0)
                 e_b = n * max(step_b - 2 * core / n, 0.0)
-                exp_f += passes * e_f
+                exp_f += e_f
                 exp_b += e_b
                 recs.append(
                     (
@@ -232,14 +232,14 @@ def _plan(
                 gathered = 2 * BYTES * shape.seq_len * shape.micro_batch * kv_local
                 t_ag = n * t_of("all-gather", gathered, c, cp_link)
                 t_rs = n * t_of("reduce-scatter", gathered, c, cp_link)
-                exp_f += passes * t_ag
+                exp_f += t_ag
                 exp_b += t_rs
                 recs.append(("cp", "all-gather", gathered, c, cp_link, n * passes, passes * t_ag, "none"))
                 recs.append(("cp", "reduce-scatter", gathered, c, cp_link, n, t_rs, "none"))
             else:  # Ulysses: q, k, v in and the output back, all-to-all over heads
                 payload = BYTES * tokens * (model.heads * model.head_dim / layout.tp + kv_local) / 2
                 t4 = 4 * n * t_of("all-to-all", payload, c, cp_link)
-                exp_f += passes * t4
+                exp_f += t4
                 exp_b += t4
                 recs.append(
                     ("cp", "all-to-all", payload, c, cp_link, 4 * n * (passes + 1), (passes + 1) * t4, "none")
@@ -252,7 +252,7 @@ def _plan(
             hidden = layout.pp_schedule == "dualpipev" and layout.pp > 1  # overlapped with the paired chunk
             passes = 2 if full else 1
             if not hidden:
-                exp_f += passes * t2
+                exp_f += t2
                 exp_b += t2
             recs.append(
                 (
@@ -266,6 +266,9 @@ def _plan(
                     "paired chunk (DualPipe)" if hidden else "none",
                 )
             )
+        # per layer: one forward pass, its backward, and (full recompute) the forward's collectives again
+        layer_f, layer_b = (f + exp_f) / n, (b + exp_b + (exp_f if full else 0.0)) / n
+        exp_rc = exp_f if full else 0.0
         if layout.tp > 1:  # vocab-parallel embedding (forward) and the head's input gradient (backward)
             t_ar = t_of("all-reduce", act_bytes, layout.tp, tp_link)
             ends = (which in ("first", "only"), which in ("last", "only"))
@@ -280,16 +283,15 @@ def _plan(
         if which in ("last", "only"):
             hf, hb = head_time(model, layout, shape.micro_batch, shape.seq_len, rates)
         compute = f + b + recompute + hf + hb
-        # full recompute's repeated forward collectives sit in the backward's time
-        fwd_comm = exp_f / (2 if full else 1)
-        t_f = f + hf + fwd_comm
-        t_b = b + recompute + hb + exp_b + (exp_f - fwd_comm)
-        return t_f, t_b, compute, exp_f + exp_b, recs
+        t_f = f + hf + exp_f
+        t_b = b + recompute + hb + exp_b + exp_rc  # recomputed forward collectives run in the backward
+        layer_b += recompute / n
+        return t_f, t_b, compute, exp_f + exp_b + exp_rc, recs, (layer_f, layer_b)
 
     stage_names = ["only"] if layout.pp == 1 else ["first", "last"]
     per_stage = {which: stage_costs(which) for which in stage_names}
     worst = max(per_stage, key=lambda k: per_stage[k][0] + per_stage[k][1])
-    t_f, t_b, compute_mb, exposed_mb, recs = per_stage[worst]
+    t_f, t_b, compute_mb, exposed_mb, recs, (layer_f, layer_b) = per_stage[worst]
     for axis, op, payload, group, link, calls, exposed, overlap in recs:
         add(axis, op, payload, group, link, calls * m, exposed=exposed * m, overlap=overlap)
     mean_f = sum(v[0] for v in per_stage.values()) / len(per_stage)
@@ -363,6 +365,13 @@ def _plan(
         hardware_flops_per_token=hflops,
         mfu_causal=causal_flops * tokens_per_s / gpus / peak,
         params=facts.params,
-        stage_times={"forward_s": t_f, "backward_s": t_b, "pipeline_s": pipeline_time, "stage": worst},
+        stage_times={
+            "forward_s": t_f,
+            "backward_s": t_b,
+            "pipeline_s": pipeline_time,
+            "stage": worst,
+            "layer_forward_s": layer_f,
+            "layer_backward_s": layer_b,
+        },
         notes=notes,
     )

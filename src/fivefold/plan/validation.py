@@ -153,6 +153,9 @@ def compare(run: dict[str, Any]) -> tuple[Plan | None, list[Comparison]]:
                 p.memory.activations / GIB,
             )
         )
+    for key, name in (("layer_forward_ms", "forward"), ("layer_backward_ms", "backward")):
+        if key in meas:  # Korthikanti Table 4: one transformer layer, collectives and recompute included
+            out.append(Comparison(rid, f"layer {name} ms", meas[key], 1e3 * p.stage_times[f"layer_{name}_s"]))
     if "fig7_activation_pct_of_tp_baseline" in meas:  # Korthikanti Figure 7: vs tp only, no recompute
         base = plan(model, hw, dataclasses.replace(layout, sp=False, recompute="none"), shape)
         pct = 100 * p.memory.activations / base.memory.activations

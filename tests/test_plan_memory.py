@@ -134,3 +134,19 @@ def test_kv_cache_formula() -> None:
     )
     per_token_layer = (mla.kv_lora_rank + mla.qk_rope_head_dim) * 2  # the latent, not per-head K/V
     assert p.kv_cache == pytest.approx(per_token_layer * 8 * 4096)  # 61 layers → 8 on the worst stage
+
+
+def test_v_shaped_schedules_put_both_ends_on_rank_zero() -> None:
+    """ZB-V and DualPipeV fold the pipeline: rank 0 runs the first and the last chunk, so it holds the
+    embedding, the output head and the logits; 1F1B splits them over the first and the last rank."""
+    model = load_model("llama3-8b")
+    hw = load_hardware("h100-80gb")
+    shape = TrainShape(seq_len=4096, global_batch=32)
+    plain = plan(model, hw, Layout(pp=4, pp_schedule="1f1b").resolve(4), shape)
+    vee = plan(model, hw, Layout(pp=4, pp_schedule="zbv").resolve(4), shape)
+    assert vee.memory.stage == "first+last"
+    head = model.vocab * model.hidden
+    layer = model.layer_params(0)
+    assert vee.memory.detail["params_on_rank"] == pytest.approx(8 * layer + 2 * head + model.hidden)
+    assert plain.memory.detail["params_on_rank"] == pytest.approx(8 * layer + head)
+    assert vee.memory.detail["logits"] > 0 and plain.memory.stage == "first"

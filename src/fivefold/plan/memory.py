@@ -35,7 +35,7 @@ class Memory:
     optimizer: float
     activations: float
     buffers: float
-    stage: str  # which pipeline stage is the worst: "first", "last" or "only"
+    stage: str  # the worst rank: "first", "last", "only" or "first+last" (V-shaped schedules)
     detail: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -110,11 +110,39 @@ def layer_activations(
     return norms + qkv + core + out_in + mlp
 
 
+V_SCHEDULES = ("zbv", "dualpipev")
+BOTH_ENDS = "first+last"  # rank 0 of a V-shaped schedule holds the first and the last chunk
+
+
+def stage_names(layout: Layout) -> list[str]:
+    """The ranks whose memory and time bound the step: the ends of the pipeline."""
+    if layout.pp == 1:
+        return ["only"]
+    if layout.pp_schedule in V_SCHEDULES:
+        return [BOTH_ENDS]
+    return ["first", "last"]
+
+
+def holds_embedding(which: str) -> bool:
+    return which in ("first", "only", BOTH_ENDS)
+
+
+def holds_head(which: str) -> bool:
+    return which in ("last", "only", BOTH_ENDS)
+
+
 def stage_counts(model: ModelSpec, pp: int, which: str) -> tuple[int, int]:
-    """(dense layers, MoE layers) on the first or last stage; MoE layers are the model's last ones."""
+    """(dense layers, MoE layers) on a stage; MoE layers are the model's last ones."""
     per = math.ceil(model.layers / pp)
-    start = 0 if which in ("first", "only") else model.layers - per
-    n_moe = max(0, start + per - max(start, model.first_moe_layer)) if model.is_moe else 0
+    if which == BOTH_ENDS:  # half a stage from the front, half from the back
+        front = math.ceil(per / 2)
+        spans = [(0, front), (model.layers - (per - front), model.layers)]
+    else:
+        start = 0 if which in ("first", "only") else model.layers - per
+        spans = [(start, start + per)]
+    n_moe = 0
+    if model.is_moe:
+        n_moe = sum(max(0, end - max(start, model.first_moe_layer)) for start, end in spans)
     return per - n_moe, n_moe
 
 
@@ -129,11 +157,11 @@ def stage_params(model: ModelSpec, arch: Arch, layout: Layout, which: str) -> tu
             experts += count * shard.experts
             biggest = max(biggest, shard.dense + shard.replicated + shard.experts)
     emb = model.vocab * model.hidden / layout.tp
-    first, last = which in ("first", "only"), which in ("last", "only")
+    first, last = holds_embedding(which), holds_head(which)
     if first:
         dense += emb
-    if last and (not arch.tied or layout.pp > 1 or not first):
-        dense += emb  # the output head (a second copy of tied embeddings on the last stage)
+    if last and (not arch.tied or not first):
+        dense += emb  # the output head (a second copy of tied embeddings on another rank)
     dense += model.hidden if last else 0  # final norm
     return dense, experts, biggest
 
@@ -151,7 +179,7 @@ def memory(
     `memo` (a dict the caller owns, for one model, arch and shape) caches per-layer pieces across
     layouts; the search passes one.
     """
-    stages = ["only"] if layout.pp == 1 else ["first", "last"]
+    stages = stage_names(layout)
     memo = {} if memo is None else memo
     return max(
         (_stage_memory(model, arch, layout, shape, microbatches, s, memo) for s in stages),
@@ -191,14 +219,19 @@ def _stage_memory(
     kinds = [(c, moe) for c, moe in ((n_dense, False), (n_moe, True)) if c]
     per_layer = {moe: act(moe, rc) for _, moe in kinds}
     # the last stage runs each micro-batch's backward right after its forward
-    flight = 1.0 if which == "last" else in_flight(layout.pp_schedule, layout.pp, m, layout.virtual_stages)
+    flight = in_flight(layout.pp_schedule, layout.pp, m, layout.virtual_stages)
+    if which == "last":  # it runs each micro-batch's backward right after its forward, except for
+        # the chunks of earlier stages it also holds when interleaved (Megatron's warm-up count)
+        v = layout.virtual_stages
+        interleaved = layout.pp_schedule == "interleaved-1f1b"
+        flight = min(((v - 1) * layout.pp + 1) / v, m) if interleaved else 1.0
     activations = flight * sum(c * per_layer[moe] for c, moe in kinds)
     working = 0.0
     if rc == "full":  # during the backward one layer's activations are rebuilt at a time
         working = max(act(moe, "none") for _, moe in kinds)
     tokens = shape.micro_batch * shape.seq_len / layout.cp
     logits = 0.0
-    if which in ("last", "only"):  # 16-bit logits + fp32 softmax kept by the vocab-parallel loss
+    if holds_head(which):  # 16-bit logits + fp32 softmax kept by the vocab-parallel loss
         logits = (BYTES + 4) * tokens * model.vocab / layout.tp
     gather = 0.0
     if z >= 2 and n > 1:  # unsharded grads of one layer before the reduce-scatter

@@ -16,7 +16,17 @@ from fivefold.flops import hardware_flops_per_token, model_flops_per_token
 from fivefold.plan.comm import Collective, collective_time, ep_link, links
 from fivefold.plan.compute import LayerTime, Rates, head_time, layer_time, optimizer_time
 from fivefold.plan.dataparallel import data_parallel_traffic
-from fivefold.plan.memory import BYTES, Memory, cached_stage_params, memory, shard_group, stage_counts
+from fivefold.plan.memory import (
+    BYTES,
+    Memory,
+    cached_stage_params,
+    holds_embedding,
+    holds_head,
+    memory,
+    shard_group,
+    stage_counts,
+    stage_names,
+)
 from fivefold.plan.pipeline import bubble_time, p2p_on_critical_path
 from fivefold.plan.result import Plan, capacity
 from fivefold.plan.spec import Arch, TrainShape, matmul_params, resolve_arch, total_params
@@ -84,7 +94,7 @@ def step_lower_bound(
     """Step time with every collective free: never above `_plan`'s (the search's pruning bound)."""
     rates = Rates.of(hw)
     lt = layer_times(model, arch, layout, shape, rates, memo)
-    stages = ["only"] if layout.pp == 1 else ["first", "last"]
+    stages = stage_names(layout)
     times = []
     for which in stages:
         n_dense, n_moe = stage_counts(model, layout.pp, which)
@@ -96,7 +106,7 @@ def step_lower_bound(
             if layout.recompute == "full"
             else (sum(c * x.attn_core_fwd for c, x in mix) if layout.recompute == "selective" else 0.0)
         )
-        if which != "first":
+        if holds_head(which):
             key = ("head", layout.tp, layout.cp, shape.micro_batch)
             if key not in memo:
                 memo[key] = head_time(model, layout, shape.micro_batch, shape.seq_len, rates)
@@ -271,7 +281,7 @@ def _plan(
         exp_rc = exp_f if full else 0.0
         if layout.tp > 1:  # vocab-parallel embedding (forward) and the head's input gradient (backward)
             t_ar = t_of("all-reduce", act_bytes, layout.tp, tp_link)
-            ends = (which in ("first", "only"), which in ("last", "only"))
+            ends = (holds_embedding(which), holds_head(which))
             exp_f += t_ar * ends[0]
             exp_b += t_ar * ends[1]
             if sum(ends):
@@ -280,7 +290,7 @@ def _plan(
                 )
         recompute = f if full else (core if rc == "selective" else 0.0)
         hf = hb = 0.0
-        if which in ("last", "only"):
+        if holds_head(which):
             hf, hb = head_time(model, layout, shape.micro_batch, shape.seq_len, rates)
         compute = f + b + recompute + hf + hb
         t_f = f + hf + exp_f
@@ -288,8 +298,7 @@ def _plan(
         layer_b += recompute / n
         return t_f, t_b, compute, exp_f + exp_b + exp_rc, recs, (layer_f, layer_b)
 
-    stage_names = ["only"] if layout.pp == 1 else ["first", "last"]
-    per_stage = {which: stage_costs(which) for which in stage_names}
+    per_stage = {which: stage_costs(which) for which in stage_names(layout)}
     worst = max(per_stage, key=lambda k: per_stage[k][0] + per_stage[k][1])
     t_f, t_b, compute_mb, exposed_mb, recs, (layer_f, layer_b) = per_stage[worst]
     for axis, op, payload, group, link, calls, exposed, overlap in recs:
@@ -316,7 +325,7 @@ def _plan(
     pipeline_time = m * (t_f + t_b) + bubble
 
     # --- data-parallel traffic: gradients, and parameters under ZeRO-1/3
-    dense, experts, _ = cached_stage_params(model, arch, layout, worst if layout.pp > 1 else "only", memo)
+    dense, experts, _ = cached_stage_params(model, arch, layout, worst, memo)
     data_parallel_traffic(layout, shape, m, dense, experts, kinds, add, t_f, t_b, hw)
     n = shard_group(layout)
     local = (dense / n + experts / max(n // layout.ep, 1)) if layout.zero >= 1 else dense + experts

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError, divisors
-from fivefold.plan.memory import Memory, memory, model_state, shard_group, stage_params
+from fivefold.plan.memory import Memory, memory, model_state, shard_group, stage_names, stage_params
 from fivefold.plan.report import _plan, check_plan_inputs, model_facts, step_lower_bound
 from fivefold.plan.result import Plan, capacity
 from fivefold.plan.spec import TrainShape, resolve_arch
@@ -130,10 +130,11 @@ def search(
     bounded: list[tuple[float, int, Layout, TrainShape, int, Memory]] = []
     for base in candidates(model, hw, gpus, shape, gpn):
         n = shard_group(base)
-        key = (base.tp, base.pp, base.ep, base.zero, n)
+        ends = tuple(stage_names(base))
+        key = (base.tp, base.pp, base.ep, base.zero, n, ends)
         if key not in state_cache:  # model state of the worst stage: no schedule or batch enters
             worst = 0.0
-            for which in ("only",) if base.pp == 1 else ("first", "last"):
+            for which in ends:
                 dense, experts, _ = stage_params(model, arch, base, which)
                 worst = max(
                     worst, sum(model_state(dense, experts, base.zero, n, max(n // base.ep, 1), shape))

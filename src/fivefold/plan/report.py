@@ -346,6 +346,8 @@ def _plan(
     notes = []
     if layout.pp > 1 and layout.pp_schedule == "interleaved-1f1b" and m % layout.pp:
         notes.append(f"interleaved 1F1B wants micro-batches ({m}) divisible by pp ({layout.pp})")
+    if layout.pp_split:
+        notes.append(f"--pp-split {layout.pp_split} is not modelled: the planner splits layers evenly")
     if (model.layers % (layout.pp * v)) != 0:
         notes.append(f"{model.layers} layers do not split evenly into pp×virtual = {layout.pp * v} chunks")
     return Plan(

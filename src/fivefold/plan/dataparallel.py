@@ -54,23 +54,6 @@ def data_parallel_traffic(
             overlap="last backward" if overlap else "none",
         )
 
-    def per_microbatch(
-        axis: str, op: str, payload: float, group: int, link: str, per_step: int, window: float
-    ) -> None:
-        if group <= 1 or payload <= 0:
-            return
-        t = collective_time(hw, op, payload, group, link)[1]
-        add(
-            axis,
-            op,
-            payload,
-            group,
-            link,
-            per_step * m,
-            exposed=max(per_step * t - window, 0.0) * m,
-            overlap="layer prefetch",
-        )
-
     n_exp = max(n // ep, 1)
     if z <= 1:
         for payload, group, link in ((dense, n, shard_link), (experts, n_exp, shard_link)):
@@ -79,22 +62,37 @@ def data_parallel_traffic(
             else:
                 once(shard_axis, "reduce-scatter", g * payload, group, link, t_b)
                 once(shard_axis, "all-gather", p * payload, group, link, t_f)
-    else:
-        for payload, group in ((dense, n), (experts, n_exp)):
-            gathers = 2 if z == 3 else 1  # zero-3 gathers again for the backward
-            # each micro-batch's gathers and reduce-scatter hide behind its own compute
-            t_ag = collective_time(hw, "all-gather", p * payload, group, shard_link)[1] if group > 1 else 0.0
-            t_rs = (
-                collective_time(hw, "reduce-scatter", g * payload, group, shard_link)[1] if group > 1 else 0.0
+    else:  # FSDP: gathers hide behind the micro-batch's forward, backward gathers and reduce-scatters
+        # behind its backward (prefetching one layer ahead)
+        bwd_gathers = 1 if z == 3 else 0
+        shards = [(pl, grp) for pl, grp in ((dense, n), (experts, n_exp)) if grp > 1 and pl > 0]
+        t_ag = {grp: collective_time(hw, "all-gather", p * pl, grp, shard_link)[1] for pl, grp in shards}
+        t_rs = {grp: collective_time(hw, "reduce-scatter", g * pl, grp, shard_link)[1] for pl, grp in shards}
+        busy_f = sum(t_ag.values())
+        busy_b = bwd_gathers * busy_f + sum(t_rs.values())
+        exposed_f = max(busy_f - t_f, 0.0)
+        exposed_b = max(busy_b - t_b, 0.0)
+        for payload, group in shards:
+            ag_exposed = t_ag[group] / busy_f * exposed_f + bwd_gathers * t_ag[group] / busy_b * exposed_b
+            add(
+                shard_axis,
+                "all-gather",
+                p * payload,
+                group,
+                shard_link,
+                (1 + bwd_gathers) * m,
+                exposed=ag_exposed * m,
+                overlap="micro-batch compute",
             )
-            busy = t_ag * gathers + t_rs
-            window = t_f + t_b
-            share_ag = (t_ag * gathers / busy) if busy else 0.0
-            per_microbatch(
-                shard_axis, "all-gather", p * payload, group, shard_link, gathers, window * share_ag
-            )
-            per_microbatch(
-                shard_axis, "reduce-scatter", g * payload, group, shard_link, 1, window * (1 - share_ag)
+            add(
+                shard_axis,
+                "reduce-scatter",
+                g * payload,
+                group,
+                shard_link,
+                m,
+                exposed=t_rs[group] / busy_b * exposed_b * m,
+                overlap="micro-batch backward",
             )
         if layout.dp > 1 and layout.fsdp > 1:  # HSDP: replicas all-reduce their shard once a step
             once(

@@ -83,9 +83,15 @@ def test_rankings_follow_published_runs(results) -> None:
     small = plans["megatron-a100-2021-1.7b"][0].hardware_tflops_per_gpu
     large = plans["megatron-a100-2021-1t"][0].hardware_tflops_per_gpu
     assert large > small
-    # the no-recompute baselines do not fit 80 GB (Figure 1), the published layouts do
-    assert not plans["korthikanti-22b-no-recompute-analytic"][0].fits
-    assert plans["korthikanti-22b-seq-selective"][0].fits
+    # every layout that was run fits; the no-recompute baselines of Figure 1 do not fit 80 GB
+    runs = {run["id"]: run for run in load_runs(REFERENCE)}
+    for run_id, (p, _) in plans.items():
+        if p is None:
+            continue
+        if runs[run_id]["kind"] == "measured":
+            assert p.fits, run_id
+        if run_id.endswith("no-recompute-analytic"):
+            assert not p.fits, run_id
 
 
 def test_llama3_405b_table4() -> None:

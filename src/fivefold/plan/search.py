@@ -180,7 +180,7 @@ def search(
         heapq.heappush(slowest_kept, -p.step_time_s)
         if len(slowest_kept) > top:
             heapq.heappop(slowest_kept)
-    results.sort(key=lambda p: p.step_time_s)
+    results.sort(key=lambda p: (round(p.step_time_s, 9), _axes_used(p.layout), p.memory.total))
     best = results[:top]
     explanation = (
         explain(best, model, hw, gpus, gpn)
@@ -188,6 +188,11 @@ def search(
         else ["no layout fits: the model state alone exceeds GPU memory at every sharding degree tried"]
     )
     return SearchResult(best, considered, fitting, time.perf_counter() - start, explanation)
+
+
+def _axes_used(lay: Layout) -> int:
+    """Ties go to the layout with fewer model-splitting axes (the seeds' order: add one only when needed)."""
+    return sum(getattr(lay, a) > 1 for a in ("tp", "pp", "cp", "ep"))
 
 
 def _fmt_gb(x: float) -> str:
@@ -203,12 +208,22 @@ def explain(plans: list[Plan], model: ModelSpec, hw: HardwareSpec, gpus: int, gp
         f"MFU {p.mfu:.1%}, {_fmt_gb(p.memory.total)} of {hw.gpu_memory_gb:g} GB per GPU."
     ]
     weights = p.params * p.shape.param_bytes
-    t_words = "inside one node (NVLink)" if lay.tp <= gpn else "across nodes (slow: no smaller choice fit)"
-    lines.append(
-        f"1. Tensor parallel {lay.tp} {t_words}: the 16-bit weights are {_fmt_gb(weights)}; "
-        f"tp splits every layer's matmuls, and its per-layer collectives cost "
-        f"{_axis_time(p, 'tp'):.3g} s a step on the fast link."
-    )
+    if lay.tp == 1:
+        how = [w for w, used in (("pipelined", lay.pp > 1), ("sharded", lay.zero >= 3)) if used]
+        lines.append(
+            f"1. No tensor parallelism: the 16-bit weights ({_fmt_gb(weights)}) fit without it"
+            f"{' once ' + ' and '.join(how) if how else ''}, so every matmul stays whole and no per-layer "
+            "collective is paid."
+        )
+    else:
+        t_words = (
+            "inside one node (NVLink)" if lay.tp <= gpn else "across nodes (slow: no smaller choice fit)"
+        )
+        lines.append(
+            f"1. Tensor parallel {lay.tp} {t_words}: the 16-bit weights are {_fmt_gb(weights)}; "
+            f"tp splits every layer's matmuls, and its per-layer collectives cost "
+            f"{_axis_time(p, 'tp'):.3g} s a step on the fast link."
+        )
     if lay.pp > 1:
         lines.append(
             f"2. Pipeline parallel {lay.pp} across nodes ({lay.pp_schedule}, {lay.virtual_stages} "

@@ -86,12 +86,13 @@ def test_manual_split():
         (Layout(pp=2, pp_schedule="interleaved-1f1b", virtual_stages=2, microbatches=5), None, "multiple of"),
         (Layout(pp=2, pp_schedule="gpipe", virtual_stages=2), None, "one chunk per rank"),
         (Layout(pp=2, microbatches=4), TrainSpec(micro_batch=6), "does not divide into --microbatches 4"),
+        (Layout(pp=2, fsdp=2, pp_schedule="zbv", microbatches=4), None, "use --zero 2"),
     ],
 )
 def test_clear_errors(layout, train, match):
     spec = load_model("tiny")
     with pytest.raises(FivefoldError, match=match):
-        check_pipeline(spec, layout.resolve(layout.pp), train)
+        check_pipeline(spec, layout.resolve(layout.pp * layout.fsdp), train)
 
 
 def test_virtual_stages_must_divide_layers():

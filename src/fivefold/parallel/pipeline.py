@@ -40,6 +40,7 @@ SCHEDULE_CLASSES = {
 }
 SINGLE_STAGE = ("gpipe", "1f1b")  # one chunk per rank
 V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank, folded into a V
+SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")  # input- and weight-gradient passes apart
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,6 +188,14 @@ def check_pipeline(spec: ModelSpec, layout: Layout, train: TrainSpec | None = No
         )
     if layout.cp > 1:
         raise FivefoldError("--pp with --cp is not supported yet; use --cp 1 with pipelining")
+    if layout.fsdp > 1 and layout.zero == 3 and sched in SPLIT_BACKWARD:
+        # the weight-gradient pass walks the autograd graph from the module's parameters; with ZeRO-3
+        # FSDP has swapped the gathered ones used in the forward back for shards by then
+        raise FivefoldError(
+            f"--pp-schedule {sched} computes weight gradients after the input gradients, which needs "
+            f"FSDP's gathered parameters kept from forward to backward: use --zero 2 with --fsdp "
+            f"{layout.fsdp}, or a schedule without the split (gpipe, 1f1b, interleaved-1f1b)"
+        )
     if train is not None:
         local = train.micro_batch * train.grad_accum(layout.data_parallel)
         if local % m:
@@ -285,9 +294,16 @@ def build_pipeline_runner(model, runtime_mesh, layout: Layout, train: TrainSpec)
 
 
 def _parallelize(chunk, runtime_mesh, layout: Layout, train: TrainSpec):
-    """TP(+SP), recompute and FSDP/DDP on one chunk; returns the module the stage calls."""
-    others = layout.tp > 1 or layout.fsdp > 1 or layout.dp > 1 or layout.recompute != "none"
-    if not others:
+    """TP(+SP), recompute and FSDP on one chunk; returns the module the stage calls.
+
+    Plain replicas (dp without fsdp or tp) are not wrapped in DDP, whose reducer does not survive
+    the schedules' split backward: the runner averages those gradients over `dp` after the step.
+    """
+    if layout.tp == 1 and layout.fsdp == 1:
+        if layout.recompute != "none":
+            from fivefold.parallel.recompute import apply_recompute
+
+            apply_recompute(chunk, layout.recompute)
         return chunk
     from fivefold.parallel.apply import parallelize_chunk
 

@@ -6,6 +6,8 @@ rules on losses and gradient scaling.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -54,6 +56,8 @@ class PipelineRunner:
         self.schedule = schedule_cls(target, m, loss_fn=loss_fn, scale_grads=False)
         batch_size = runtime_mesh.size("batch")
         self.batch_group = runtime_mesh.group("batch") if batch_size > 1 else None
+        plain_replicas = layout.dp > 1 and layout.fsdp == 1 and layout.tp == 1
+        self.replica_group = runtime_mesh.group("dp") if plain_replicas else None
 
     # ---- StepRunner
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -62,8 +66,10 @@ class PipelineRunner:
             part.train()
             set_aux_loss_scale(part, 1.0 / self.microbatches)
         losses: list[torch.Tensor] = []
-        with self.timeline.step():
+        with self.timeline.step(), self._loss_context():
             self._step(inputs, labels, losses, train=True)
+        self._finish_partial_grads()
+        self._average_replica_grads()
         return self._global_loss(losses)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -97,7 +103,8 @@ class PipelineRunner:
         for part in self.model_parts:
             part.eval()
         try:
-            losses = self._forward_only(inputs, labels)
+            with self._loss_context():
+                losses = self._forward_only(inputs, labels)
         finally:
             for part, mode in zip(self.model_parts, modes):
                 part.train(mode)
@@ -137,6 +144,35 @@ class PipelineRunner:
                     losses.append(lm_loss(carry, y) / m)
         return losses
 
+    def _loss_context(self) -> contextlib.AbstractContextManager:
+        """A vocabulary-sharded head (TP) computes the loss on its shards: `loss_parallel` around the
+        schedule, which runs the loss and its backward inside."""
+        if self.layout.tp > 1 and self.has_last:
+            from fivefold.parallel.tensor import loss_context
+
+            return loss_context(self.model_parts[self.stage_ids.index(self.num_stages - 1)])
+        return contextlib.nullcontext()
+
+    def _finish_partial_grads(self) -> None:
+        """Sum the gradients DTensor leaves as per-rank partial sums (SP's replicated norms) once per
+        step, so the clip and the optimizer see whole gradients."""
+        from torch.distributed.tensor import DTensor
+
+        for part in self.model_parts:
+            for p in part.parameters():
+                grad = p.grad
+                if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
+                    p.grad = grad.redistribute(placements=p.placements)
+
+    def _average_replica_grads(self) -> None:
+        """Plain data-parallel replicas: one all-reduce per gradient after the whole schedule."""
+        if self.replica_group is None:
+            return
+        for part in self.model_parts:
+            for p in part.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=self.replica_group)
+
     def _check_batch(self, inputs: torch.Tensor) -> None:
         if inputs.shape[0] % self.microbatches:
             raise FivefoldError(
@@ -148,7 +184,7 @@ class PipelineRunner:
         device = self._device()
         loss = torch.zeros((), device=device, dtype=torch.float32)
         if self.has_last:
-            loss = torch.stack([x.detach().float() for x in losses]).sum().to(device)
+            loss = torch.stack([_plain(x).detach().float() for x in losses]).sum().to(device)
         dist.broadcast(loss, src=self.last_stage_global_rank, group=self.pp_group)
         if self.batch_group is not None:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.batch_group)
@@ -156,6 +192,11 @@ class PipelineRunner:
 
     def _device(self) -> torch.device:
         return self.stages[0].device
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor loss (loss_parallel) as a plain tensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _send_tensor(t: torch.Tensor, group, peer: int) -> None:

@@ -57,8 +57,12 @@ def run_reference(spec: ModelSpec, train: TrainSpec, rows: int, steps: int) -> R
 
 
 def run_layout(spec: ModelSpec, train: TrainSpec, layout: Layout, rows: int, steps: int,
-               runtime_mesh: Any, step_hook: Any = None) -> tuple[RunResult, Any]:
-    """This rank's side of the same run under `layout` (already resolved); returns (result, runner)."""
+               runtime_mesh: Any, step_hook: Any = None) -> tuple[RunResult, Any, torch.optim.Optimizer]:
+    """This rank's side of the same run under `layout` (already resolved).
+
+    Returns (result, runner, optimizer); `step_hook(step, phase)` is called at "begin",
+    "backward" (after forward_backward) and "end" (after the optimizer step) of each step.
+    """
     from fivefold.parallel.apply import build_runner
 
     model = build_model(spec, "meta")
@@ -81,7 +85,7 @@ def run_layout(spec: ModelSpec, train: TrainSpec, layout: Layout, rows: int, ste
         if step_hook is not None:
             step_hook(step, "end")
     result.params = gather_params(part)
-    return result, runner
+    return result, runner, opt
 
 
 def gather_params(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -5,7 +5,8 @@ One optimizer step on this rank:
     bucketed all-reduce, FSDP's reduce-scatter / HSDP's all-reduce) runs only on the last one;
   * each micro-batch loss is scaled by 1/accumulation; the data-parallel reductions average
     over replicas, so the gradient is that of the mean loss over the global batch;
-  * gradients DTensor left partial (replicated norm weights under SP) are summed over `tp`;
+  * gradients DTensor left partial (replicated norm weights under SP) are summed over `tp`, and
+    full-size ones of sharded weights cut to their shard;
   * the returned loss is that mean, all-reduced over the ranks that hold different data.
 
 The global gradient norm sums squares of local gradient shards, reduced over exactly the mesh
@@ -122,15 +123,16 @@ class ParallelRunner:
         return contextlib.nullcontext()
 
     def _finish_partial_grads(self) -> None:
-        """Sum gradients DTensor left as per-rank partial sums (norm weights under SP) now.
+        """Give every DTensor gradient its parameter's placements, once per step.
 
-        Replicated weights that see only a sequence shard (SP norms) get Partial gradients;
-        reducing them here, once per step, keeps the optimizer and the clip on plain replicated
-        gradients and puts the all-reduce where the ledger sees it.
+        Replicated weights that see only a sequence shard (SP norms, replicated KV projections)
+        get Partial gradients: summed here over `tp`, where the ledger sees the all-reduce.
+        The vocabulary-parallel embedding gets a Replicate (full-size) gradient: cut here to its
+        shard, locally, so gradient memory is 1/tp as the weight's.
         """
         for p in self.model.parameters():
             grad = p.grad
-            if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
+            if isinstance(grad, DTensor) and isinstance(p, DTensor) and grad.placements != p.placements:
                 p.grad = grad.redistribute(placements=p.placements)
 
     def _mean_over_replicas(self, value: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,265 @@
+"""`fivefold report RUN_DIR`: a run's loss curve, its ledger per axis, and the measured pipeline
+timeline drawn as the classic bubble diagram (one row per rank; F, B, I, W coloured; idle white).
+
+SVG is written by hand (no dependency); PNG goes through matplotlib. Without `--out` the picture is
+`RUN_DIR/report.svg`. The text summary goes to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from fivefold.errors import FivefoldError
+
+HELP = "draw a run's loss curve, ledger and pipeline timeline"
+
+COLORS = {"F": "#4e79a7", "B": "#59a14f", "I": "#8cd17d", "W": "#f28e2b",
+          "send": "#bab0ac", "recv": "#bab0ac", "send/recv": "#bab0ac"}
+LEGEND = [("F", "forward"), ("B", "backward"), ("I", "input-grad backward"), ("W", "weight-grad backward"),
+          ("recv", "waiting on send/recv"), ("idle", "idle")]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by fivefold train")
+    parser.add_argument("--out", default=None, metavar="FILE.svg|FILE.png",
+                        help="picture to write (default RUN_DIR/report.svg)")
+    parser.add_argument("--step", type=int, default=None,
+                        help="which recorded pipeline step to draw (default: the last)")
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise FivefoldError(f"run directory not found: {run_dir}")
+    out = Path(args.out) if args.out else run_dir / "report.svg"
+    if out.suffix not in (".svg", ".png"):
+        raise FivefoldError(f"--out must end in .svg or .png, got {out.name}")
+    metrics = _read_metrics(run_dir / "metrics.jsonl")
+    ledger = _read_json(run_dir / "ledger.json")
+    from fivefold.parallel.timeline import idle_fraction, load_pipeline_events
+
+    try:
+        events = load_pipeline_events(run_dir / "trace.json")
+    except (json.JSONDecodeError, OSError) as exc:
+        raise FivefoldError(f"cannot read {run_dir / 'trace.json'}: {exc}") from None
+    step = _pick_step(events, args.step)
+    timeline = [e for e in events if e["args"].get("step") == step]
+    print(summary(run_dir, metrics, ledger, timeline, idle_fraction(events, step) if timeline else None))
+    if out.suffix == ".svg":
+        out.write_text(render_svg(metrics, timeline, ledger, title=run_dir.name))
+    else:
+        render_png(metrics, timeline, out, title=run_dir.name)
+    print(f"wrote {out}")
+    return 0
+
+
+# ---- reading
+
+def _read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except json.JSONDecodeError as exc:
+        raise FivefoldError(f"malformed {path}: {exc}") from None
+
+
+def _read_json(path: Path) -> Any:
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise FivefoldError(f"malformed {path}: {exc}") from None
+
+
+def _pick_step(events: list[dict], wanted: int | None) -> int | None:
+    steps = sorted({e["args"]["step"] for e in events if e["args"].get("kind") == "step"})
+    if not steps:
+        return None
+    if wanted is None:
+        return steps[-1]
+    if wanted not in steps:
+        raise FivefoldError(f"--step {wanted} was not recorded; recorded pipeline steps: {steps}")
+    return wanted
+
+
+# ---- text
+
+def summary(run_dir: Path, metrics: list[dict], ledger: Any, timeline: list[dict],
+            bubble: float | None) -> str:
+    lines = [f"run {run_dir}"]
+    if metrics:
+        last = metrics[-1]
+        lines.append(f"  steps {last.get('step')}, last loss {last.get('loss'):.4f}")
+        held = [m for m in metrics if m.get("held_out_loss") is not None]
+        if held:
+            lines.append(f"  held-out loss {held[-1]['held_out_loss']:.4f} at step {held[-1]['step']}")
+    if ledger and ledger.get("by_axis"):
+        lines.append(f"  communication per step and rank (rank {ledger.get('rank', 0)}):")
+        for axis, row in ledger["by_axis"].items():
+            lines.append(f"    {axis:<11} {row['count']:>8.1f} ops {_bytes(row['bytes']):>10}")
+    if timeline:
+        ranks = sorted({e["pid"] for e in timeline})
+        lines.append(f"  pipeline step {timeline[0]['args']['step']}: measured idle fraction {bubble:.3f} "
+                     f"over {len(ranks)} ranks")
+        for rank in ranks:
+            mine = [e for e in timeline if e["pid"] == rank]
+            window = next(e for e in mine if e["args"]["kind"] == "step")
+            busy = sum(e["dur"] for e in mine if e["args"]["kind"] in COLORS and len(e["args"]["kind"]) == 1)
+            lines.append(f"    rank {rank}: busy {busy / 1e3:8.2f} ms of {window['dur'] / 1e3:8.2f} ms")
+    else:
+        lines.append("  no pipeline timeline in trace.json (pp = 1?)")
+    return "\n".join(lines)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+# ---- SVG, by hand
+
+def render_svg(metrics: list[dict], timeline: list[dict], ledger: Any, title: str = "") -> str:
+    width = 960
+    parts: list[str] = []
+    y = 40
+    parts.append(f'<text x="20" y="24" font-size="16" font-weight="bold">{escape(title)}</text>')
+    if metrics:
+        parts.append(_svg_loss(metrics, 20, y, width - 40, 220))
+        y += 250
+    if timeline:
+        block, height = _svg_timeline(timeline, 20, y, width - 40)
+        parts.append(block)
+        y += height + 20
+    height = y + 10
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'font-family="sans-serif" font-size="11">\n<rect width="100%" height="100%" fill="white"/>\n'
+            + "\n".join(parts) + "\n</svg>\n")
+
+
+def _svg_loss(metrics: list[dict], x0: float, y0: float, w: float, h: float) -> str:
+    steps = [m["step"] for m in metrics]
+    losses = [m["loss"] for m in metrics]
+    held = [(m["step"], m["held_out_loss"]) for m in metrics if m.get("held_out_loss") is not None]
+    values = losses + [v for _, v in held]
+    lo, hi = min(values), max(values)
+    hi = hi if hi > lo else lo + 1.0
+    s0, s1 = min(steps), max(steps) if max(steps) > min(steps) else min(steps) + 1
+    left, bottom = x0 + 50, y0 + h - 20
+
+    def px(step: float, value: float) -> tuple[float, float]:
+        return (left + (step - s0) / (s1 - s0) * (w - 60), y0 + 10 + (hi - value) / (hi - lo) * (h - 40))
+
+    out = [f'<text x="{x0}" y="{y0}" font-size="13" font-weight="bold">loss</text>',
+           f'<line x1="{left}" y1="{bottom}" x2="{x0 + w}" y2="{bottom}" stroke="#888"/>',
+           f'<line x1="{left}" y1="{y0 + 10}" x2="{left}" y2="{bottom}" stroke="#888"/>',
+           f'<text x="{x0}" y="{y0 + 18}">{hi:.3f}</text>', f'<text x="{x0}" y="{bottom}">{lo:.3f}</text>',
+           f'<text x="{left}" y="{bottom + 14}">step {s0}</text>',
+           f'<text x="{x0 + w - 60}" y="{bottom + 14}">step {s1}</text>']
+    points = " ".join(f"{a:.1f},{b:.1f}" for a, b in (px(s, v) for s, v in zip(steps, losses)))
+    out.append(f'<polyline points="{points}" fill="none" stroke="#4e79a7" stroke-width="1.5"/>')
+    for s, v in held:
+        a, b = px(s, v)
+        out.append(f'<circle cx="{a:.1f}" cy="{b:.1f}" r="3" fill="#e15759">'
+                   f'<title>held-out {v:.4f}</title></circle>')
+    out.append(f'<text x="{x0 + w - 200}" y="{y0 + 12}" fill="#4e79a7">train</text>'
+               f'<text x="{x0 + w - 150}" y="{y0 + 12}" fill="#e15759">● held-out</text>')
+    return "\n".join(out)
+
+
+def _svg_timeline(timeline: list[dict], x0: float, y0: float, w: float) -> tuple[str, float]:
+    ranks = sorted({e["pid"] for e in timeline})
+    windows = [e for e in timeline if e["args"]["kind"] == "step"]
+    t0 = min(e["ts"] for e in windows)
+    t1 = max(e["ts"] + e["dur"] for e in windows)
+    row_h, left = 26, x0 + 70
+    scale = (w - 80) / max(t1 - t0, 1e-9)
+    step = timeline[0]["args"]["step"]
+    out = [f'<text x="{x0}" y="{y0}" font-size="13" font-weight="bold">pipeline, step {step} '
+           f'(measured; {(t1 - t0) / 1e3:.1f} ms)</text>']
+    for row, rank in enumerate(ranks):
+        y = y0 + 12 + row * row_h
+        pp = next((e["args"].get("pp_rank") for e in timeline if e["pid"] == rank), "?")
+        out.append(f'<text x="{x0}" y="{y + 16}">rank {rank} (pp {pp})</text>')
+        out.append(f'<rect x="{left}" y="{y}" width="{(t1 - t0) * scale:.1f}" height="{row_h - 4}" '
+                   'fill="white" stroke="#ccc"/>')
+        for e in timeline:
+            kind = e["args"]["kind"]
+            if e["pid"] != rank or kind not in COLORS:
+                continue
+            x, width = left + (e["ts"] - t0) * scale, max(e["dur"] * scale, 0.5)
+            comm = kind in ("send", "recv", "send/recv")
+            top, height = (y + row_h - 10, 5) if comm else (y, row_h - 4)
+            label = f'{e["name"]} {e["dur"] / 1e3:.2f} ms'
+            out.append(f'<rect x="{x:.2f}" y="{top}" width="{width:.2f}" height="{height}" '
+                       f'fill="{COLORS[kind]}" stroke="white" stroke-width="0.3">'
+                       f'<title>{escape(label)}</title></rect>')
+            if not comm and width > 22:
+                text = e["name"].lstrip("0123456789") if width < 34 else e["name"]
+                out.append(f'<text x="{x + 2:.1f}" y="{y + 15}" fill="white" font-size="9">'
+                           f'{escape(text)}</text>')
+    y = y0 + 20 + len(ranks) * row_h
+    for i, (kind, text) in enumerate(LEGEND):
+        fill = COLORS.get(kind, "white")
+        out.append(f'<rect x="{left + i * 140}" y="{y}" width="12" height="12" fill="{fill}" stroke="#888"/>'
+                   f'<text x="{left + i * 140 + 16}" y="{y + 10}">{escape(text)}</text>')
+    return "\n".join(out), len(ranks) * row_h + 40
+
+
+# ---- PNG through matplotlib
+
+def render_png(metrics: list[dict], timeline: list[dict], out: Path, title: str = "") -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError:
+        raise FivefoldError(
+            "PNG output needs matplotlib (pip install 'fivefold[plot]'); use --out FILE.svg"
+        ) from None
+    panels = [p for p in ("loss" if metrics else None, "timeline" if timeline else None) if p]
+    if not panels:
+        raise FivefoldError("nothing to draw: no metrics.jsonl and no pipeline timeline in the run directory")
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 3.2 * len(panels)), dpi=110, squeeze=False)
+    for ax, panel in zip(axes[:, 0], panels):
+        if panel == "loss":
+            ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], lw=1.2, label="train")
+            held = [m for m in metrics if m.get("held_out_loss") is not None]
+            if held:
+                ax.plot([m["step"] for m in held], [m["held_out_loss"] for m in held], "o-", ms=4,
+                        label="held-out")
+            ax.set_xlabel("optimizer step")
+            ax.set_ylabel("loss")
+            ax.legend()
+            ax.set_title(title)
+            continue
+        ranks = sorted({e["pid"] for e in timeline})
+        t0 = min(e["ts"] for e in timeline if e["args"]["kind"] == "step")
+        for row, rank in enumerate(ranks):
+            for e in timeline:
+                kind = e["args"]["kind"]
+                if e["pid"] != rank or kind not in COLORS:
+                    continue
+                comm = kind in ("send", "recv", "send/recv")
+                band = (row - 0.1, 0.2) if comm else (row - 0.4, 0.8)
+                ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], band, facecolors=COLORS[kind])
+        pp_of = {e["pid"]: e["args"].get("pp_rank") for e in timeline}
+        ax.set_yticks(range(len(ranks)), [f"rank {r} (pp {pp_of[r]})" for r in ranks])
+        ax.invert_yaxis()
+        ax.set_xlabel("ms since the step began")
+        ax.set_title(f"pipeline, step {timeline[0]['args']['step']} (white: idle)")
+        ax.legend(handles=[Patch(color=COLORS.get(k, "white"), label=t) for k, t in LEGEND if k != "idle"],
+                  loc="upper center", bbox_to_anchor=(0.5, -0.22), fontsize=8, ncol=5, frameon=False)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)

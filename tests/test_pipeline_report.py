@@ -1,0 +1,56 @@
+"""`fivefold report` on a synthetic run directory: the summary, the SVG bubble diagram, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fivefold.cli import main
+from fivefold.parallel.timeline import CATEGORY, idle_fraction, merge_into_trace
+
+
+def _event(kind: str, rank: int, start: float, dur: float, stage: int | None = None, mb: int | None = None):
+    name = kind if mb is None else f"{stage}{kind}{mb}"
+    return {"name": name, "cat": CATEGORY, "ph": "X", "ts": start, "dur": dur, "pid": rank, "tid": 0,
+            "args": {"kind": kind, "step": 3, "pp_rank": rank, "stage": stage, "mb": mb}}
+
+
+def _gpipe_trace() -> list[dict]:
+    """Two ranks, two micro-batches, GPipe with unit forward and backward: idle = 1/3 by hand."""
+    events = []
+    for rank, ops in {0: [(0, "F", 0), (1, "F", 1), (4, "B", 0), (5, "B", 1)],
+                      1: [(1, "F", 0), (2, "F", 1), (3, "B", 0), (4, "B", 1)]}.items():
+        for start, kind, mb in ops:
+            events.append(_event(kind, rank, start * 1000.0, 1000.0, rank, mb))
+        events.append(_event("recv", rank, 0.0 if rank else 2000.0, 500.0))
+        events.append(_event("step", rank, 0.0, 6000.0))
+    return events
+
+
+def test_idle_fraction_by_hand():
+    assert idle_fraction(_gpipe_trace()) == pytest.approx(1 - 8 / 12)
+
+
+def test_report_draws_the_timeline_and_loss(tmp_path, capsys):
+    metrics = [json.dumps({"step": s, "loss": 5.0 - 0.1 * s}) for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(metrics))
+    loop_event = {"name": "x", "ph": "X", "ts": 0, "dur": 1, "pid": 0, "tid": 2, "cat": "compute"}
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": [loop_event]}))
+    merge_into_trace(tmp_path / "trace.json", _gpipe_trace())
+    assert main(["report", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "measured idle fraction 0.333" in text
+    svg = (tmp_path / "report.svg").read_text()
+    assert svg.startswith("<svg") and svg.count("<title>") == 8 + 2  # 8 compute boxes, 2 waits
+    assert "0F0" in svg and "1B1" in svg and "polyline" in svg
+    kept = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert any(e.get("cat") == "compute" for e in kept)  # the loop's own events survive the merge
+
+
+def test_report_errors(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "x.gif")]) == 2
+    merge_into_trace(tmp_path / "trace.json", _gpipe_trace())
+    assert main(["report", str(tmp_path), "--step", "9"]) == 2
+    assert "recorded pipeline steps: [3]" in capsys.readouterr().err

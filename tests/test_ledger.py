@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from fivefold.parallel.ledger import CommLedger, wire_bytes
+from fivefold.parallel.ledger import METHODS, CommLedger, wire_bytes
 
 F32 = 4
 
@@ -48,20 +48,32 @@ def _ops(ledger: CommLedger) -> dict[tuple[str, str], tuple[int, int, float]]:
 
 def _body(rank: int, world: int) -> dict:
     import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from fivefold.config import Layout
     from fivefold.parallel.device_mesh import build_runtime_mesh
 
     warnings.simplefilter("ignore")
-    out: dict = {}
-    rm = build_runtime_mesh(Layout(tp=2, fsdp=2, pp=2, ep=2), gpus_per_node=4)
-    out["groups"] = {a: dist.get_process_group_ranks(rm.group(a)) for a in ("tp", "fsdp", "pp", "ep")}
+    mesh_a = build_runtime_mesh(Layout(tp=2, fsdp=2, pp=2, ep=2), gpus_per_node=4)
+    mesh_b = build_runtime_mesh(Layout(dp=2, cp=2, tp=2), gpus_per_node=4)
+    out = {method: _scenarios(mesh_a, mesh_b, method) for method in METHODS}
+    out["groups"] = {a: dist.get_process_group_ranks(mesh_a.group(a)) for a in ("tp", "fsdp", "pp", "ep")}
+    out["groups"] |= {f"b_{a}": dist.get_process_group_ranks(mesh_b.group(a)) for a in ("dp", "cp")}
+    return out
 
-    def measure(label, fn):
-        ledger = CommLedger(rm)
+
+def _scenarios(rm, rm_b, method: str) -> dict:
+    """rm: tp 2 × fsdp 2 × pp 2 with ep 2; rm_b: tp 2 × cp 2 × dp 2."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.nn.parallel import DistributedDataParallel
+
+    out: dict = {}
+
+    def measure(label, fn, mesh=rm):
+        ledger = CommLedger(mesh, method=method)
         with ledger:
             fn()
         out[label] = _ops(ledger)
@@ -74,6 +86,16 @@ def _body(rank: int, world: int) -> dict:
                                                                       group=rm.group("fsdp")))
     measure("ep_all_to_all", lambda: dist.all_to_all_single(torch.empty(6), torch.ones(6),
                                                             group=rm.group("ep")))
+
+    def dispatch_and_combine():  # an expert-parallel all-to-all with autograd, there and back
+        tokens = torch.ones(4, 3, requires_grad=True)
+        there = funcol.all_to_all_single_autograd(tokens, None, None, rm.group("ep"))
+        back = funcol.all_to_all_single_autograd(there * 2, None, None, rm.group("ep"))
+        funcol.wait_tensor(back).sum().backward()
+
+    measure("ep_autograd_all_to_all", dispatch_and_combine)
+    measure("cp_all_gather", lambda: dist.all_gather_into_tensor(torch.empty(8), torch.ones(4),
+                                                                 group=rm_b.group("cp")), rm_b)
     pp_peer = dist.get_process_group_ranks(rm.group("pp"))[1 - rm.coord("pp")]
 
     def send_recv():
@@ -104,31 +126,48 @@ def _body(rank: int, world: int) -> dict:
     mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
     parallelize_module(mlp, rm.get("tp"), {"0": ColwiseParallel(), "2": RowwiseParallel()})
     measure("tp_dtensor", lambda: mlp(torch.ones(3, 4)).sum().backward())
+
+    # DDP over dp: one bucket, its gradients all-reduced once in backward
+    ddp = DistributedDataParallel(nn.Linear(4, 5), process_group=rm_b.group("dp"))
+    measure("dp_ddp", lambda: ddp(torch.ones(2, 4)).sum().backward(), rm_b)
     return out
 
 
 @pytest.mark.slow
 def test_ledger_on_a_gloo_mesh():
-    results = run_distributed(_body, 8, timeout=180)
+    results = run_distributed(_body, 8, timeout=240)
     for rank, res in enumerate(results):
-        # layout tp 2, fsdp 2, pp 2 in the default order: tp stride 1, fsdp stride 2, pp stride 4
+        # mesh a: tp 2, fsdp 2, pp 2 in the default order: tp stride 1, fsdp stride 2, pp stride 4
         assert res["groups"]["tp"] == sorted([rank, rank ^ 1])
         assert res["groups"]["fsdp"] == sorted([rank, rank ^ 2])
         assert res["groups"]["pp"] == sorted([rank, rank ^ 4])
         assert res["groups"]["ep"] == res["groups"]["fsdp"]  # ep folds onto fsdp (cp = 1)
-        assert res["tp_all_reduce"] == {("tp", "all_reduce"): (1, 10 * F32, 2 * (2 - 1) / 2 * 10 * F32)}
-        assert res["fsdp_all_gather"] == {("fsdp", "all_gather"): (1, 6 * F32, 6 * F32 / 2)}
-        assert res["fsdp_reduce_scatter"] == {("fsdp", "reduce_scatter"): (1, 8 * F32, 8 * F32 / 2)}
-        # same ranks as fsdp, but its own process group: credited to ep
-        assert res["ep_all_to_all"] == {("ep", "all_to_all"): (1, 6 * F32, 6 * F32 / 2)}
-        first_stage = rank < 4
-        op = "send" if first_stage else "recv"
-        assert res["pp_send_recv"] == {("pp", op): (1, 5 * F32, 5 * F32)}
-        both = {("pp", "send"): (1, 7 * F32, 7 * F32), ("pp", "recv"): (1, 7 * F32, 7 * F32)}
-        assert res["pp_batched"] == both
-        params = (4 * 6 + 6) + (6 * 4 + 4)  # full parameter count of the two layers
-        fsdp = res["fsdp2_step"]
-        assert fsdp[("fsdp", "all_gather")] == (2, params * F32, params * F32 / 2)
-        assert fsdp[("fsdp", "reduce_scatter")] == (2, params * F32, params * F32 / 2)
-        assert set(fsdp) == {("fsdp", "all_gather"), ("fsdp", "reduce_scatter")}
-        assert res["tp_dtensor"] == {("tp", "all_reduce"): (1, 3 * 4 * F32, 3 * 4 * F32)}
+        # mesh b: tp 2, cp 2, dp 2: cp stride 2, dp stride 4
+        assert res["groups"]["b_cp"] == sorted([rank, rank ^ 2])
+        assert res["groups"]["b_dp"] == sorted([rank, rank ^ 4])
+        for method in METHODS:
+            _check(rank, res[method])
+        assert res["hooks"] == res["dispatch"]
+
+
+def _check(rank: int, res: dict) -> None:
+    assert res["tp_all_reduce"] == {("tp", "all_reduce"): (1, 10 * F32, 2 * (2 - 1) / 2 * 10 * F32)}
+    assert res["fsdp_all_gather"] == {("fsdp", "all_gather"): (1, 6 * F32, 6 * F32 / 2)}
+    assert res["fsdp_reduce_scatter"] == {("fsdp", "reduce_scatter"): (1, 8 * F32, 8 * F32 / 2)}
+    # same ranks as fsdp, but its own process group: credited to ep
+    assert res["ep_all_to_all"] == {("ep", "all_to_all"): (1, 6 * F32, 6 * F32 / 2)}
+    # forward there and back, and the backward of each: four all-to-alls of 4×3 floats
+    assert res["ep_autograd_all_to_all"] == {("ep", "all_to_all"): (4, 4 * 12 * F32, 4 * 12 * F32 / 2)}
+    assert res["cp_all_gather"] == {("cp", "all_gather"): (1, 8 * F32, 8 * F32 / 2)}
+    op = "send" if rank < 4 else "recv"  # first pipeline stage: ranks 0-3
+    assert res["pp_send_recv"] == {("pp", op): (1, 5 * F32, 5 * F32)}
+    both = {("pp", "send"): (1, 7 * F32, 7 * F32), ("pp", "recv"): (1, 7 * F32, 7 * F32)}
+    assert res["pp_batched"] == both
+    params = (4 * 6 + 6) + (6 * 4 + 4)  # full parameter count of the two layers
+    fsdp = res["fsdp2_step"]
+    assert fsdp[("fsdp", "all_gather")] == (2, params * F32, params * F32 / 2)
+    assert fsdp[("fsdp", "reduce_scatter")] == (2, params * F32, params * F32 / 2)
+    assert set(fsdp) == {("fsdp", "all_gather"), ("fsdp", "reduce_scatter")}
+    assert res["tp_dtensor"] == {("tp", "all_reduce"): (1, 3 * 4 * F32, 3 * 4 * F32)}
+    ddp_grads = 4 * 5 + 5
+    assert res["dp_ddp"] == {("dp", "all_reduce"): (1, ddp_grads * F32, ddp_grads * F32)}

@@ -8,6 +8,13 @@ collectives (`_c10d_functional.*`), FSDP2's all-gather and reduce-scatter, and D
 all-reduce (the reducer issues c10d allreduce_ from the backward pass, which the mode sees; no
 comm hook is needed).
 
+Two ways to see the ops, same records (tests run both):
+* `method="hooks"` (default): kernels just below autograd on the collective ops only
+  (`comm_hooks`); other ops pay nothing, and collectives from any thread are seen.
+* `method="dispatch"`: the mode itself is pushed, so every op of the thread passes through
+  `__torch_dispatch__`; simple and self-contained, but a Python call per op (10-20 % of a CPU
+  step of the small preset, see benchmarks/bench_ledger.py).
+
 Bytes (S, per rank) and the per-rank wire bytes of the ring algorithms, n = group size:
 
     all_reduce      S = the buffer            wire = 2(n-1)/n · S
@@ -25,6 +32,7 @@ in `AXIS_PRIORITY`); the whole world is "world", a one-rank group "local", anyth
 from __future__ import annotations
 
 import json
+import threading
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -35,7 +43,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fivefold.config import AXES
 from fivefold.mesh import FLATTENED, MeshInfo
+from fivefold.parallel import comm_hooks
 from fivefold.parallel.device_mesh import AXIS_PRIORITY, RuntimeMesh
+
+METHODS = ("hooks", "dispatch")
 
 # op name (namespace-free) -> normalised op
 C10D_OPS = {
@@ -85,8 +96,13 @@ class CommLedger(TorchDispatchMode):
     step; `write(dir)` writes `ledger.json`. `record(...)` adds an op the mode cannot see.
     """
 
-    def __init__(self, mesh: RuntimeMesh | MeshInfo | None = None, rank: int | None = None) -> None:
+    def __init__(self, mesh: RuntimeMesh | MeshInfo | None = None, rank: int | None = None,
+                 method: str = "hooks") -> None:
         super().__init__()
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        self.method = method
+        self._lock = threading.Lock()
         if isinstance(mesh, RuntimeMesh):
             self.info: MeshInfo | None = mesh.info
             self.rank = mesh.rank
@@ -108,15 +124,31 @@ class CommLedger(TorchDispatchMode):
         self._peer_cache: dict[tuple[int, int], str] = {}
         self.steps: list[dict[tuple[str, str], list[float]]] = [defaultdict(lambda: [0, 0, 0.0])]
 
-    # ---- the mode
+    # ---- seeing the ops: a dispatch mode (every op) or collective-only kernels
+    def __enter__(self) -> CommLedger:
+        if self.method == "dispatch":
+            return super().__enter__()
+        comm_hooks.install({"c10d": tuple(C10D_OPS), "_c10d_functional": tuple(FUNCTIONAL_OPS)})
+        comm_hooks.add_observer(self._observe)
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
+        if self.method == "dispatch":
+            return super().__exit__(exc_type, exc_value, traceback)
+        comm_hooks.remove_observer(self._observe)
+        return None
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self._observe(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _observe(self, func, args, kwargs) -> None:
         handler = self._handlers.get(func, False)
         if handler is False:
             handler = self._handlers[func] = self._handler_for(func)
         if handler is not None:
             handler(args, kwargs)
-        return func(*args, **kwargs)
 
     def _handler_for(self, func):
         namespace, name = func.namespace, func._opname
@@ -202,10 +234,11 @@ class CommLedger(TorchDispatchMode):
     # ---- recording and reading
     def record(self, axis: str, op: str, payload: float, n: int, count: int = 1) -> None:
         """Add `count` ops of `payload` bytes each over a group of `n` ranks to the current step."""
-        row = self.steps[-1][(axis, op)]
-        row[0] += count
-        row[1] += payload * count
-        row[2] += wire_bytes(op, payload, n) * count
+        with self._lock:  # hooks may report from a backward thread
+            row = self.steps[-1][(axis, op)]
+            row[0] += count
+            row[1] += payload * count
+            row[2] += wire_bytes(op, payload, n) * count
 
     def next_step(self) -> None:
         self.steps.append(defaultdict(lambda: [0, 0, 0.0]))

@@ -1,0 +1,70 @@
+"""Collective-only interception: a Python kernel on the ADInplaceOrView key of each collective op.
+
+A `TorchDispatchMode` sees every op, so it pays a Python round trip on every matmul and view as
+well (tens of microseconds each on a CPU step of a small model: well above the ledger's 2 %
+budget). These kernels sit on the c10d and functional-collective ops only: they report the op
+to every active observer and redispatch below autograd to the real kernel, so other ops cost
+nothing. They also see collectives issued from other threads (a backward thread's DDP
+all-reduce), which a thread-local mode would not.
+
+The key is ADInplaceOrView, just below autograd: the functional collectives carry their own
+autograd kernels (registered by torch in Python), which a kernel on the Autograd key would
+replace. Tensors made under `torch.inference_mode()` skip that key, so their collectives are not
+seen (use `method="dispatch"` there). Installed once per process, on first use, and never removed;
+with no observer active a kernel only redispatches.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Observer = Callable[[Any, tuple, dict], None]  # (op overload, args, kwargs)
+
+_observers: list[Observer] = []
+_lock = threading.Lock()
+_libraries: list[torch.library.Library] = []
+
+
+def _kernel_for(op: Any) -> Callable:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        for observe in tuple(_observers):
+            observe(op, args, kwargs)
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+def install(ops: dict[str, tuple[str, ...]]) -> None:
+    """Register the kernels for {namespace: op names} (idempotent)."""
+    with _lock:
+        if _libraries:
+            return
+        import torch.distributed._functional_collectives  # noqa: F401  (registers the functional ops)
+
+        for namespace, names in ops.items():
+            lib = torch.library.Library(namespace, "IMPL")
+            for name in names:
+                packet = getattr(getattr(torch.ops, namespace), name, None)
+                if packet is None:
+                    continue
+                for overload in packet.overloads():
+                    op = getattr(packet, overload)
+                    qualified = name if overload == "default" else f"{name}.{overload}"
+                    lib.impl(qualified, _kernel_for(op), "ADInplaceOrView")
+            _libraries.append(lib)
+
+
+def add_observer(observer: Observer) -> None:
+    with _lock:
+        _observers.append(observer)
+
+
+def remove_observer(observer: Observer) -> None:
+    with _lock:
+        if observer in _observers:
+            _observers.remove(observer)

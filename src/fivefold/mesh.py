@@ -304,9 +304,12 @@ def describe(info: MeshInfo) -> str:
         parts.append(f"This is FSDP over {lay.fsdp} ranks ({words[d['fsdp'].link]}): params, grads and "
                      "optimizer state are sharded and gathered layer by layer.")
     elif lay.dp > 1:
-        zero = " with the optimizer state sharded (ZeRO-1)" if lay.zero == 1 else ""
-        parts.append(f"This is data parallel over {lay.dp} replicas ({words[d['dp'].link]}){zero}: "
-                     "each holds the whole model and gradients are all-reduced once a step.")
+        sync = "gradients are all-reduced once a step"
+        if lay.zero == 1:
+            sync = ("gradients are reduce-scattered onto the optimizer shards and the updated params "
+                    "all-gathered once a step (ZeRO-1)")
+        parts.append(f"This is data parallel over {lay.dp} replicas ({words[d['dp'].link]}): each holds the "
+                     f"whole model; {sync}.")
     else:
         parts.append("There is no data parallelism: every rank sees the same batch.")
     if lay.tp > 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from html import escape
 
@@ -32,6 +33,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except BrokenPipeError:  # `fivefold mesh ... | head`: the reader left, which is fine
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silences the flush at exit
+        return 0
+
+
+def _run(args: argparse.Namespace) -> int:
     from fivefold.mesh import build_mesh
 
     info = build_mesh(layout_from_args(args), args.gpus, args.gpus_per_node)

@@ -76,7 +76,24 @@ def _body(rank: int, world: int, model_name: str, seq_len: int, batch: int, repe
                     step()
                 ledgers[name].next_step()
             times[name].append(time.perf_counter() - start)
+    # the cost per collective, free of step-time noise: many tiny all-reduces
+    group, tiny, calls = rm.group("fsdp"), torch.ones(1), 300
+    per_call: dict[str, list[float]] = {name: [] for name in times}
+    for _ in range(5):
+        for name in per_call:
+            torch.distributed.barrier()
+            ledger = CommLedger(rm, method=name) if name != "plain" else None
+            start = time.perf_counter()
+            if ledger is None:
+                for _ in range(calls):
+                    torch.distributed.all_reduce(tiny, group=group)
+            else:
+                with ledger:
+                    for _ in range(calls):
+                        torch.distributed.all_reduce(tiny, group=group)
+            per_call[name].append((time.perf_counter() - start) / calls)
     return {"times": times, "ops_per_step": OpCounter.count,
+            "per_call": {name: statistics.median(t) for name, t in per_call.items()},
             "comm_per_step": ledgers["hooks"].summary(skip=2),
             "same_records": ledgers["hooks"].per_step() == ledgers["dispatch"].per_step()}
 
@@ -101,6 +118,10 @@ def main() -> None:
             parts.append(f"{name} {med[name] * 1e3:7.1f} ms (ratio {ratio:.4f}, {(ratio - 1) * 100:+.2f} %)")
         print(f"rank {rank}: " + "   ".join(parts) + f"   {res['ops_per_step']} ops/step, "
               f"same records: {res['same_records']}")
+    cost = results[0]["per_call"]
+    print("one tiny all-reduce (rank 0): " + ", ".join(f"{name} {t * 1e6:.1f} us" for name, t in cost.items())
+          + f"; the ledger adds {(cost['hooks'] - cost['plain']) * 1e6:.1f} us (hooks) / "
+          f"{(cost['dispatch'] - cost['plain']) * 1e6:.1f} us (dispatch) per collective")
     print("recorded per step (rank 0):")
     for row in results[0]["comm_per_step"]:
         print(f"  {row['axis']:<6} {row['op']:<15} count {row['count']:5.1f}  bytes {row['bytes']:12.0f}  "

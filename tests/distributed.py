@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks in spawned processes and return what each rank returned.
+"""Run a function on N gloo ranks in separate processes and return what each rank returned.
 
     from distributed import run_distributed
 
@@ -15,6 +15,9 @@
   other ranks are killed at once instead of hanging in a collective.
 * `timeout` bounds the whole run; on expiry every child is killed and `TimeoutError` names the
   ranks that had not finished.
+* Ranks are forked from a fork server that has imported torch once (`forkserver` start method),
+  so a run starts in well under a second instead of paying a torch import per rank; the function
+  and its arguments are pickled, so `fn` must live at module level.
 * Each child destroys its process group on the way out, and uses one intra-op thread so several
   ranks share a small machine politely.
 """

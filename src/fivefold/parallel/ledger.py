@@ -152,16 +152,16 @@ class CommLedger(TorchDispatchMode):
 
     def _handler_for(self, func):
         namespace, name = func.namespace, func._opname
+        names = tuple(a.name for a in func._schema.arguments)
         if namespace == "c10d" and name in C10D_OPS:
             op = C10D_OPS[name]
-            return lambda args, kwargs: self._on_c10d(op, func, args, kwargs)
+            return lambda args, kwargs: self._on_c10d(op, dict(zip(names, args)) | kwargs)
         if namespace == "_c10d_functional" and name in FUNCTIONAL_OPS:
             op = FUNCTIONAL_OPS[name]
-            return lambda args, kwargs: self._on_functional(op, func, args, kwargs)
+            return lambda args, kwargs: self._on_functional(op, dict(zip(names, args)) | kwargs)
         return None
 
-    def _on_c10d(self, op: str, func, args, kwargs) -> None:
-        bound = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+    def _on_c10d(self, op: str, bound: dict[str, Any]) -> None:
         axis, n = self._axis_of_group(bound["process_group"])
         if op in ("send", "recv") and "tensors" in bound:
             peer = bound.get("dst", bound.get("src"))
@@ -184,8 +184,7 @@ class CommLedger(TorchDispatchMode):
             payload = _nbytes(bound["tensors"])
         self.record(axis, op, payload, n)
 
-    def _on_functional(self, op: str, func, args, kwargs) -> None:
-        bound = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+    def _on_functional(self, op: str, bound: dict[str, Any]) -> None:
         axis, n = self._axis_of_group(bound["group_name"])
         payload = _nbytes(bound.get("input", bound.get("inputs")))
         if op == "all_gather":
@@ -213,8 +212,12 @@ class CommLedger(TorchDispatchMode):
         key = (id(group), peer)
         if key not in self._peer_cache:
             pg = group if isinstance(group, dist.ProcessGroup) else dist.ProcessGroup.unbox(group)
-            global_peer = dist.get_global_rank(pg, peer) if pg is not dist.group.WORLD else peer
-            mine, theirs = self.info.ranks[self.rank].coords, self.info.ranks[global_peer].coords
+            try:
+                global_peer = dist.get_global_rank(pg, peer) if pg is not dist.group.WORLD else peer
+                mine, theirs = self.info.ranks[self.rank].coords, self.info.ranks[global_peer].coords
+            except (ValueError, RuntimeError, KeyError, IndexError):  # a group the mesh does not know
+                self._peer_cache[key] = fallback
+                return fallback
             differ = [a for a in AXES if mine[a] != theirs[a]]
             self._peer_cache[key] = differ[0] if len(differ) == 1 else fallback
         return self._peer_cache[key]

@@ -23,7 +23,7 @@ DEMO_TRAIN = TrainSpec(steps=150, eval_every=50)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", default=None, help="run directory (default runs/demo-<time>)")
     parser.add_argument(
-        "--steps", type=int, default=None, help=f"optimizer steps (default {TrainSpec.steps})"
+        "--steps", type=int, default=None, help=f"optimizer steps (default {DEMO_TRAIN.steps})"
     )
     parser.add_argument("--seed", type=int, default=None, help="seed (default 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

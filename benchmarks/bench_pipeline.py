@@ -75,7 +75,7 @@ def bubble_rows(p: int, m: int) -> list[str]:
     cases = []
     for pp in (2, 4, 8):
         for micro in (pp, 2 * pp, 4 * pp):
-            for schedule, v in SCHEDULES + [("interleaved-1f1b", 4)]:
+            for schedule, v in SCHEDULES + [("interleaved-1f1b", 4), ("zero-bubble", 1)]:
                 if schedule == "dualpipev" and micro < 2 * pp:
                     continue
                 cases.append((schedule, pp, micro, v))

@@ -289,7 +289,8 @@ def build_pipeline_runner(model, runtime_mesh, layout: Layout, train: TrainSpec)
         if not source_is_meta:
             _copy_from(chunk, model)
         parts.append(chunk)
-        modules.append(module)
+        autocast = train.dtype == "bf16" and layout.fsdp == 1
+        modules.append(_with_autocast(module, device) if autocast else module)
     return PipelineRunner(parts, modules, stage_ids, counts, runtime_mesh, layout, device)
 
 
@@ -308,6 +309,24 @@ def _parallelize(chunk, runtime_mesh, layout: Layout, train: TrainSpec):
     from fivefold.parallel.apply import parallelize_chunk
 
     return parallelize_chunk(chunk, runtime_mesh, layout, train)
+
+
+def _with_autocast(module, device):
+    """bf16 without FSDP (whose mixed-precision policy casts instead): autocast inside the stage's
+    module, so the schedule's own forwards (and its shape inference) see bf16 activations."""
+    import torch
+    from torch import nn
+
+    class Autocast(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args, **kwargs):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                return self.inner(*args, **kwargs)
+
+    return Autocast(module)
 
 
 def _device(runtime_mesh, train: TrainSpec):

@@ -121,12 +121,13 @@ def two_ranks():
              for s, v in SCHEDULES]
     cases.append(dict(model="tiny-moe", pp=2, pp_schedule="1f1b", microbatches=4))
     cases.append(dict(model="tiny-moe", pp=2, pp_schedule="zero-bubble", virtual_stages=2, microbatches=4))
+    cases.append(dict(pp=2, pp_schedule="1f1b", microbatches=4, recompute="full"))
     cases.append(dict(pp=2, pp_schedule="gpipe", pp_split="3,1", microbatches=2))
     return run_distributed(run_cases, 2, cases, timeout=400)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(SCHEDULES) + 3))
+@pytest.mark.parametrize("index", range(len(SCHEDULES) + 4))
 def test_two_stage_pipeline_matches_single_process(two_ranks, index):
     per_rank = [two_ranks[r][index] for r in range(2)]
     for result in per_rank:

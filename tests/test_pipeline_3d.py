@@ -14,6 +14,7 @@ FOUR = [
     dict(pp=2, fsdp=2, pp_schedule="1f1b", microbatches=4, ledger=True),
     dict(pp=2, fsdp=2, zero=2, pp_schedule="zbv", virtual_stages=2, microbatches=4),
     dict(pp=2, tp=2, pp_schedule="zero-bubble", virtual_stages=2, microbatches=4),
+    dict(pp=2, tp=2, sp=True, pp_schedule="1f1b", microbatches=4, ledger=True),
     dict(pp=2, tp=2, pp_schedule="1f1b", microbatches=4, ledger=True),
     dict(pp=2, tp=2, pp_schedule="interleaved-1f1b", virtual_stages=2, microbatches=4),
     dict(pp=2, dp=2, pp_schedule="gpipe", microbatches=2),
@@ -41,9 +42,11 @@ def _assert_ledger(results: list[dict], case: dict) -> None:
     m = case["microbatches"]
     for result in results:
         # tiny's two stages sit on two pp ranks: one boundary, m activations out and m gradients back
-        # per data-parallel rank (each tp rank sends its own full copy: no sequence parallel)
-        assert result["p2p"]["send"] == (pytest.approx(m), pytest.approx(m * MICRO * SEQ * hidden * 4))
-        assert result["p2p"]["recv"] == (pytest.approx(m), pytest.approx(m * MICRO * SEQ * hidden * 4))
+        # per data-parallel rank; each tp rank sends its own full copy, or its sequence shard with SP
+        shard = case.get("tp", 1) if case.get("sp") else 1
+        activation = MICRO * SEQ * hidden * 4 // shard
+        assert result["p2p"]["send"] == (pytest.approx(m), pytest.approx(m * activation))
+        assert result["p2p"]["recv"] == (pytest.approx(m), pytest.approx(m * activation))
 
 
 @pytest.fixture(scope="module")

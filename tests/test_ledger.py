@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from fivefold.parallel import comm_hooks
 from fivefold.parallel.ledger import METHODS, CommLedger, wire_bytes
 
 F32 = 4
@@ -56,6 +57,7 @@ def _body(rank: int, world: int) -> dict:
     mesh_a = build_runtime_mesh(Layout(tp=2, fsdp=2, pp=2, ep=2), gpus_per_node=4)
     mesh_b = build_runtime_mesh(Layout(dp=2, cp=2, tp=2), gpus_per_node=4)
     out = {method: _scenarios(mesh_a, mesh_b, method) for method in METHODS}
+    out["hooks_left_installed"] = comm_hooks.installed()
     out["groups"] = {a: dist.get_process_group_ranks(mesh_a.group(a)) for a in ("tp", "fsdp", "pp", "ep")}
     out["groups"] |= {f"b_{a}": dist.get_process_group_ranks(mesh_b.group(a)) for a in ("dp", "cp")}
     return out
@@ -148,6 +150,7 @@ def test_ledger_on_a_gloo_mesh():
         for method in METHODS:
             _check(rank, res[method])
         assert res["hooks"] == res["dispatch"]
+        assert not res["hooks_left_installed"]  # nothing stays in the path after the last ledger
 
 
 def _check(rank: int, res: dict) -> None:

@@ -10,8 +10,9 @@ all-reduce), which a thread-local mode would not.
 The key is ADInplaceOrView, just below autograd: the functional collectives carry their own
 autograd kernels (registered by torch in Python), which a kernel on the Autograd key would
 replace. Tensors made under `torch.inference_mode()` skip that key, so their collectives are not
-seen (use `method="dispatch"` there). Installed once per process, on first use, and never removed;
-with no observer active a kernel only redispatches.
+seen (use `method="dispatch"` there). The kernels are registered when the first observer arrives
+and removed when the last one leaves (about 2 ms each way), so without an active ledger nothing
+is left in the path; keep one ledger open over many steps rather than one per step.
 """
 
 from __future__ import annotations
@@ -39,28 +40,35 @@ def _kernel_for(op: Any) -> Callable:
     return kernel
 
 
-def install(ops: dict[str, tuple[str, ...]]) -> None:
-    """Register the kernels for {namespace: op names} (idempotent)."""
+def _install(ops: dict[str, tuple[str, ...]]) -> None:
+    """Register the kernels for {namespace: op names} (idempotent; the caller holds the lock)."""
+    if _libraries:
+        return
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the functional ops)
+
+    for namespace, names in ops.items():
+        lib = torch.library.Library(namespace, "IMPL")
+        for name in names:
+            packet = getattr(getattr(torch.ops, namespace), name, None)
+            if packet is None:
+                continue
+            for overload in packet.overloads():
+                op = getattr(packet, overload)
+                qualified = name if overload == "default" else f"{name}.{overload}"
+                lib.impl(qualified, _kernel_for(op), "ADInplaceOrView")
+        _libraries.append(lib)
+
+
+def _uninstall() -> None:
+    for lib in _libraries:
+        lib._destroy()
+    _libraries.clear()
+
+
+def add_observer(observer: Observer, ops: dict[str, tuple[str, ...]]) -> None:
+    """Start reporting the collective ops {namespace: op names} to `observer`."""
     with _lock:
-        if _libraries:
-            return
-        import torch.distributed._functional_collectives  # noqa: F401  (registers the functional ops)
-
-        for namespace, names in ops.items():
-            lib = torch.library.Library(namespace, "IMPL")
-            for name in names:
-                packet = getattr(getattr(torch.ops, namespace), name, None)
-                if packet is None:
-                    continue
-                for overload in packet.overloads():
-                    op = getattr(packet, overload)
-                    qualified = name if overload == "default" else f"{name}.{overload}"
-                    lib.impl(qualified, _kernel_for(op), "ADInplaceOrView")
-            _libraries.append(lib)
-
-
-def add_observer(observer: Observer) -> None:
-    with _lock:
+        _install(ops)
         _observers.append(observer)
 
 
@@ -68,3 +76,9 @@ def remove_observer(observer: Observer) -> None:
     with _lock:
         if observer in _observers:
             _observers.remove(observer)
+        if not _observers:
+            _uninstall()
+
+
+def installed() -> bool:
+    return bool(_libraries)

@@ -68,6 +68,8 @@ FUNCTIONAL_OPS = {
     "all_to_all_single": "all_to_all", "broadcast": "broadcast", "broadcast_": "broadcast",
 }
 
+HOOKED_OPS = {"c10d": tuple(C10D_OPS), "_c10d_functional": tuple(FUNCTIONAL_OPS)}
+
 
 def wire_bytes(op: str, payload: float, n: int) -> float:
     """Per-rank bytes on the wire for the ring algorithm of `op` over `n` ranks."""
@@ -128,8 +130,7 @@ class CommLedger(TorchDispatchMode):
     def __enter__(self) -> CommLedger:
         if self.method == "dispatch":
             return super().__enter__()
-        comm_hooks.install({"c10d": tuple(C10D_OPS), "_c10d_functional": tuple(FUNCTIONAL_OPS)})
-        comm_hooks.add_observer(self._observe)
+        comm_hooks.add_observer(self._observe, HOOKED_OPS)
         return self
 
     def __exit__(self, exc_type, exc_value, traceback) -> None:

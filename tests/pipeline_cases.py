@@ -23,8 +23,19 @@ def _spec(name: str, layers: int | None = None):
     return dataclasses.replace(spec, layers=layers) if layers else spec
 
 
-def run_cases(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [run_case(rank, world, **case) for case in cases]
+def run_cases(rank: int, world: int, cases: list[dict[str, Any]], train_dir: str | None = None,
+              **train_layout: Any) -> list[dict[str, Any]]:
+    """Every case, then (with `train_dir`) a short real training run through the loop on this world."""
+    results = [run_case(rank, world, **case) for case in cases]
+    if train_dir is not None:
+        from fivefold.config import Layout, RunConfig, TrainSpec, load_model
+        from fivefold.train.loop import train
+
+        cfg = RunConfig(model=load_model("tiny"), layout=Layout(**train_layout),
+                        train=TrainSpec(steps=3, seq_len=32, micro_batch=4, eval_every=3, eval_batches=2,
+                                        warmup_steps=1, log_every=1))
+        train(cfg, train_dir, progress=False)
+    return results
 
 
 def run_case(rank: int, world: int, model: str = "tiny", layers: int | None = None, steps: int = 5,
@@ -35,6 +46,7 @@ def run_case(rank: int, world: int, model: str = "tiny", layers: int | None = No
     from fivefold.parallel.apply import build_runner
     from fivefold.parallel.device_mesh import build_runtime_mesh
     from fivefold.parallel.timeline import COMPUTE_KINDS, idle_fraction
+    from fivefold.train.memory import ActivationMeter
 
     spec = _spec(model, layers)
     layout = Layout(**layout_kwargs).resolve(world)
@@ -61,12 +73,14 @@ def run_case(rank: int, world: int, model: str = "tiny", layers: int | None = No
         x = torch.randint(0, spec.vocab, (dp * local_batch, SEQ), generator=gen)
         y = torch.randint(0, spec.vocab, (dp * local_batch, SEQ), generator=gen)
         mine = slice(share * local_batch, (share + 1) * local_batch)
-        if book is not None and step > 0:  # step 0 also exchanges the stages' shapes
-            with book:
+        with ActivationMeter() as meter:
+            if book is not None and step > 0:  # step 0 also exchanges the stages' shapes
+                with book:
+                    loss = runner.forward_backward(x[mine], y[mine])
+                book.next_step()
+            else:
                 loss = runner.forward_backward(x[mine], y[mine])
-            book.next_step()
-        else:
-            loss = runner.forward_backward(x[mine], y[mine])
+        out["activation_peak"] = max(out.get("activation_peak", 0), meter.peak_bytes)
         out["loss"].append(loss.item())
         out["ref_loss"].append(local.forward_backward(x, y).item())
         out["norm"].append(runner.clip_grad_norm(clip).item())

@@ -116,14 +116,20 @@ def _assert_matches(result: dict, rel: float = 1e-5) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
+def train_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("pp_run")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(train_dir):
     cases = [dict(pp=2, pp_schedule=s, virtual_stages=v, microbatches=4, ledger=(s in ("1f1b", "zbv")))
              for s, v in SCHEDULES]
     cases.append(dict(model="tiny-moe", pp=2, pp_schedule="1f1b", microbatches=4))
     cases.append(dict(model="tiny-moe", pp=2, pp_schedule="zero-bubble", virtual_stages=2, microbatches=4))
     cases.append(dict(pp=2, pp_schedule="1f1b", microbatches=4, recompute="full"))
     cases.append(dict(pp=2, pp_schedule="gpipe", pp_split="3,1", microbatches=2))
-    return run_distributed(run_cases, 2, cases, timeout=400)
+    return run_distributed(run_cases, 2, cases, timeout=400, train_dir=str(train_dir), pp=2,
+                           pp_schedule="1f1b", microbatches=4)
 
 
 @pytest.mark.slow
@@ -183,3 +189,34 @@ def test_timeline_records_every_op_of_the_schedule(two_ranks):
                 assert any(k == "W" for _, k, _ in kinds)
             assert result["comm_events"] > 0
         assert 0.0 < two_ranks[0][index]["measured_idle"] < 1.0  # gathered on rank 0
+
+
+@pytest.mark.slow
+def test_training_loop_end_to_end_and_report(two_ranks, train_dir, capsys):
+    import json
+
+    from fivefold.cli import main
+    from fivefold.parallel.timeline import load_pipeline_events
+
+    metrics = [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["loss"] > 0 for m in metrics)
+    events = load_pipeline_events(train_dir / "trace.json")
+    assert {e["pid"] for e in events} == {0, 1}  # both stages' timelines reached trace.json
+    for rank in (0, 1):
+        kinds = {e["args"]["kind"] for e in events if e["pid"] == rank}
+        assert {"F", "B", "idle", "step"} <= kinds
+    ledger = json.loads((train_dir / "ledger.json").read_text())
+    assert any(r["axis"] == "pp" and r["op"] == "send" for r in ledger["summary"])
+    assert main(["report", str(train_dir)]) == 0
+    assert "measured idle fraction" in capsys.readouterr().out
+    assert (train_dir / "report.svg").read_text().count("rank 1 (pp 1)") == 1
+
+
+@pytest.mark.slow
+def test_1f1b_holds_fewer_micro_batches_than_gpipe(two_ranks):
+    # GPipe keeps all m micro-batches' activations until the backward; 1F1B keeps min(p - r, m)
+    # on pp rank r (Narayanan et al. 2019): here m = 4, p = 2 -> ratios 2 and 4
+    m, p = 4, 2
+    for rank in range(p):
+        gpipe, one_f_one_b = two_ranks[rank][0]["activation_peak"], two_ranks[rank][1]["activation_peak"]
+        assert gpipe / one_f_one_b == pytest.approx(m / min(p - rank, m), rel=0.2)

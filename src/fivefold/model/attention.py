@@ -91,16 +91,14 @@ class AttentionCore(nn.Module):
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0) -> torch.Tensor:
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
+        # query head j reads kv head j // (hq / hkv); SDPA does that without copying K and V
+        gqa = q.shape[1] != k.shape[1]
         s, t = q.shape[2], k.shape[2]
         if s == t:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         # queries are the last s of t positions: query i sees keys 0..(t - s + i)
         mask = torch.ones(s, t, dtype=torch.bool, device=q.device).tril(diagonal=t - s)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class KVCache:

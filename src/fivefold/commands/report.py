@@ -49,8 +49,12 @@ def run(args: argparse.Namespace) -> int:
     step = _pick_step(events, args.step)
     timeline = [e for e in events if e["args"].get("step") == step]
     print(summary(run_dir, metrics, ledger, timeline, idle_fraction(events, step) if timeline else None))
+    predicted = predicted_timeline(run_dir / "config.toml") if timeline else []
+    if predicted:
+        idle = predicted[0]["args"]["idle"]
+        print(f"  the schedule's action table at 1:2 costs predicts idle fraction {idle:.3f}")
     if out.suffix == ".svg":
-        out.write_text(render_svg(metrics, timeline, ledger, title=run_dir.name))
+        out.write_text(render_svg(metrics, timeline, ledger, title=run_dir.name, predicted=predicted))
     else:
         render_png(metrics, timeline, out, title=run_dir.name)
     print(f"wrote {out}")
@@ -127,7 +131,31 @@ def _bytes(n: float) -> str:
 
 # ---- SVG, by hand
 
-def render_svg(metrics: list[dict], timeline: list[dict], ledger: Any, title: str = "") -> str:
+def predicted_timeline(config_path: Path) -> list[dict]:
+    """The run's schedule replayed from torch's action table (1:2 costs), as timeline events."""
+    from fivefold.config import RunConfig
+    from fivefold.parallel.bubble import simulated_bubble
+
+    try:
+        layout = RunConfig.from_toml(config_path).layout
+        sim = simulated_bubble(layout.pp_schedule, layout.pp, layout.microbatches, layout.virtual_stages,
+                               "1:2")
+    except (FivefoldError, ValueError, OSError):
+        return []
+    unit = 1000.0  # one forward of a whole stage drawn as 1 ms
+    events = []
+    for rank, ops in enumerate(sim.timeline):
+        events.append({"name": "step", "ts": 0.0, "dur": sim.makespan * unit, "pid": rank,
+                       "args": {"kind": "step", "step": "predicted", "pp_rank": rank,
+                                "idle": sim.idle_fraction}})
+        for start, end, (stage, kind, mb) in ops:
+            events.append({"name": f"{stage}{kind}{mb}", "ts": start * unit, "dur": (end - start) * unit,
+                           "pid": rank, "args": {"kind": kind, "step": "predicted", "pp_rank": rank}})
+    return events
+
+
+def render_svg(metrics: list[dict], timeline: list[dict], ledger: Any, title: str = "",
+               predicted: list[dict] | None = None) -> str:
     width = 960
     parts: list[str] = []
     y = 40
@@ -137,6 +165,12 @@ def render_svg(metrics: list[dict], timeline: list[dict], ledger: Any, title: st
         y += 250
     if timeline:
         block, height = _svg_timeline(timeline, 20, y, width - 40)
+        parts.append(block)
+        y += height + 20
+    if predicted:
+        heading = (f"predicted from the schedule's action table (F = 1, B = 2 = I + W; "
+                   f"idle {predicted[0]['args']['idle']:.3f})")
+        block, height = _svg_timeline(predicted, 20, y, width - 40, heading=heading)
         parts.append(block)
         y += height + 20
     height = y + 10
@@ -175,7 +209,8 @@ def _svg_loss(metrics: list[dict], x0: float, y0: float, w: float, h: float) -> 
     return "\n".join(out)
 
 
-def _svg_timeline(timeline: list[dict], x0: float, y0: float, w: float) -> tuple[str, float]:
+def _svg_timeline(timeline: list[dict], x0: float, y0: float, w: float,
+                  heading: str | None = None) -> tuple[str, float]:
     ranks = sorted({e["pid"] for e in timeline})
     windows = [e for e in timeline if e["args"]["kind"] == "step"]
     t0 = min(e["ts"] for e in windows)
@@ -183,8 +218,8 @@ def _svg_timeline(timeline: list[dict], x0: float, y0: float, w: float) -> tuple
     row_h, left = 26, x0 + 70
     scale = (w - 80) / max(t1 - t0, 1e-9)
     step = timeline[0]["args"]["step"]
-    out = [f'<text x="{x0}" y="{y0}" font-size="13" font-weight="bold">pipeline, step {step} '
-           f'(measured; {(t1 - t0) / 1e3:.1f} ms)</text>']
+    heading = heading or f"pipeline, step {step} (measured; {(t1 - t0) / 1e3:.1f} ms)"
+    out = [f'<text x="{x0}" y="{y0}" font-size="13" font-weight="bold">{escape(heading)}</text>']
     for row, rank in enumerate(ranks):
         y = y0 + 12 + row * row_h
         pp = next((e["args"].get("pp_rank") for e in timeline if e["pid"] == rank), "?")

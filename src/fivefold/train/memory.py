@@ -26,7 +26,9 @@ from torch import nn
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The part of `t` this rank stores: a DTensor's local shard, or `t` itself."""
     inner = getattr(t, "_local_tensor", None)
-    return inner if inner is not None else t
+    local = inner if inner is not None else t
+    # an async collective's result (DTensor redistribute with async_op) wraps its buffer in `elem`
+    return getattr(local, "elem", local) if type(local).__name__ == "AsyncCollectiveTensor" else local
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -17,7 +17,15 @@ from fivefold.model.transformer import lm_loss
 
 
 class StepRunner(Protocol):
-    """What the training loop needs from a layout."""
+    """What the training loop needs from a layout.
+
+    Optional methods the loop calls when a runner has them:
+      * `build_optimizer(part) -> Optimizer`: the optimizer for one of `model_parts` (the layout's
+        choice: ZeroRedundancyOptimizer for `--zero 1`, per-parameter AdamW where DTensors of
+        several meshes cannot share foreach kernels); without it the loop builds plain AdamW;
+      * `after_optimizer_step()`: per-step updates outside the optimizer (MoE balancing bias from
+        token counts summed over replicas).
+    """
 
     #: the modules this rank trains (one per local pipeline chunk); the optimizer and the
     #: checkpoint take their parameters, which may be DTensors

@@ -30,6 +30,7 @@ def _body(rank: int, world: int, model_name: str, seq_len: int, batch: int, repe
 
     from fivefold.config import Layout, load_model
     from fivefold.model.transformer import build_model, lm_loss, materialize
+    from fivefold.parallel import comm_hooks
     from fivefold.parallel.device_mesh import build_runtime_mesh
     from fivefold.parallel.ledger import CommLedger
 
@@ -71,6 +72,8 @@ def _body(rank: int, world: int, model_name: str, seq_len: int, batch: int, repe
     names = list(times)
     for repeat in range(repeats):
         for name in names[repeat % 3:] + names[:repeat % 3]:  # each path in each position alike
+            if name != "hooks":  # a true baseline: no collective kernels in the path (the hooks
+                comm_hooks.uninstall()  # step then pays their re-registration: an upper bound)
             torch.distributed.barrier()
             wall, cpu = time.perf_counter(), time.process_time()
             if name == "plain":
@@ -87,6 +90,7 @@ def _body(rank: int, world: int, model_name: str, seq_len: int, batch: int, repe
         for name in per_call:
             torch.distributed.barrier()
             ledger = CommLedger(rm, method=name) if name != "plain" else None
+            comm_hooks.uninstall()
             start = time.process_time()
             if ledger is None:
                 for _ in range(calls):

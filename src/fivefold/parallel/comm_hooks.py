@@ -10,9 +10,12 @@ all-reduce), which a thread-local mode would not.
 The key is ADInplaceOrView, just below autograd: the functional collectives carry their own
 autograd kernels (registered by torch in Python), which a kernel on the Autograd key would
 replace. Tensors made under `torch.inference_mode()` skip that key, so their collectives are not
-seen (use `method="dispatch"` there). The kernels are registered when the first observer arrives
-and removed when the last one leaves (about 2 ms each way), so without an active ledger nothing
-is left in the path; keep one ledger open over many steps rather than one per step.
+seen (use `method="dispatch"` there).
+
+The kernels are registered when a first user acquires them and removed when the last user
+releases them (about 2 ms each way); a ledger is a user from its first `with` until it is closed
+or collected, so entering it every step costs nothing extra. Between `with` blocks a kernel with
+no observer only redispatches; with no ledger alive nothing is left in the path.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ Observer = Callable[[Any, tuple, dict], None]  # (op overload, args, kwargs)
 _observers: list[Observer] = []
 _lock = threading.Lock()
 _libraries: list[torch.library.Library] = []
+_users = 0
 
 
 def _kernel_for(op: Any) -> Callable:
@@ -65,8 +69,25 @@ def _uninstall() -> None:
     _libraries.clear()
 
 
+def acquire(ops: dict[str, tuple[str, ...]]) -> None:
+    """Become a user of the kernels for {namespace: op names}, registering them if needed."""
+    global _users
+    with _lock:
+        _install(ops)
+        _users += 1
+
+
+def release() -> None:
+    """Stop being a user; the last one out removes the kernels."""
+    global _users
+    with _lock:
+        _users = max(0, _users - 1)
+        if _users == 0 and not _observers:
+            _uninstall()
+
+
 def add_observer(observer: Observer, ops: dict[str, tuple[str, ...]]) -> None:
-    """Start reporting the collective ops {namespace: op names} to `observer`."""
+    """Report the collective ops to `observer` (re-registering the kernels if they were removed)."""
     with _lock:
         _install(ops)
         _observers.append(observer)
@@ -76,6 +97,11 @@ def remove_observer(observer: Observer) -> None:
     with _lock:
         if observer in _observers:
             _observers.remove(observer)
+
+
+def uninstall() -> None:
+    """Remove the kernels now, e.g. for a baseline measurement (they return on the next use)."""
+    with _lock:
         if not _observers:
             _uninstall()
 

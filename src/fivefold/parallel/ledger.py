@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,7 @@ class CommLedger(TorchDispatchMode):
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         self.method = method
         self._lock = threading.Lock()
+        self._release: weakref.finalize | None = None
         if isinstance(mesh, RuntimeMesh):
             self.info: MeshInfo | None = mesh.info
             self.rank = mesh.rank
@@ -122,7 +124,7 @@ class CommLedger(TorchDispatchMode):
                 if len(group) > 1:
                     self._by_ranks.setdefault(frozenset(group), self._alias.get(name, name))
         self._group_cache: dict[str, tuple[str, int]] = {}  # group name -> (axis, size)
-        self._handlers: dict[Any, Any] = {}  # op overload -> bound handler or None
+        self._handlers: dict[Any, Any] = {}  # op overload -> (functional, op, arg names) or None
         self._peer_cache: dict[tuple[int, int], str] = {}
         self.steps: list[dict[tuple[str, str], list[float]]] = [defaultdict(lambda: [0, 0, 0.0])]
 
@@ -130,6 +132,9 @@ class CommLedger(TorchDispatchMode):
     def __enter__(self) -> CommLedger:
         if self.method == "dispatch":
             return super().__enter__()
+        if self._release is None or not self._release.alive:  # hold the kernels until closed or collected
+            comm_hooks.acquire(HOOKED_OPS)
+            self._release = weakref.finalize(self, comm_hooks.release)
         comm_hooks.add_observer(self._observe, HOOKED_OPS)
         return self
 
@@ -139,28 +144,27 @@ class CommLedger(TorchDispatchMode):
         comm_hooks.remove_observer(self._observe)
         return None
 
+    def close(self) -> None:
+        """Let go of the collective kernels now rather than when the ledger is collected."""
+        if self._release is not None:
+            self._release()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self._observe(func, args, kwargs)
         return func(*args, **kwargs)
 
     def _observe(self, func, args, kwargs) -> None:
-        handler = self._handlers.get(func, False)
-        if handler is False:
-            handler = self._handlers[func] = self._handler_for(func)
-        if handler is not None:
-            handler(args, kwargs)
-
-    def _handler_for(self, func):
-        namespace, name = func.namespace, func._opname
-        names = tuple(a.name for a in func._schema.arguments)
-        if namespace == "c10d" and name in C10D_OPS:
-            op = C10D_OPS[name]
-            return lambda args, kwargs: self._on_c10d(op, dict(zip(names, args)) | kwargs)
-        if namespace == "_c10d_functional" and name in FUNCTIONAL_OPS:
-            op = FUNCTIONAL_OPS[name]
-            return lambda args, kwargs: self._on_functional(op, dict(zip(names, args)) | kwargs)
-        return None
+        spec = self._handlers.get(func, False)
+        if spec is False:
+            spec = self._handlers[func] = _op_spec(func)
+        if spec is not None:
+            functional, op, names = spec
+            bound = dict(zip(names, args)) | kwargs
+            if functional:
+                self._on_functional(op, bound)
+            else:
+                self._on_c10d(op, bound)
 
     def _on_c10d(self, op: str, bound: dict[str, Any]) -> None:
         axis, n = self._axis_of_group(bound["process_group"])
@@ -307,6 +311,17 @@ class CommLedger(TorchDispatchMode):
             p = p / "ledger.json"
         p.write_text(json.dumps(self.to_json(skip), indent=1))
         return p
+
+
+def _op_spec(func: Any) -> tuple[bool, str, tuple[str, ...]] | None:
+    """(is functional, normalised op, argument names) of a collective op; None for any other op."""
+    namespace, name = func.namespace, func._opname
+    names = tuple(a.name for a in func._schema.arguments)
+    if namespace == "c10d" and name in C10D_OPS:
+        return False, C10D_OPS[name], names
+    if namespace == "_c10d_functional" and name in FUNCTIONAL_OPS:
+        return True, FUNCTIONAL_OPS[name], names
+    return None
 
 
 def flattened_aliases(info: MeshInfo) -> dict[str, str]:

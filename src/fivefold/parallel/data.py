@@ -73,10 +73,15 @@ def apply_replicate(model: nn.Module, mesh: DeviceMesh, train: TrainSpec) -> Non
 
 
 def _units(model: nn.Module) -> list:
+    """Embedding, each block, norm + head; a tied embedding and head share one unit."""
     decoder = model.model
+    tail = [m for m in (decoder.norm, model.lm_head) if m is not None]
+    tied = (decoder.embed_tokens is not None and model.lm_head is not None
+            and model.lm_head.weight is decoder.embed_tokens.weight)
+    if tied:
+        return [[decoder.embed_tokens, *tail], *decoder.layers.values()]
     units: list = [decoder.embed_tokens] if decoder.embed_tokens is not None else []
     units += list(decoder.layers.values())
-    tail = [m for m in (decoder.norm, model.lm_head) if m is not None]
     return units + ([tail] if tail else [])
 
 

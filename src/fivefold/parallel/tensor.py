@@ -100,10 +100,6 @@ def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
                 f"--tp {tp} must divide {name} = {size} of {spec.name}; valid tp: "
                 f"{suggest([d for d in valid if size % d == 0])}"
             )
-    if spec.tie_embeddings and tp > 1:
-        raise FivefoldError(
-            f"--tp {tp}: tied input/output embeddings are not supported with tensor parallelism; use --tp 1"
-        )
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, spec: ModelSpec, sp: bool) -> None:
@@ -156,6 +152,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, spec: ModelSpec
             tp_mesh,
             ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False),
         )
+    if spec.tie_embeddings and decoder.embed_tokens is not None and model.lm_head is not None:
+        # both split the vocabulary rows (Shard(0)): one DTensor serves as both weights again
+        model.lm_head.weight = decoder.embed_tokens.weight
     if sp:
         _hand_over_sequence_shards(model, tp_mesh)
     model._tp_mesh = tp_mesh  # read by `loss_context`

@@ -47,9 +47,11 @@ class ParallelRunner:
         self.is_fsdp = layout.fsdp > 1
         self.is_fsdp_module = isinstance(model, FSDPModule)  # FSDP, HSDP or `replicate`
         self.is_ddp = isinstance(wrapped, DistributedDataParallel)
-        # loss and token counts are averaged over every rank that holds the same weights
-        self.replica_group = runtime_mesh.group("dp_fsdp_cp") if runtime_mesh.size("dp_fsdp_cp") > 1 else None
-        self.replicas = runtime_mesh.size("dp_fsdp_cp")
+        # loss and token counts are averaged over every rank that holds the same weights: the
+        # ranks with different data (`batch`), and with context parallelism their sequence shards
+        replicas = "dp_fsdp_cp" if layout.cp > 1 else "batch"
+        self.replicas = runtime_mesh.size(replicas)
+        self.replica_group = runtime_mesh.group(replicas) if self.replicas > 1 else None
         device_type = runtime_mesh.device_mesh.device_type
         # bf16 without FSDP: autocast (FSDP casts through its MixedPrecisionPolicy instead)
         self.autocast = (

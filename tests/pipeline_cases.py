@@ -44,6 +44,7 @@ def run_case(rank: int, world: int, model: str = "tiny", layers: int | None = No
     from fivefold.model import build_model, materialize
     from fivefold.parallel.api import LocalRunner
     from fivefold.parallel.apply import build_runner
+    from fivefold.parallel.data import make_optimizer
     from fivefold.parallel.device_mesh import build_runtime_mesh
     from fivefold.parallel.timeline import COMPUTE_KINDS, idle_fraction
     from fivefold.train.memory import ActivationMeter
@@ -51,16 +52,16 @@ def run_case(rank: int, world: int, model: str = "tiny", layers: int | None = No
     spec = _spec(model, layers)
     layout = Layout(**layout_kwargs).resolve(world)
     m = layout.microbatches
-    train = TrainSpec(seq_len=SEQ, micro_batch=m * MICRO, seed=7)
+    train = TrainSpec(seq_len=SEQ, micro_batch=m * MICRO, seed=7, lr=1e-2)
     mesh = build_runtime_mesh(layout, "cpu")
     runner = build_runner(build_model(spec), mesh, layout, train)
     reference = materialize(build_model(spec), "cpu", train.seed)
     local = LocalRunner(reference, MICRO)
     dp = layout.data_parallel
     share = mesh.coord("batch")
-    opt = torch.optim.AdamW([p for part in runner.model_parts for p in part.parameters()], lr=1e-2,
-                            weight_decay=0.1, foreach=False)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    # the optimizers the loop builds: AdamW with decay on matrices, ZeRO-1 over plain dp with --zero 1
+    optimizers = [runner.build_optimizer(part) for part in runner.model_parts]
+    ref_opt = make_optimizer(reference, train, Layout().resolve(1), None)
     gen = torch.Generator().manual_seed(123)
     out: dict[str, Any] = {"loss": [], "ref_loss": [], "norm": [], "ref_norm": [], "split": runner.split}
     book = None
@@ -85,9 +86,10 @@ def run_case(rank: int, world: int, model: str = "tiny", layers: int | None = No
         out["ref_loss"].append(local.forward_backward(x, y).item())
         out["norm"].append(runner.clip_grad_norm(clip).item())
         out["ref_norm"].append(local.clip_grad_norm(clip).item())
-        opt.step()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
         ref_opt.step()
-        opt.zero_grad()
         ref_opt.zero_grad()
     ex = torch.randint(0, spec.vocab, (dp * local_batch, SEQ), generator=gen)
     ey = torch.randint(0, spec.vocab, (dp * local_batch, SEQ), generator=gen)

@@ -209,7 +209,9 @@ def test_training_loop_end_to_end_and_report(two_ranks, train_dir, capsys):
     assert any(r["axis"] == "pp" and r["op"] == "send" for r in ledger["summary"])
     assert main(["report", str(train_dir)]) == 0
     assert "measured idle fraction" in capsys.readouterr().out
-    assert (train_dir / "report.svg").read_text().count("rank 1 (pp 1)") == 1
+    svg = (train_dir / "report.svg").read_text()
+    assert svg.count("rank 1 (pp 1)") == 2  # measured, and replayed from the action table
+    assert "predicted from the schedule" in svg
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ FOUR = [
     dict(pp=2, tp=2, pp_schedule="1f1b", microbatches=4, ledger=True),
     dict(pp=2, tp=2, pp_schedule="interleaved-1f1b", virtual_stages=2, microbatches=4),
     dict(pp=2, dp=2, pp_schedule="gpipe", microbatches=2),
+    dict(pp=2, dp=2, zero=1, pp_schedule="1f1b", microbatches=4),
     dict(pp=4, layers=8, pp_schedule="interleaved-1f1b", virtual_stages=2, microbatches=4),
     dict(pp=4, layers=8, pp_schedule="dualpipev", virtual_stages=2, microbatches=8),
 ]

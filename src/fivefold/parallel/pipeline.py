@@ -291,7 +291,7 @@ def build_pipeline_runner(model, runtime_mesh, layout: Layout, train: TrainSpec)
         parts.append(chunk)
         autocast = train.dtype == "bf16" and layout.fsdp == 1
         modules.append(_with_autocast(module, device) if autocast else module)
-    return PipelineRunner(parts, modules, stage_ids, counts, runtime_mesh, layout, device)
+    return PipelineRunner(parts, modules, stage_ids, counts, runtime_mesh, layout, device, train)
 
 
 def _parallelize(chunk, runtime_mesh, layout: Layout, train: TrainSpec):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
 
-from fivefold.config import Layout
+from fivefold.config import Layout, TrainSpec
 from fivefold.errors import FivefoldError
 from fivefold.model.moe import moe_layers, set_aux_loss_scale
 from fivefold.model.transformer import lm_loss
@@ -25,7 +25,9 @@ class PipelineRunner:
     """One rank's chunks of a pipeline, stepped by a torch schedule."""
 
     def __init__(self, parts: list[nn.Module], modules: list[nn.Module], stage_ids: list[int],
-                 split: list[int], runtime_mesh, layout: Layout, device: torch.device) -> None:
+                 split: list[int], runtime_mesh, layout: Layout, device: torch.device,
+                 train: TrainSpec | None = None) -> None:
+        self.train = train
         self.model_parts = parts  # the chunks' own modules (a DDP wrapper, if any, is only called)
         self.stage_ids = stage_ids
         self.split = split  # layers per chunk, all chunks
@@ -84,6 +86,13 @@ class PipelineRunner:
                 for p in params:
                     p.grad.mul_(coef)
         return total
+
+    def build_optimizer(self, part: nn.Module) -> torch.optim.Optimizer:
+        """AdamW as the other layouts build it (ZeRO-1 over plain dp replicas included)."""
+        from fivefold.parallel.data import make_optimizer
+
+        dp_group = self.mesh.group("dp") if self.mesh.size("dp") > 1 else None
+        return make_optimizer(part, self.train or TrainSpec(), self.layout, dp_group)
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:

@@ -35,11 +35,13 @@ _users = 0
 
 
 def _kernel_for(op: Any) -> Callable:
+    call = op._op  # the C++ entry point: skips OpOverload's Python-side checks for TorchBind args
+
     def kernel(*args: Any, **kwargs: Any) -> Any:
         for observe in tuple(_observers):
             observe(op, args, kwargs)
         with torch._C._AutoDispatchBelowADInplaceOrView():
-            return op(*args, **kwargs)
+            return call(*args, **kwargs)
 
     return kernel
 

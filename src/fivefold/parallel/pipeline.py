@@ -259,12 +259,12 @@ def _copy_from(chunk, source) -> None:
     """Fill a materialised chunk from an already materialised full model (same names)."""
     import torch
 
+    from fivefold.model.transformer import _copy_into
+
     full = dict(source.named_parameters()) | dict(source.named_buffers())
     with torch.no_grad():
         for name, tensor in list(chunk.named_parameters()) + list(chunk.named_buffers()):
             if name in full:
-                from fivefold.model.transformer import _copy_into
-
                 _copy_into(tensor, full[name].detach())
 
 

@@ -18,6 +18,9 @@ DEMO_MODEL = "small"
 # 200 steps of 8×128 bytes take about 0.15 CPU-seconds each and end near 2 nats held-out (~60% below
 # ln 256); the loss is under the 3.33 bar from about step 30 on.
 DEMO_TRAIN = TrainSpec(steps=200, eval_every=50)
+# by default the same job on 4 CPU ranks: sharded 2 ways (FSDP) × split 2 ways (TP); each of the
+# 2 data-parallel ranks takes half of the same 8-sequence global batch
+DEMO_NPROC = 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=None, help="seed (default 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--nproc", type=int, default=DEMO_NPROC,
+        help=f"CPU ranks (default {DEMO_NPROC}: fsdp 2 × tp 2; 2: fsdp 2; 1: a single process)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         f"on the Python standard library's sources, byte-level; run directory: {run_dir}",
         flush=True,
     )
+    if args.nproc > 1:
+        return _run_layout(args, spec, tspec, run_dir, started)
     result = train(RunConfig(model=spec, train=tspec.validate()), run_dir, progress=not args.no_progress)
     ln_vocab = math.log(spec.vocab)
     held = result.held_out_loss if result.held_out_loss is not None else float("nan")
@@ -66,3 +75,56 @@ def run(args: argparse.Namespace) -> int:
         f"run directory: {result.run_dir}  (config.toml, metrics.jsonl, loss.png, trace.json, checkpoints/)"
     )
     return 0
+
+
+def _run_layout(args: argparse.Namespace, spec, tspec: TrainSpec, run_dir, started: float) -> int:
+    """The demo on `--nproc` CPU ranks through `fivefold train`'s launcher, then the ledger table."""
+    import json
+
+    from fivefold.commands import train as train_command
+    from fivefold.errors import FivefoldError
+
+    layout = {"fsdp": 2, "tp": 2} if args.nproc == 4 else {"fsdp": args.nproc}
+    global_batch = tspec.global_batch or tspec.micro_batch
+    if global_batch % layout["fsdp"]:
+        raise FivefoldError(
+            f"--nproc {args.nproc}: the demo's {global_batch} sequences per step do not split over "
+            f"{layout['fsdp']} data-parallel ranks; use --nproc 1, 2, 4 or 8"
+        )
+    parser = argparse.ArgumentParser()
+    train_command.add_arguments(parser)
+    flags = ["--model", DEMO_MODEL, "--nproc", str(args.nproc), "--run-dir", str(run_dir),
+             "--steps", str(tspec.steps), "--seed", str(tspec.seed), "--eval-every", str(tspec.eval_every),
+             "--micro-batch", str(global_batch // layout["fsdp"]), "--device", "cpu"]
+    flags += [f"--{axis}={size}" for axis, size in layout.items()]
+    flags += ["--no-progress"] if args.no_progress else []
+    print(f"layout: {' × '.join(f'{a} {n}' for a, n in layout.items())} on {args.nproc} CPU ranks (gloo)",
+          flush=True)
+    code = train_command.run(parser.parse_args(flags))
+    if code:
+        return code
+    ln_vocab = math.log(spec.vocab)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    held = next((r["held_out_loss"] for r in reversed(records) if "held_out_loss" in r), float("nan"))
+    print(
+        f"held-out loss {held:.3f} nats/token vs ln(vocab) = {ln_vocab:.3f}: "
+        f"{1 - held / ln_vocab:.0%} below ({time.perf_counter() - started:.0f} s)"
+    )
+    _print_ledger(run_dir / "ledger.json")
+    print(f"run directory: {run_dir}  (config.toml, metrics.jsonl, ledger.json, loss.png, trace.json, "
+          "checkpoints/)")
+    return 0
+
+
+def _print_ledger(path) -> None:
+    """Rank 0's communication per training step (mean over the run) by axis and collective."""
+    import json
+
+    if not path.exists():
+        return
+    rows = json.loads(path.read_text()).get("summary", [])
+    print("communication per step on rank 0 (ledger.json):")
+    print(f"  {'axis':<8} {'op':<15} {'count':>7} {'bytes':>14} {'wire bytes':>14}")
+    for row in rows:
+        print(f"  {row['axis']:<8} {row['op']:<15} {row['count']:>7.1f} {row['bytes']:>14,.0f} "
+              f"{row['wire_bytes']:>14,.0f}")

@@ -5,8 +5,10 @@
 Both train `--steps` AdamW steps from the same seeded weights on the same random-token batches
 (each rank takes its data-parallel share); the table shows each step's loss on both sides, then
 the largest difference of the updated parameters (gathered from their shards) and the measured
-communication of one step per axis. PASS when losses agree within 1e-5 relative and parameters
-within 1e-5 absolute (fp32, lr 1e-3, AdamW eps 1e-6 — see docs/parallel.md); exit 1 on FAIL.
+communication of one step per axis beside what `fivefold plan` predicts for it (shown, not judged:
+the planner counts activations in 16 bits). PASS when losses agree within 1e-5 relative and
+parameters within 1e-5 absolute (fp32, lr 1e-3, AdamW eps 1e-6 — see docs/parallel.md); exit 1
+on FAIL.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     result = compare(reference, ours, LOSS_RTOL, PARAM_ATOL)
     same_everywhere = all(r["losses"] == per_rank[0]["losses"] for r in per_rank)
     _print_report(spec.name, layout, args.nproc, reference, ours, result, per_rank[0]["ledger"], ledger_step,
-                  same_everywhere)
+                  same_everywhere, _planned_bytes(spec, layout, train, rows))
     ok = result.ok and same_everywhere
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
@@ -99,8 +101,22 @@ def _rank_body(rank: int, world: int, spec, train: TrainSpec, layout: Layout, ro
             "ledger": ledger.summary()}
 
 
+def _planned_bytes(spec, layout: Layout, train: TrainSpec, rows: int) -> dict[tuple[str, str], float]:
+    """What `fivefold plan` predicts per step, by (axis, op), for fp32 weights and gradients."""
+    from fivefold.config import load_hardware
+    from fivefold.plan import TrainShape, plan
+
+    try:
+        shape = TrainShape(seq_len=train.seq_len, global_batch=rows, micro_batch=train.micro_batch,
+                           param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+        predicted = plan(spec, load_hardware("cpu"), layout, shape, gpus_per_node=layout.world)
+    except FivefoldError:
+        return {}
+    return {(c.axis, c.op.replace("-", "_")): c.bytes for c in predicted.comm}
+
+
 def _print_report(model: str, layout: Layout, nproc: int, reference, ours, result, ledger: list[dict],
-                  ledger_step: int, same_everywhere: bool) -> None:
+                  ledger_step: int, same_everywhere: bool, planned: dict[tuple[str, str], float]) -> None:
     split = [a for a in ("dp", "fsdp", "tp", "pp", "cp") if getattr(layout, a) > 1]
     axes = " × ".join(f"{a}{getattr(layout, a)}" for a in split)
     extras = [f"zero {layout.zero}"] + (["sp"] if layout.sp else [])
@@ -112,7 +128,9 @@ def _print_report(model: str, layout: Layout, nproc: int, reference, ours, resul
           f"max rel diff {result.max_rel:.3e}; tolerances: loss {LOSS_RTOL:g} rel, params {PARAM_ATOL:g} abs")
     if not same_everywhere:
         print("the reported loss differs between ranks")
-    print(f"communication of step {ledger_step} on rank 0 (ledger):")
-    print(f"  {'axis':<10} {'op':<15} {'count':>6} {'bytes':>12}")
+    print(f"communication of step {ledger_step} on rank 0: measured (ledger) and predicted (fivefold plan)")
+    print(f"  {'axis':<10} {'op':<15} {'count':>6} {'bytes':>12} {'plan bytes':>12}")
     for row in ledger:
-        print(f"  {row['axis']:<10} {row['op']:<15} {row['count']:>6.0f} {row['bytes']:>12,.0f}")
+        plan_bytes = planned.get((row["axis"], row["op"]))
+        shown = f"{plan_bytes:>12,.0f}" if plan_bytes is not None else f"{'-':>12}"
+        print(f"  {row['axis']:<10} {row['op']:<15} {row['count']:>6.0f} {row['bytes']:>12,.0f} {shown}")

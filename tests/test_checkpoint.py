@@ -6,12 +6,22 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from fivefold.config import RunConfig, TrainSpec, load_model
 from fivefold.errors import FivefoldError
 from fivefold.train import checkpoint as ckpt
 from fivefold.train import train
 from fivefold.train.plots import read_metrics
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and never stall waiting for a busy core's sibling."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

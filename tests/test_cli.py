@@ -80,7 +80,7 @@ def test_bad_input_is_one_line_and_exit_code_2(command, argv, words, files, caps
 
 
 def _fivefold(*argv: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     return subprocess.run(
         [sys.executable, "-m", "fivefold", *argv],
         cwd=cwd,
@@ -89,6 +89,10 @@ def _fivefold(*argv: str, cwd: Path, timeout: float = 240) -> subprocess.Complet
         text=True,
         timeout=timeout,
     )
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
@@ -112,23 +116,38 @@ def test_nproc_2_starts_agrees_on_a_layout_and_exits_cleanly(files, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     two = tmp_path / "two"
-    config = (two / "config.toml").read_text()
-    assert "dp = 2" in config  # no axis given: plain data parallel over both ranks
-    metrics = two / "metrics.jsonl"
-    if metrics.exists():  # the data-parallel runner is in this build: compare with one process
-        losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-        assert "rank 1 step 3/3 loss" in proc.stderr  # every rank reports its loss
-        one = _fivefold(
-            "train", *common, "--global-batch", "4", "--run-dir", str(tmp_path / "one"), cwd=tmp_path
-        )
-        assert one.returncode == 0, one.stderr[-3000:]
-        single = [
-            json.loads(line)["loss"] for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()
-        ]
-        assert losses == pytest.approx(single, rel=1e-5)
-    else:
+    assert "dp = 2" in (two / "config.toml").read_text()  # no axis given: plain data parallel
+    if not (two / "metrics.jsonl").exists():  # a build without the data-parallel runner
         assert "agreed on the layout" in proc.stderr
         assert "rank 0: dp=0" in proc.stdout and "rank 1: dp=1" in proc.stdout
+        return
+    assert "rank 1 step 3/3 loss" in proc.stderr  # every rank reports its loss
+    # the reference: one process, the same global batch (2 micro-batches of 2), started by torchrun
+    # through the module entry point
+    one = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            "-m",
+            "fivefold.train",
+            *common,
+            "--global-batch",
+            "4",
+            "--run-dir",
+            str(tmp_path / "one"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert _losses(two) == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
 
 
 @pytest.mark.slow
@@ -152,40 +171,3 @@ def test_a_failing_rank_is_reported_once(files, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert "data not found" in lines[0] and "rank" in lines[0]
-
-
-@pytest.mark.slow
-def test_torchrun_module_entry_point(files, tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "1",
-            "-m",
-            "fivefold.train",
-            "--model",
-            "tiny",
-            "--steps",
-            "2",
-            "--seq-len",
-            "32",
-            "--micro-batch",
-            "2",
-            "--data",
-            files["corpus"],
-            "--device",
-            "cpu",
-            "--no-progress",
-            "--run-dir",
-            str(tmp_path / "t"),
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len((tmp_path / "t" / "metrics.jsonl").read_text().splitlines()) == 2

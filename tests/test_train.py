@@ -17,6 +17,16 @@ from fivefold.train import lr_at, train
 from fivefold.train.memory import ActivationMeter, state_bytes
 from fivefold.train.plots import read_metrics
 
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and never stall waiting for a busy core's sibling."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 REQUIRED = {"step", "loss", "tokens_per_s", "mfu", "grad_norm", "lr", "memory"}
 
 

@@ -23,7 +23,12 @@ from pathlib import Path
 
 from fivefold.errors import FivefoldError
 
-_QUIET_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
+_QUIET_LOGGERS = (
+    "torch.distributed.elastic",
+    "torch.distributed.launcher",
+    "torch.distributed.run",
+    "torch.multiprocessing",
+)
 
 
 def _rank_entry(args: argparse.Namespace, error_dir: str) -> int:

@@ -17,6 +17,7 @@ schedule costs 1/V of it. Two cost models: `unit` (t_F = t_B = 1, the backward s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from fivefold.parallel.pipeline import SCHEDULE_CLASSES, V_SHAPED, stage_to_rank
 
@@ -65,15 +66,20 @@ def action_table(schedule: str, pp: int, microbatches: int,
     return _renumber_if_needed(table, microbatches)
 
 
+class _StandInStage:
+    """What a schedule's constructor reads from its stages: enough to build the action table."""
+
+    def __init__(self, pp: int, chunks: int) -> None:
+        self.group_rank, self.group_size, self.submod, self.num_stages = 0, pp, None, chunks
+        self.stage_index_to_group_rank: dict[int, int] = {}
+
+
+@lru_cache(maxsize=256)
 def _pipeline_order(schedule: str, pp: int, m: int, v: int) -> dict:
     """Instantiate the torch schedule on stand-in stages (no process group) for its action table."""
-    from unittest import mock
-
     from torch.distributed import pipelining
 
-    stage = mock.create_autospec(pipelining.PipelineStage, instance=True)
-    stage.group_rank, stage.group_size, stage.submod = 0, pp, None
-    stage.num_stages = pp * v
+    stage = _StandInStage(pp, pp * v)
     cls = getattr(pipelining, SCHEDULE_CLASSES[schedule])
     target = stage if schedule in ("gpipe", "1f1b") else [stage] * v
     return cls(target, m).pipeline_order

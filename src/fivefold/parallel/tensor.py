@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
-    PrepareModuleOutput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -135,7 +135,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, spec: ModelSpec
             plan["post_attention_layernorm"] = SequenceParallel()
         if isinstance(block.mlp, MoE):
             if sp:  # experts run replicated on the gathered sequence and hand back their shard
-                plan["mlp"] = _GatherScatter(seq)
+                plan["mlp"] = _gather_scatter(seq)
         else:
             plan["mlp"] = PrepareModuleInput(
                 input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_output=False
@@ -160,21 +160,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, spec: ModelSpec
     model._tp_mesh = tp_mesh  # read by `loss_context`
 
 
-class _GatherScatter(ParallelStyle):
-    """Around a module that must see the full sequence: all-gather in, keep this rank's shard out."""
+def _gather_scatter(seq: Shard) -> ParallelStyle:
+    """Around a module that must see the full sequence: all-gather in, keep this rank's shard out.
 
-    def __init__(self, seq: Shard) -> None:
-        super().__init__()
-        self.seq = seq
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        PrepareModuleInput(
-            input_layouts=(self.seq,), desired_input_layouts=(Replicate(),), use_local_output=True
-        )._apply(module, device_mesh)
-        PrepareModuleOutput(
-            output_layouts=(Replicate(),), desired_output_layouts=(self.seq,), use_local_output=False
-        )._apply(module, device_mesh)
-        return module
+    Backward: the output gradient is all-gathered (every rank computed the same full output), and
+    the input gradient is cut to this rank's shard, without a sum.
+    """
+    return PrepareModuleInputOutput(
+        input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=False,
+    )
 
 
 def _hand_over_sequence_shards(model: nn.Module, tp_mesh: DeviceMesh) -> None:

@@ -274,7 +274,9 @@ def _train(
     batch_rank = mesh.coord("batch") if mesh is not None else 0
 
     parts = runner.model_parts
-    optimizers = [make_optimizer(part, tspec) for part in parts]
+    # a layout may build its own (ZeRO-1's sharded optimizer; see StepRunner in parallel/api.py)
+    build = getattr(runner, "build_optimizer", None) or (lambda part: make_optimizer(part, tspec))
+    optimizers = [build(part) for part in parts]
     start = 0
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, parts, optimizers)

@@ -97,3 +97,14 @@ def test_simulator_detects_a_deadlock():
     table = [[(0, "F", 0), (0, "B", 0)], [(1, "B", 0), (1, "F", 0)]]
     with pytest.raises(ValueError, match="deadlock"):
         simulate(table, 2, COST_MODELS["unit"])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"])
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_planner_bubble_equals_the_schedule_table(schedule: str, p: int, m: int) -> None:
+    """The pure-Python planner's bubble must agree with torch's own action table at F:B = 1:2."""
+    from fivefold.plan.pipeline import bubble_fraction
+
+    v = 2 if schedule in ("interleaved-1f1b", "zero-bubble") else 1
+    table = simulated_bubble(schedule, p, m, v, "1:2").idle_fraction
+    assert bubble_fraction(schedule, p, m, v, 1.0, 2.0) == pytest.approx(table, abs=1e-9)

@@ -24,8 +24,10 @@ def bubble_time(schedule: str, p: int, m: int, v: int, t_f: float, t_b: float) -
         # Narayanan et al. 2021 §2.2.2: each chunk is 1/v of the stage, so the bubble shrinks by v
         return (p - 1) * (t_f + t_b) / v
     if schedule == "zero-bubble":
-        # ZB-H1 (Qi et al. 2024): weight gradients fill the drain, (p-1)(t_f + t_b_input - t_w)
-        return (p - 1) * max(t_f + (t_b - t_w) - t_w, 0.0)
+        # ZB-H1 (Qi et al. 2024): weight gradients fill the drain, (p-1)(t_f + t_b_input - t_w);
+        # torch's interleaved zero-bubble runs v chunks of 1/v of the stage, shrinking it by v
+        # (checked against the schedule's own action table in parallel/bubble.py)
+        return (p - 1) * max(t_f + (t_b - t_w) - t_w, 0.0) / v
     if schedule == "zbv":
         # ZB-V: two chunks in a V shape; (p-1)(t_f + t_b_input - 2 t_w) per half-size chunk
         return (p - 1) * max(t_f + (t_b - t_w) - 2 * t_w, 0.0) / 2

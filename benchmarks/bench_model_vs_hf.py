@@ -1,11 +1,15 @@
 """Training-step throughput of fivefold's model against HF transformers' LlamaForCausalLM.
 
 Same dims, same weights (copied by name), same batch, same loss function and the same AdamW: one
-step is forward + backward + optimizer step. The two models alternate in every repeat, so load
-from other processes falls on both alike; the table shows medians and fivefold / HF as a ratio
-(> 1: fivefold faster).
+step is forward + backward + optimizer step. Each round times both models back to back (in
+alternating order) and yields one ratio HF time / fivefold time; the reported ratio is the median
+over rounds, so load from other processes that drifts between rounds cancels (> 1: fivefold faster).
+Tokens/s are medians over rounds too, and move with the machine's load; the ratio is the result.
 
-Run: .venv/bin/python benchmarks/bench_model_vs_hf.py [--repeats 7] [--steps 3] [--threads N] [--json]
+On a machine shared with other busy processes, `--threads 1` gives far steadier numbers: with more
+intra-op threads than free cores, a step waits on whichever thread was descheduled.
+
+Run: .venv/bin/python benchmarks/bench_model_vs_hf.py [--repeats 9] [--steps 1] [--threads N] [--json]
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ def bench_case(label: str, spec: ModelSpec, batch: int, seq: int, repeats: int, 
             times[name].append(measure(runs[name], steps))
     tokens = batch * seq
     median = {name: statistics.median(t) for name, t in times.items()}
+    ratios = [h / f for h, f in zip(times["hf"], times["fivefold"])]
     return {
         "case": label,
         "params": spec.num_params(),
@@ -96,16 +101,15 @@ def bench_case(label: str, spec: ModelSpec, batch: int, seq: int, repeats: int, 
         "hf_step_s": median["hf"],
         "fivefold_tokens_per_s": tokens / median["fivefold"],
         "hf_tokens_per_s": tokens / median["hf"],
-        "ratio": median["hf"] / median["fivefold"],
-        "fivefold_spread": (min(times["fivefold"]), max(times["fivefold"])),
-        "hf_spread": (min(times["hf"]), max(times["hf"])),
+        "ratio": statistics.median(ratios),
+        "ratio_range": (min(ratios), max(ratios)),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7, help="alternating timed rounds per model")
-    parser.add_argument("--steps", type=int, default=3, help="training steps per timed round")
+    parser.add_argument("--repeats", type=int, default=9, help="timed rounds (both models per round)")
+    parser.add_argument("--steps", type=int, default=1, help="training steps per model per round")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args()
@@ -124,13 +128,17 @@ def main() -> None:
         f"torch {torch.__version__}, transformers {transformers.__version__}; "
         f"median of {args.repeats} alternating rounds of {args.steps} steps"
     )
-    header = f"{'model':<22}{'params':>8}{'tokens':>8}{'fivefold tok/s':>16}{'HF tok/s':>11}{'ratio':>8}"
+    header = (
+        f"{'model':<22}{'params':>8}{'tokens':>8}{'fivefold tok/s':>16}{'HF tok/s':>11}{'ratio':>8}"
+        f"{'rounds min..max':>17}"
+    )
     print(header)
     print("-" * len(header))
     for row in rows:
         print(
             f"{row['case']:<22}{row['params'] / 1e6:>7.1f}M{row['tokens_per_step']:>8}"
             f"{row['fivefold_tokens_per_s']:>16,.0f}{row['hf_tokens_per_s']:>11,.0f}{row['ratio']:>8.2f}"
+            f"{row['ratio_range'][0]:>10.2f}..{row['ratio_range'][1]:.2f}"
         )
     print(
         "ratio = HF step time / fivefold step time (> 1: fivefold faster); logits max |diff| before "

@@ -104,9 +104,36 @@ def make_optimizer(
     return torch.optim.AdamW(groups, foreach=foreach, **hyper)
 
 
+class ShardedOptimizer(ZeroRedundancyOptimizer):
+    """ZeroRedundancyOptimizer whose `state_dict()` is the whole state on every rank.
+
+    torch's version hands the state to one rank after an explicit `consolidate_state_dict(to=...)`;
+    checkpointing (torch.distributed.checkpoint) asks every rank for a complete state dict, the
+    same as for a plain optimizer. `load_state_dict` of the whole state keeps this rank's part.
+    """
+
+    def state_dict(self) -> dict:
+        whole: dict = {}
+        for target in range(self.world_size):  # every rank gathers once, in turn
+            self.consolidate_state_dict(to=target)
+            if target == self.rank:
+                whole = super().state_dict()
+        return whole
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # parameters may be keyed by name (torch.distributed.checkpoint does); ZeRO wants their
+        # positions in the global parameter order, which the groups' lists give
+        order = [key for group in state_dict["param_groups"] for key in group["params"]]
+        position = {key: i for i, key in enumerate(order)}
+        groups = [dict(group, params=[position[k] for k in group["params"]])
+                  for group in state_dict["param_groups"]]
+        state = {position[k]: v for k, v in state_dict["state"].items()}
+        super().load_state_dict({"state": state, "param_groups": groups})
+
+
 def _zero_with_groups(groups: list[dict], dp_group: torch.distributed.ProcessGroup, foreach: bool,
                       hyper: dict) -> ZeroRedundancyOptimizer:
-    zero = ZeroRedundancyOptimizer(
+    zero = ShardedOptimizer(
         groups[0]["params"], optimizer_class=torch.optim.AdamW, process_group=dp_group, foreach=foreach,
         weight_decay=groups[0]["weight_decay"], **hyper,
     )

@@ -2,13 +2,15 @@
 
 One spawned gloo group per world size (2, 4, 8) runs all its layouts in sequence, dense and MoE,
 building and destroying a mesh for each. Each layout trains 5 steps with 2 micro-batches per
-data-parallel rank and global-norm clipping at 0.5 (active: the norms are above it), from the same
+data-parallel rank and global-norm clipping at 0.3 (active: the norms are above it), from the same
 seeded weights and the same global batches as the single-process reference computed here.
 
 Checks per layout:
-  * losses within 1e-5 relative at every step; gathered parameters after 5 steps within 5e-5
-    (AdamW's eps is 1e-6 here: with 1e-8, a gradient element that is zero up to rounding has its
-    update decided by the rounding, which says nothing about the layout);
+  * losses within 1e-5 relative at every step, the step-0 gradient norm within 1e-6; gathered
+    parameters after 5 steps within 1e-5 absolute, i.e. 0.2% of the 5e-3 that AdamW moves a
+    weight in 5 steps at lr 1e-3. (Adam divides by the gradient's own scale, so an element whose
+    gradient is ~0 up to rounding gets an update decided by the rounding; eps = 1e-6 and a small
+    lr keep that from hiding a real difference, which shows up at the 1e-3 level or above);
   * the ledger of step 2's forward + backward equals `parallel_theory.expected_forward_backward`
     exactly, op by op and byte by byte; the optimizer phase sends only the 8-byte grad-norm
     reductions (plus ZeRO-1's parameter broadcasts, = every parameter once);
@@ -19,6 +21,8 @@ Checks per layout:
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 import warnings
 
 import pytest
@@ -35,7 +39,8 @@ from parallel_theory import (
 
 STEPS = 5
 ACCUMULATION = 2
-TRAIN = TrainSpec(seq_len=16, micro_batch=2, lr=1e-2, eps=1e-6, grad_clip=0.5, seed=3)
+TRAIN = TrainSpec(seq_len=16, micro_batch=2, lr=1e-3, eps=1e-6, grad_clip=0.3, seed=3)
+PARAM_ATOL = 1e-5
 LEDGER_STEP = 2  # after DDP's bucket rebuild and FSDP's lazy init
 
 # a model whose vocabulary (250) does not divide by 4: FSDP pads it
@@ -47,12 +52,14 @@ CASES: dict[int, list[tuple[str, dict]]] = {
         dict(dp=2), dict(dp=2, zero=1), dict(fsdp=2, zero=2), dict(tp=2), dict(tp=2, sp=True))],
     4: [(m, lay) for m in DENSE_MOE for lay in (
         dict(fsdp=4, zero=3), dict(dp=2, fsdp=2), dict(tp=4), dict(fsdp=2, tp=2, sp=True), dict(dp=2, tp=2))]
-    + [("odd", dict(fsdp=4, zero=3))],
+    + [("odd", dict(fsdp=4, zero=3)), ("tied", dict(fsdp=2, tp=2, sp=True))],
     8: [(m, dict(dp=2, fsdp=2, tp=2, sp=True)) for m in DENSE_MOE] + [("tiny", dict(dp=2, fsdp=2, tp=2))],
 }
 
 
 def model_spec(name: str) -> ModelSpec:
+    if name == "tied":  # input and output embeddings share one weight (as the demo's `small` does)
+        return dataclasses.replace(load_model("tiny"), name="tied", tie_embeddings=True)
     return ModelSpec(**ODD).validate() if name == "odd" else load_model(name)
 
 
@@ -70,6 +77,7 @@ def layout_and_rows(world: int, lay: dict) -> tuple[Layout, TrainSpec, int]:
 def _run_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dict]:
     """On every rank: train each layout, with the ledger on one step and the memory meter after."""
     warnings.filterwarnings("ignore")
+    logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)  # 2-D gather notes
     from fivefold.parallel.compare import run_layout
     from fivefold.parallel.device_mesh import build_runtime_mesh
     from fivefold.parallel.ledger import CommLedger
@@ -77,6 +85,7 @@ def _run_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dic
 
     results = []
     for model, lay in cases:
+        start = time.perf_counter()
         spec = model_spec(model)
         layout, train, rows = layout_and_rows(world, lay)
         mesh = build_runtime_mesh(layout)
@@ -103,6 +112,7 @@ def _run_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dic
             "memory": state_bytes([part], optimizer),
             "storage": storage,
             "coords": {a: mesh.coord(a) for a in ("dp", "fsdp", "tp")},
+            "seconds": time.perf_counter() - start,
         })
         del runner, optimizer, part
         torch.distributed.barrier()
@@ -148,19 +158,21 @@ def test_matches_single_process(world: int, index: int, case: tuple[str, dict]) 
     for r in ranks:  # the loss is the global mean on every rank
         assert r["losses"] == ranks[0]["losses"]
     got = ranks[0]
-    cmp = compare(ref, type(ref)(got["losses"], got["grad_norms"], got["params"]), 1e-5, 5e-5)
+    cmp = compare(ref, type(ref)(got["losses"], got["grad_norms"], got["params"]), 1e-5, PARAM_ATOL)
     assert max(cmp.loss_rel) <= 1e-5, (got["losses"], ref.losses)
     # same weights at step 0: the clip's global norm agrees to rounding; later steps carry the
     # (tolerated) parameter differences along
     assert got["grad_norms"][0] == pytest.approx(ref.grad_norms[0], rel=1e-6)
     assert got["grad_norms"] == pytest.approx(ref.grad_norms, rel=1e-4)
-    assert cmp.max_abs <= 5e-5, f"{cmp.worst_param}: {cmp.max_abs:.3g}"
+    assert cmp.max_abs <= PARAM_ATOL, f"{cmp.worst_param}: {cmp.max_abs:.3g}"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "index", "case"), ALL, ids=IDS)
 def test_ledger_matches_theory(world: int, index: int, case: tuple[str, dict]) -> None:
     model, lay = case
+    if model == "tied":
+        pytest.skip("tied embeddings: checked against the single process only (one FSDP unit for both ends)")
     spec = model_spec(model)
     layout, train, _ = layout_and_rows(world, lay)
     expected = expected_forward_backward(spec, layout, train.micro_batch, train.seq_len, ACCUMULATION)
@@ -183,6 +195,8 @@ def test_ledger_matches_theory(world: int, index: int, case: tuple[str, dict]) -
 @pytest.mark.parametrize(("world", "index", "case"), ALL, ids=IDS)
 def test_memory_matches_sharding(world: int, index: int, case: tuple[str, dict]) -> None:
     model, lay = case
+    if model == "tied":
+        pytest.skip("tied embeddings: checked against the single process only")
     spec = model_spec(model)
     layout, _, _ = layout_and_rows(world, lay)
     for rank, r in enumerate(results_for(world)[index]):

@@ -31,7 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="seed (default 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
-        "--nproc", type=int, default=DEMO_NPROC,
+        "--nproc",
+        type=int,
+        default=DEMO_NPROC,
         help=f"CPU ranks (default {DEMO_NPROC}: fsdp 2 × tp 2; 2: fsdp 2; 1: a single process)",
     )
 
@@ -93,13 +95,30 @@ def _run_layout(args: argparse.Namespace, spec, tspec: TrainSpec, run_dir, start
         )
     parser = argparse.ArgumentParser()
     train_command.add_arguments(parser)
-    flags = ["--model", DEMO_MODEL, "--nproc", str(args.nproc), "--run-dir", str(run_dir),
-             "--steps", str(tspec.steps), "--seed", str(tspec.seed), "--eval-every", str(tspec.eval_every),
-             "--micro-batch", str(global_batch // layout["fsdp"]), "--device", "cpu"]
+    flags = [
+        "--model",
+        DEMO_MODEL,
+        "--nproc",
+        str(args.nproc),
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        str(tspec.steps),
+        "--seed",
+        str(tspec.seed),
+        "--eval-every",
+        str(tspec.eval_every),
+        "--micro-batch",
+        str(global_batch // layout["fsdp"]),
+        "--device",
+        "cpu",
+    ]
     flags += [f"--{axis}={size}" for axis, size in layout.items()]
     flags += ["--no-progress"] if args.no_progress else []
-    print(f"layout: {' × '.join(f'{a} {n}' for a, n in layout.items())} on {args.nproc} CPU ranks (gloo)",
-          flush=True)
+    print(
+        f"layout: {' × '.join(f'{a} {n}' for a, n in layout.items())} on {args.nproc} CPU ranks (gloo)",
+        flush=True,
+    )
     code = train_command.run(parser.parse_args(flags))
     if code:
         return code
@@ -111,8 +130,10 @@ def _run_layout(args: argparse.Namespace, spec, tspec: TrainSpec, run_dir, start
         f"{1 - held / ln_vocab:.0%} below ({time.perf_counter() - started:.0f} s)"
     )
     _print_ledger(run_dir / "ledger.json")
-    print(f"run directory: {run_dir}  (config.toml, metrics.jsonl, ledger.json, loss.png, trace.json, "
-          "checkpoints/)")
+    print(
+        f"run directory: {run_dir}  (config.toml, metrics.jsonl, ledger.json, loss.png, trace.json, "
+        "checkpoints/)"
+    )
     return 0
 
 
@@ -126,5 +147,7 @@ def _print_ledger(path) -> None:
     print("communication per step on rank 0 (ledger.json):")
     print(f"  {'axis':<8} {'op':<15} {'count':>7} {'bytes':>14} {'wire bytes':>14}")
     for row in rows:
-        print(f"  {row['axis']:<8} {row['op']:<15} {row['count']:>7.1f} {row['bytes']:>14,.0f} "
-              f"{row['wire_bytes']:>14,.0f}")
+        print(
+            f"  {row['axis']:<8} {row['op']:<15} {row['count']:>7.1f} {row['bytes']:>14,.0f} "
+            f"{row['wire_bytes']:>14,.0f}"
+        )

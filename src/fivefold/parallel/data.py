@@ -118,6 +118,11 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
             self.consolidate_state_dict(to=target)
             if target == self.rank:
                 whole = super().state_dict()
+        # torch.distributed.checkpoint reads which state names each parameter has from `.state`,
+        # which torch's ZeRO leaves empty (the shard's optimizer holds the tensors): name them,
+        # with empty placeholders so the memory stays sharded
+        for index, value in whole["state"].items():
+            self.state[self._index_to_param[index]] = {name: torch.empty(0) for name in value}
         return whole
 
     def load_state_dict(self, state_dict: dict) -> None:

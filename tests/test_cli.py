@@ -171,3 +171,34 @@ def test_a_failing_rank_is_reported_once(files, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert "data not found" in lines[0] and "rank" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "axis"), [(["--cp", "2"], "--cp 2"), (["--fsdp", "2", "--ep", "2"], "--ep 2")]
+)
+def test_plan_only_axes_are_refused_by_train(flags: list[str], axis: str, tmp_path) -> None:
+    """Context and expert parallelism are planned, not yet run: training must say so, not fake them."""
+    model = "tiny-moe" if "--ep" in flags else "tiny"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fivefold",
+            "train",
+            "--nproc",
+            "2",
+            "--model",
+            model,
+            "--steps",
+            "1",
+            "--run-dir",
+            str(tmp_path / "run"),
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert axis in done.stderr and "fivefold plan" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "run").exists()  # refused before any rank started

@@ -137,10 +137,10 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg.model.name)
     if args.nproc > 1 and not _launched():
         from fivefold.train.launch import launch
-        from fivefold.train.loop import default_layout
+        from fivefold.train.loop import runtime_layout
 
         # an impossible layout is reported here, before any process starts
-        default_layout(cfg.layout, args.nproc).resolve(args.nproc).check_model(cfg.model, cfg.train.seq_len)
+        runtime_layout(cfg.layout, args.nproc, cfg.model, cfg.train.seq_len)
 
         args.run_dir = str(run_dir)
         return launch(args.nproc, args)

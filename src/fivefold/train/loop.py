@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fivefold.config import AXES, Layout, RunConfig, TrainSpec, to_dict
+from fivefold.config import AXES, Layout, ModelSpec, RunConfig, TrainSpec, to_dict
 from fivefold.errors import FivefoldError
 from fivefold.model import build_model, materialize
 from fivefold.model.moe import moe_layers
@@ -92,6 +92,24 @@ def default_layout(layout: Layout, world: int) -> Layout:
     if world > 1 and all(getattr(layout, a) == 1 for a in AXES):
         return replace(layout, dp=world)
     return layout
+
+
+# axes the planner models but the runtime does not run yet: refuse them rather than train
+# something that only looks like them (a cp rank computing the whole sequence is not CP)
+PLAN_ONLY_AXES = {"cp": "context", "ep": "expert"}
+
+
+def runtime_layout(layout: Layout, world: int, model: ModelSpec, seq_len: int) -> Layout:
+    """The layout a training run uses: defaults filled, resolved, and checked against the model."""
+    lay = default_layout(layout, world).resolve(world)
+    lay.check_model(model, seq_len)
+    for axis, words in PLAN_ONLY_AXES.items():
+        if getattr(lay, axis) > 1:
+            raise FivefoldError(
+                f"--{axis} {getattr(lay, axis)}: {words} parallelism is modelled by `fivefold plan` but not "
+                f"run by `fivefold train` yet; train with --{axis} 1 (the runtime runs dp, fsdp, tp, sp, pp)"
+            )
+    return lay
 
 
 def make_optimizer(module: torch.nn.Module, train: TrainSpec) -> torch.optim.Optimizer:
@@ -236,8 +254,7 @@ def _train(
 ) -> TrainResult:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    layout = default_layout(cfg.layout, world).resolve(world)
-    layout.check_model(spec, tspec.seq_len)
+    layout = runtime_layout(cfg.layout, world, spec, tspec.seq_len)
     data_ranks = layout.dp * layout.fsdp
     accum = tspec.grad_accum(data_ranks)
     global_batch = tspec.micro_batch * data_ranks * accum

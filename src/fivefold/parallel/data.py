@@ -112,17 +112,33 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
     same as for a plain optimizer. `load_state_dict` of the whole state keeps this rank's part.
     """
 
+    def step(self, closure=None):  # type: ignore[override]
+        loss = super().step(closure)
+        self._name_states()
+        return loss
+
+    def _name_states(self) -> None:
+        """List each parameter's state names in `.state`, with empty placeholders.
+
+        torch.distributed.checkpoint reads the names from `.state` to unflatten a checkpoint, and
+        takes an empty `.state` for a fresh optimizer: it then runs a zero-gradient step to create
+        one, which on the real shard would decay the Adam moments. torch's ZeRO keeps `.state`
+        empty (the shard's own optimizer holds the tensors); the placeholders keep memory sharded.
+        """
+        if self.state or not self.optim.state:
+            return
+        names = list(next(iter(self.optim.state.values())))
+        for group in self.param_groups:
+            for param in group["params"]:
+                self.state[param] = {name: torch.empty(0) for name in names}
+
     def state_dict(self) -> dict:
         whole: dict = {}
         for target in range(self.world_size):  # every rank gathers once, in turn
             self.consolidate_state_dict(to=target)
             if target == self.rank:
                 whole = super().state_dict()
-        # torch.distributed.checkpoint reads which state names each parameter has from `.state`,
-        # which torch's ZeRO leaves empty (the shard's optimizer holds the tensors): name them,
-        # with empty placeholders so the memory stays sharded
-        for index, value in whole["state"].items():
-            self.state[self._index_to_param[index]] = {name: torch.empty(0) for name in value}
+        self._name_states()
         return whole
 
     def load_state_dict(self, state_dict: dict) -> None:

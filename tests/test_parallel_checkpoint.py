@@ -1,0 +1,73 @@
+"""ZeRO-1's sharded optimizer through the training checkpoint: saving changes nothing, loading restores.
+
+Three runners from the same seeded weights on 2 gloo ranks (dp 2, --zero 1): A trains 2 steps and
+saves a checkpoint, B trains the same 2 steps without saving, C is fresh and loads A's checkpoint.
+All three then take the same third step; their parameters and Adam moments must be equal exactly.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import run_distributed
+
+
+def _save_resume(rank: int, world: int, directory: str) -> dict:
+    warnings.filterwarnings("ignore")
+    from fivefold.config import Layout, TrainSpec, load_model
+    from fivefold.model import build_model
+    from fivefold.parallel.apply import build_runner
+    from fivefold.parallel.compare import global_batch, rows_of
+    from fivefold.parallel.device_mesh import build_runtime_mesh
+    from fivefold.train.checkpoint import checkpoints_root, load_checkpoint, save_checkpoint
+
+    spec = load_model("tiny")
+    layout = Layout(dp=2, zero=1).resolve(world)
+    train = TrainSpec(seq_len=16, micro_batch=2, global_batch=4, lr=1e-3)
+    mesh = build_runtime_mesh(layout)
+    coord = mesh.coord("batch")
+
+    def make():
+        runner = build_runner(build_model(spec), mesh, layout, train)
+        return runner, runner.build_optimizer(runner.model_parts[0])
+
+    def step(runner, opt, index: int) -> None:
+        x, y = global_batch(spec, train, 4, index)
+        opt.zero_grad(set_to_none=True)
+        runner.forward_backward(rows_of(x, coord, 2), rows_of(y, coord, 2))
+        opt.step()
+        opt.zero_grad(set_to_none=True)  # as the loop leaves it: no gradients at save time
+
+    (a, opt_a), (b, opt_b), (c, opt_c) = make(), make(), make()
+    for i in range(2):
+        step(a, opt_a, i)
+        step(b, opt_b, i)
+    save_checkpoint(Path(directory), 2, a.model_parts, [opt_a], {"seed": 0})
+    load_checkpoint(checkpoints_root(Path(directory)) / "step_2", c.model_parts, [opt_c])
+    for runner, opt in ((a, opt_a), (b, opt_b), (c, opt_c)):
+        step(runner, opt, 2)
+
+    def snapshot(runner, opt) -> dict:
+        params = dict(runner.model_parts[0].named_parameters())
+        owned = opt.optim.state  # this rank's shard of the optimizer state
+        moments = {n: owned[p]["exp_avg_sq"].clone() for n, p in params.items() if p in owned}
+        return {"params": {n: p.detach().clone() for n, p in params.items()}, "moments": moments}
+
+    return {"a": snapshot(a, opt_a), "b": snapshot(b, opt_b), "c": snapshot(c, opt_c)}
+
+
+@pytest.mark.slow
+def test_zero1_checkpoint_neither_perturbs_nor_loses_state() -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        per_rank = run_distributed(_save_resume, 2, directory, timeout=300)
+    for rank, got in enumerate(per_rank):
+        assert got["b"]["moments"], "each rank owns the optimizer state of some parameters"
+        for other in ("a", "c"):
+            for kind in ("params", "moments"):
+                for name, value in got["b"][kind].items():
+                    assert torch.equal(got[other][kind][name], value), f"rank {rank} {other} {kind} {name}"

@@ -54,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
     train = TrainSpec(seed=args.seed, seq_len=args.seq_len, micro_batch=args.micro_batch, lr=args.lr,
                       eps=1e-6, grad_clip=args.grad_clip, steps=args.steps).validate()
     layout.check_model(spec, train.seq_len)
+    from fivefold.train.loop import check_runtime_axes
+
+    check_runtime_axes(layout)
     accumulation = args.accumulation or (layout.microbatches if layout.pp > 1 else 1)
     rows = train.micro_batch * layout.dp * layout.fsdp * accumulation
     train = dataclasses.replace(train, global_batch=rows)

@@ -99,16 +99,21 @@ def default_layout(layout: Layout, world: int) -> Layout:
 PLAN_ONLY_AXES = {"cp": "context", "ep": "expert"}
 
 
+def check_runtime_axes(layout: Layout) -> None:
+    """Refuse the axes the runtime does not run yet (shared by `train` and `verify`)."""
+    for axis, words in PLAN_ONLY_AXES.items():
+        if getattr(layout, axis) > 1:
+            raise FivefoldError(
+                f"--{axis} {getattr(layout, axis)}: {words} parallelism is modelled by `fivefold plan` but "
+                f"not run by the runtime yet; use --{axis} 1 (the runtime runs dp, fsdp, tp, sp, pp)"
+            )
+
+
 def runtime_layout(layout: Layout, world: int, model: ModelSpec, seq_len: int) -> Layout:
     """The layout a training run uses: defaults filled, resolved, and checked against the model."""
     lay = default_layout(layout, world).resolve(world)
     lay.check_model(model, seq_len)
-    for axis, words in PLAN_ONLY_AXES.items():
-        if getattr(lay, axis) > 1:
-            raise FivefoldError(
-                f"--{axis} {getattr(lay, axis)}: {words} parallelism is modelled by `fivefold plan` but not "
-                f"run by `fivefold train` yet; train with --{axis} 1 (the runtime runs dp, fsdp, tp, sp, pp)"
-            )
+    check_runtime_axes(lay)
     return lay
 
 

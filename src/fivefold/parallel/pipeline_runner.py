@@ -17,6 +17,7 @@ from fivefold.config import Layout, TrainSpec
 from fivefold.errors import FivefoldError
 from fivefold.model.moe import moe_layers, set_aux_loss_scale
 from fivefold.model.transformer import lm_loss
+from fivefold.parallel.gradnorm import grad_norm_squared
 from fivefold.parallel.pipeline import SCHEDULE_CLASSES, SINGLE_STAGE, stage_to_rank
 from fivefold.parallel.timeline import Timeline
 
@@ -76,7 +77,7 @@ class PipelineRunner:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         params = [p for part in self.model_parts for p in part.parameters() if p.grad is not None]
-        squares = _local_grad_norm_squared(params, self._device())
+        squares = grad_norm_squared(params, self._device())
         dist.all_reduce(squares, group=self.pp_group)  # the stages hold disjoint parameters
         total = squares.sqrt().float()
         if max_norm > 0:
@@ -226,33 +227,3 @@ def _recv_tensor(group, peer: int, device: torch.device) -> torch.Tensor:
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-
-
-def _local_grad_norm_squared(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Sum of squared gradient entries of this pp rank's parameters, complete over DTensor shards.
-
-    Each DTensor gradient's local squares are summed over the mesh dims it is sharded on (a
-    partial sum is made whole first); replicated dims are counted once.
-    """
-    from torch.distributed.tensor import DTensor, Replicate
-
-    by_groups: dict[tuple, torch.Tensor] = {}
-    for p in params:
-        grad = p.grad
-        groups: tuple = ()
-        if isinstance(grad, DTensor):
-            if any(pl.is_partial() for pl in grad.placements):
-                grad = grad.redistribute(placements=[Replicate()] * len(grad.placements))
-            mesh = grad.device_mesh
-            groups = tuple(mesh.get_group(i) for i, pl in enumerate(grad.placements)
-                           if not isinstance(pl, Replicate) and mesh.size(i) > 1)
-            grad = grad.to_local()
-        square = grad.detach().double().pow(2).sum()
-        by_groups[groups] = by_groups[groups] + square if groups in by_groups else square
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for groups, square in by_groups.items():
-        square = square.to(device)
-        for group in groups:
-            dist.all_reduce(square, group=group)
-        total += square
-    return total

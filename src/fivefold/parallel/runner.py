@@ -17,20 +17,20 @@ gradient counts once and a sharded one over all its pieces.
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from fivefold.config import Layout, TrainSpec
 from fivefold.model.moe import moe_layers, set_aux_loss_scale
 from fivefold.model.transformer import lm_loss
 from fivefold.parallel.data import make_optimizer
+from fivefold.parallel.gradnorm import grad_norm_squared
 from fivefold.parallel.tensor import loss_context
 
 
@@ -52,6 +52,7 @@ class ParallelRunner:
         replicas = "dp_fsdp_cp" if layout.cp > 1 else "batch"
         self.replicas = runtime_mesh.size(replicas)
         self.replica_group = runtime_mesh.group(replicas) if self.replicas > 1 else None
+        self.cp, self.cp_rank = layout.cp, runtime_mesh.coord("cp")
         device_type = runtime_mesh.device_mesh.device_type
         # bf16 without FSDP: autocast (FSDP casts through its MixedPrecisionPolicy instead)
         self.autocast = (
@@ -69,9 +70,10 @@ class ParallelRunner:
         total = torch.zeros((), device=inputs.device)
         for i, (x, y) in enumerate(chunks):
             last = i == len(chunks) - 1
+            x, y, positions = self._sequence_shard(x, y)
             with self._sync_context(last), loss_context(self.model):
                 with self.autocast:
-                    logits = self.wrapped(x)
+                    logits = self.wrapped(x, position_ids=positions)
                 loss = lm_loss(logits, y)
                 (loss * scale).backward()
             total += _plain(loss).detach() * scale
@@ -93,8 +95,9 @@ class ParallelRunner:
         self.model.eval()
         losses = []
         for x, y in zip(inputs.split(self.micro_batch), labels.split(self.micro_batch)):
+            x, y, positions = self._sequence_shard(x, y)
             with loss_context(self.model), self.autocast:
-                losses.append(_plain(lm_loss(self.wrapped(x), y)))
+                losses.append(_plain(lm_loss(self.wrapped(x, position_ids=positions), y)))
         self.model.train(was_training)
         return self._mean_over_replicas(torch.stack(losses).mean())
 
@@ -116,6 +119,16 @@ class ParallelRunner:
             moe.update_bias(counts)
 
     # ---- internals
+
+    def _sequence_shard(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Context parallel: this rank's load-balanced columns of inputs and labels, with their positions."""
+        if self.cp == 1:
+            return x, y, None
+        from fivefold.parallel.context import split_sequence
+
+        x, positions = split_sequence(x, self.cp, self.cp_rank)
+        y, _ = split_sequence(y, self.cp, self.cp_rank)
+        return x, y, positions
 
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager:
         if self.is_ddp and not last:
@@ -146,28 +159,8 @@ class ParallelRunner:
 
     def _global_grad_norm(self) -> torch.Tensor:
         """sqrt of the sum of squares over all gradient shards; each shard counted once."""
-        by_groups: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
-        for p in self.model.parameters():
-            if p.grad is None:
-                continue
-            grad = p.grad
-            is_dtensor = isinstance(grad, DTensor)
-            mesh, placements = (grad.device_mesh, grad.placements) if is_dtensor else (None, ())
-            if any(pl.is_partial() for pl in placements):  # not left by forward_backward; to be safe
-                grad = grad.redistribute(placements=[Replicate()] * len(placements))
-                placements = grad.placements
-            groups = tuple(mesh.get_group(i) for i, pl in enumerate(placements)
-                           if not isinstance(pl, Replicate) and mesh.size(i) > 1)
-            local = _local(grad).detach().double()
-            by_groups[groups] = by_groups[groups] + local.pow(2).sum().cpu()
         device = next(self.model.parameters()).device
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for groups, sq in by_groups.items():
-            sq = sq.to(device)
-            for group in groups:
-                dist.all_reduce(sq, group=group)
-            total += sq
-        return total.sqrt().float()
+        return grad_norm_squared(list(self.model.parameters()), device).sqrt().float()
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

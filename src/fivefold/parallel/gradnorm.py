@@ -1,0 +1,42 @@
+"""The global gradient norm over shards: each element counted exactly once, whatever the layout."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def grad_norm_squared(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squared gradient entries of `params`, complete over their DTensor shards (fp64).
+
+    Each DTensor gradient's local squares are summed over the mesh dims it is sharded on (a partial
+    sum is made whole first); replicated dims are counted once. Gradients on the same set of groups
+    are added locally first, so there is one all-reduce per distinct sharding, not per parameter.
+    Axes no DTensor knows about (pipeline stages, plain data replicas) are the caller's to reduce.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    by_groups: dict[tuple, torch.Tensor] = {}
+    for p in params:
+        grad = p.grad
+        if grad is None:
+            continue
+        groups: tuple = ()
+        if isinstance(grad, DTensor):
+            if any(pl.is_partial() for pl in grad.placements):
+                grad = grad.redistribute(placements=[Replicate()] * len(grad.placements))
+            mesh = grad.device_mesh
+            groups = tuple(
+                mesh.get_group(i)
+                for i, pl in enumerate(grad.placements)
+                if not isinstance(pl, Replicate) and mesh.size(i) > 1
+            )
+            grad = grad.to_local()
+        square = grad.detach().double().pow(2).sum().to(device)
+        by_groups[groups] = by_groups[groups] + square if groups in by_groups else square
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for groups, square in by_groups.items():
+        for group in groups:
+            dist.all_reduce(square, group=group)
+        total += square
+    return total

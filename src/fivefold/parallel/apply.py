@@ -46,7 +46,7 @@ def replica_dim(layout: Layout) -> str:
 
 
 def parallelize_chunk(module: nn.Module, runtime_mesh: Any, layout: Layout, train: TrainSpec) -> nn.Module:
-    """Apply TP(+SP), recompute and FSDP/HSDP/DDP to one model chunk (a Transformer, maybe partial).
+    """Apply TP(+SP), CP, recompute and FSDP/HSDP/DDP to one model chunk (a Transformer, maybe partial).
 
     Returns the module to call: a DDP wrapper around `module` for replicated data parallelism
     without TP, else `module` itself (TP, FSDP and `replicate` work in place). The parameters are
@@ -56,6 +56,10 @@ def parallelize_chunk(module: nn.Module, runtime_mesh: Any, layout: Layout, trai
     on_meta = any(p.is_meta for p in module.parameters())
     if layout.tp > 1:
         apply_tensor_parallel(module, runtime_mesh.get("tp"), spec, layout.sp)
+    if layout.cp > 1:  # tp shards the heads, cp the sequence: the cp core sees this rank's heads
+        from fivefold.parallel.context import apply_context_parallel
+
+        apply_context_parallel(module, runtime_mesh.group("cp"), layout.cp, layout.cp_impl)
     if layout.recompute != "none":
         _apply_recompute(module, layout.recompute)
     device = torch.device(runtime_mesh.device_mesh.device_type)

@@ -1,0 +1,168 @@
+"""Context parallelism: each of the `cp` ranks holds a slice of every sequence.
+
+The split is load-balanced for causal attention: the sequence is cut into 2·cp chunks and rank i
+takes chunks i and 2·cp−1−i, so every rank has as many early (cheap) as late (expensive) queries.
+Rotary tables come from the real positions (`position_ids`), and every attention core knows the
+positions of its queries and of the keys it receives, so the causal mask is that of the whole
+sequence. Everything outside attention is per token and needs no communication. Each rank's loss
+is the mean over its tokens; ranks hold equal token counts, so the runner's average over `cp`
+is the global mean.
+
+Three attention cores (`--cp-impl`), each a drop-in for `Attention.core`:
+
+* `allgather`: K and V gathered over `cp` (autograd-aware: backward reduce-scatters their
+  gradients), then one SDPA call with the mask built from the real positions.
+* `ring`: the key/value blocks of all ranks visited in ring order (own block first, then the
+  rank before, ...), each block's partial softmax merged with the running one by the
+  log-sum-exp trick, as a ring implementation does as blocks arrive. The blocks are fetched with
+  the same autograd-aware all-gather rather than send/recv, so autograd derives the backward:
+  the arithmetic is the ring's, the transport is not (no overlap of compute and transfer).
+* `ulysses`: an all-to-all turns [sequence shard, all heads] into [whole sequence, heads/cp],
+  plain causal SDPA runs on the sequence restored to position order, and a second all-to-all
+  turns the output back.
+
+MoE layers' sequence-wise auxiliary loss needs statistics of the whole sequence: under cp the
+per-expert counts and probability sums are all-reduced over `cp` before the loss is formed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._functional_collectives import all_gather_tensor_autograd, all_to_all_single_autograd
+
+from fivefold.errors import FivefoldError
+from fivefold.model.moe import MoE
+
+# far below any real score, yet finite: a block a query cannot see gets weight exp(-huge) = 0
+# without the NaNs a fully -inf row would give in softmax and its gradient
+_MASKED = -1e30
+
+
+def shard_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Positions rank `rank` of `cp` holds: chunks rank and 2cp−1−rank of 2cp (contiguous if 2cp ∤ seq)."""
+    if seq_len % (2 * cp) == 0:
+        chunk = seq_len // (2 * cp)
+        first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
+        return torch.cat((torch.arange(first, first + chunk), torch.arange(second, second + chunk)))
+    if seq_len % cp:
+        raise FivefoldError(f"sequence length {seq_len} must be divisible by --cp {cp}")
+    per = seq_len // cp
+    return torch.arange(rank * per, (rank + 1) * per)
+
+
+def gathered_positions(seq_len: int, cp: int) -> torch.Tensor:
+    """Positions of a tensor gathered over cp in rank order (rank 0's shard, then rank 1's, ...)."""
+    return torch.cat([shard_positions(seq_len, cp, r) for r in range(cp)])
+
+
+def split_sequence(tokens: torch.Tensor, cp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's columns of `tokens` [b, s], their position_ids [b, s/cp])."""
+    b, s = tokens.shape[:2]
+    pos = shard_positions(s, cp, rank).to(tokens.device)
+    return tokens[:, pos], pos.unsqueeze(0).expand(b, -1)
+
+
+def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """K/V heads repeated so query head j reads kv head j // (heads / kv_heads), as SDPA's GQA does."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+class ContextParallelCore(nn.Module):
+    """Causal attention over a load-balanced sequence shard; q: [b, hq, s/cp, d], k/v: [b, hkv, s/cp, d]."""
+
+    def __init__(self, impl: str, group: dist.ProcessGroup, cp: int) -> None:
+        super().__init__()
+        self.impl, self.group, self.cp = impl, group, cp
+        self.rank = dist.get_rank(group)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0) -> torch.Tensor:
+        if q_offset:
+            raise FivefoldError("context parallelism trains on whole sequences; it has no KV-cache decoding")
+        seq_len = q.shape[2] * self.cp
+        if self.impl == "ulysses":
+            return self._ulysses(q, k, v, seq_len)
+        q_pos = shard_positions(seq_len, self.cp, self.rank).to(q.device)
+        k_all = all_gather_tensor_autograd(k.contiguous(), gather_dim=2, group=self.group)
+        v_all = all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=self.group)
+        if self.impl == "allgather":
+            k_pos = gathered_positions(seq_len, self.cp).to(q.device)
+            mask = q_pos[:, None] >= k_pos[None, :]
+            return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
+                                                  enable_gqa=q.shape[1] != k.shape[1])
+        return self._ring(q, k_all.chunk(self.cp, dim=2), v_all.chunk(self.cp, dim=2), q_pos, seq_len)
+
+    def _ring(self, q: torch.Tensor, k_blocks: tuple[torch.Tensor, ...], v_blocks: tuple[torch.Tensor, ...],
+              q_pos: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """Online softmax over the key blocks in ring order; the own block first (every query sees itself)."""
+        scale = q.shape[-1] ** -0.5
+        out = lse = None
+        for step in range(self.cp):
+            src = (self.rank - step) % self.cp
+            k_pos = shard_positions(seq_len, self.cp, src).to(q.device)
+            k, v = _repeat_kv(k_blocks[src], q.shape[1]), _repeat_kv(v_blocks[src], q.shape[1])
+            scores = (q @ k.transpose(-2, -1)).float() * scale
+            scores = scores.masked_fill(q_pos[:, None] < k_pos[None, :], _MASKED)
+            block_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+            block_out = torch.softmax(scores, dim=-1).to(v.dtype) @ v
+            if out is None:
+                out, lse = block_out.float(), block_lse
+                continue
+            new_lse = torch.logaddexp(lse, block_lse)
+            out = out * torch.exp(lse - new_lse) + block_out.float() * torch.exp(block_lse - new_lse)
+            lse = new_lse
+        return out.to(q.dtype)
+
+    def _ulysses(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int) -> torch.Tensor:
+        heads = q.shape[1]
+        if heads % self.cp:
+            raise FivefoldError(f"--cp-impl ulysses needs local heads ({heads}) divisible by --cp {self.cp}")
+        if k.shape[1] % self.cp:  # too few KV heads to split: give every query head its own
+            k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
+        order = gathered_positions(seq_len, self.cp).to(q.device)
+        to_positions = torch.argsort(order)
+        q, k, v = (self._heads_to_sequence(t)[:, :, to_positions] for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self._sequence_to_heads(out[:, :, order])
+
+    def _heads_to_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, h, s/cp, d] -> [b, h/cp, s, d], the sequence in gathered (rank) order."""
+        b, h, s, d = x.shape
+        send = x.view(b, self.cp, h // self.cp, s, d).transpose(0, 1).contiguous()
+        got = all_to_all_single_autograd(send, None, None, self.group)  # [cp (source), b, h/cp, s, d]
+        return got.permute(1, 2, 0, 3, 4).reshape(b, h // self.cp, self.cp * s, d)
+
+    def _sequence_to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, h/cp, s, d] (rank order) -> [b, h, s/cp, d]."""
+        b, hc, s, d = x.shape
+        send = x.view(b, hc, self.cp, s // self.cp, d).permute(2, 0, 1, 3, 4).contiguous()
+        got = all_to_all_single_autograd(send, None, None, self.group)  # [cp (head group), b, h/cp, s/cp, d]
+        return got.transpose(0, 1).reshape(b, hc * self.cp, s // self.cp, d)
+
+
+def _cp_sequence_aux_loss(moe: MoE, group: dist.ProcessGroup, probs: torch.Tensor,
+                          chosen: torch.Tensor) -> torch.Tensor:
+    """MoE's sequence-wise auxiliary loss from whole-sequence statistics summed over `cp`."""
+    from torch.distributed.nn.functional import all_reduce  # autograd-aware: backward sums too
+
+    b, s, k = chosen.shape
+    e = moe.num_experts
+    counts = torch.zeros(b, e, device=probs.device).scatter_add_(
+        1, chosen.reshape(b, -1), torch.ones(b, s * k, device=probs.device))
+    summed = all_reduce(torch.cat((counts, probs.sum(dim=1).to(counts.dtype)), dim=1), group=group)
+    full = s * dist.get_world_size(group)
+    load = summed[:, :e] * (e / (k * full))
+    return (load * summed[:, e:] / full).sum(dim=-1).mean()
+
+
+def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, cp: int, impl: str) -> None:
+    """Swap every block's attention core for the cp core; make MoE aux losses whole-sequence."""
+    for block in model.model.layers.values():
+        block.self_attn.core = ContextParallelCore(impl, group, cp)
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.sequence_aux_loss = functools.partial(_cp_sequence_aux_loss, module, group)

@@ -173,11 +173,9 @@ def test_a_failing_rank_is_reported_once(files, tmp_path):
     assert "data not found" in lines[0] and "rank" in lines[0]
 
 
-@pytest.mark.parametrize(
-    ("flags", "axis"), [(["--cp", "2"], "--cp 2"), (["--fsdp", "2", "--ep", "2"], "--ep 2")]
-)
+@pytest.mark.parametrize(("flags", "axis"), [(["--fsdp", "2", "--ep", "2"], "--ep 2")])
 def test_plan_only_axes_are_refused_by_train(flags: list[str], axis: str, tmp_path) -> None:
-    """Context and expert parallelism are planned, not yet run: training must say so, not fake them."""
+    """Expert parallelism is planned, not yet run: training must say so, not fake it."""
     model = "tiny-moe" if "--ep" in flags else "tiny"
     done = subprocess.run(
         [

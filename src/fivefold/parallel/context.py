@@ -31,12 +31,16 @@ import functools
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._functional_collectives import all_gather_tensor_autograd, all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from fivefold.errors import FivefoldError
 from fivefold.model.moe import MoE
+
+# the autograd-aware all-gather (backward: reduce-scatter); torch 2.13 renamed it, keeping the old name
+_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 # far below any real score, yet finite: a block a query cannot see gets weight exp(-huge) = 0
 # without the NaNs a fully -inf row would give in softmax and its gradient
@@ -87,8 +91,8 @@ class ContextParallelCore(nn.Module):
         if self.impl == "ulysses":
             return self._ulysses(q, k, v, seq_len)
         q_pos = shard_positions(seq_len, self.cp, self.rank).to(q.device)
-        k_all = all_gather_tensor_autograd(k.contiguous(), gather_dim=2, group=self.group)
-        v_all = all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=self.group)
+        k_all = _all_gather(k.contiguous(), gather_dim=2, group=self.group)
+        v_all = _all_gather(v.contiguous(), gather_dim=2, group=self.group)
         if self.impl == "allgather":
             k_pos = gathered_positions(seq_len, self.cp).to(q.device)
             mask = q_pos[:, None] >= k_pos[None, :]

@@ -95,8 +95,8 @@ def default_layout(layout: Layout, world: int) -> Layout:
 
 
 # axes the planner models but the runtime does not run yet: refuse them rather than train
-# something that only looks like them (a cp rank computing the whole sequence is not CP)
-PLAN_ONLY_AXES = {"cp": "context", "ep": "expert"}
+# something that only looks like them (an ep rank holding every expert is not EP)
+PLAN_ONLY_AXES = {"ep": "expert"}
 
 
 def check_runtime_axes(layout: Layout) -> None:
@@ -105,7 +105,7 @@ def check_runtime_axes(layout: Layout) -> None:
         if getattr(layout, axis) > 1:
             raise FivefoldError(
                 f"--{axis} {getattr(layout, axis)}: {words} parallelism is modelled by `fivefold plan` but "
-                f"not run by the runtime yet; use --{axis} 1 (the runtime runs dp, fsdp, tp, sp, pp)"
+                f"not run by the runtime yet; use --{axis} 1 (the runtime runs dp, fsdp, tp, sp, pp, cp)"
             )
 
 

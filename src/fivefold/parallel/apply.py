@@ -56,6 +56,11 @@ def parallelize_chunk(module: nn.Module, runtime_mesh: Any, layout: Layout, trai
     on_meta = any(p.is_meta for p in module.parameters())
     if layout.tp > 1:
         apply_tensor_parallel(module, runtime_mesh.get("tp"), spec, layout.sp)
+    expert_params = None
+    if layout.ep > 1:  # experts sharded over ep, left out of the model's FSDP
+        from fivefold.parallel.expert import apply_expert_parallel
+
+        expert_params = set(apply_expert_parallel(module, runtime_mesh))
     if layout.cp > 1:  # tp shards the heads, cp the sequence: the cp core sees this rank's heads
         from fivefold.parallel.context import apply_context_parallel
 
@@ -67,7 +72,7 @@ def parallelize_chunk(module: nn.Module, runtime_mesh: Any, layout: Layout, trai
         device = torch.device("cuda", torch.cuda.current_device())
     if uses_fsdp(layout):
         mesh = runtime_mesh.get("fsdp_cp") if layout.dp == 1 else runtime_mesh.submesh("dp", "fsdp_cp")
-        apply_fsdp(module, mesh, layout.zero, train)
+        apply_fsdp(module, mesh, layout.zero, train, ignored=expert_params)
         if on_meta:
             materialize(module, device, train.seed)
         return module
@@ -96,6 +101,10 @@ def build_runner(model: nn.Module, runtime_mesh: Any, layout: Layout, train: Tra
     """A StepRunner for any layout; `model` is built on meta (or materialised identically on every rank)."""
     layout.check_model(model.spec, train.seq_len)
     check_layout(layout)
+    if layout.ep > 1:
+        from fivefold.parallel.expert import check_expert_layout
+
+        check_expert_layout(layout)
     if layout.pp > 1:
         from fivefold.parallel.pipeline import build_pipeline_runner
 
@@ -103,4 +112,9 @@ def build_runner(model: nn.Module, runtime_mesh: Any, layout: Layout, train: Tra
     from fivefold.parallel.runner import ParallelRunner
 
     wrapped = parallelize_chunk(model, runtime_mesh, layout, train)
-    return ParallelRunner(model, wrapped, runtime_mesh, layout, train)
+    runner = ParallelRunner(model, wrapped, runtime_mesh, layout, train)
+    if layout.ep > 1:
+        from fivefold.parallel.expert import reduce_after_backward
+
+        reduce_after_backward(runner)
+    return runner

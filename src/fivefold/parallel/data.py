@@ -36,17 +36,19 @@ def mixed_precision(train: TrainSpec) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, zero: int, train: TrainSpec) -> None:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, zero: int, train: TrainSpec,
+               ignored: set[nn.Parameter] | None = None) -> None:
     """FSDP2 units: each block, the embedding, norm + head, then the root (in place).
 
-    `mesh` is 1-D (fsdp_cp) for FSDP or 2-D (dp, fsdp_cp) for HSDP.
+    `mesh` is 1-D (fsdp_cp) for FSDP or 2-D (dp, fsdp_cp) for HSDP; `ignored` parameters (experts
+    sharded over ep) are neither sharded nor reduced by FSDP.
     """
     policy = mixed_precision(train)
     reshard = zero == 3
     for unit in _units(model):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
     # the root owns no parameters of its own; it drives the units (prefetch, final reduce wait)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
 
 
 def apply_ddp(model: nn.Module, group: torch.distributed.ProcessGroup) -> DistributedDataParallel:

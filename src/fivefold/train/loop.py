@@ -95,8 +95,8 @@ def default_layout(layout: Layout, world: int) -> Layout:
 
 
 # axes the planner models but the runtime does not run yet: refuse them rather than train
-# something that only looks like them (an ep rank holding every expert is not EP)
-PLAN_ONLY_AXES = {"ep": "expert"}
+# something that only looks like them (every axis runs now; kept for the next planned one)
+PLAN_ONLY_AXES: dict[str, str] = {}
 
 
 def check_runtime_axes(layout: Layout) -> None:
@@ -105,8 +105,11 @@ def check_runtime_axes(layout: Layout) -> None:
         if getattr(layout, axis) > 1:
             raise FivefoldError(
                 f"--{axis} {getattr(layout, axis)}: {words} parallelism is modelled by `fivefold plan` but "
-                f"not run by the runtime yet; use --{axis} 1 (the runtime runs dp, fsdp, tp, sp, pp, cp)"
+                f"not run by the runtime yet; use --{axis} 1 (the runtime runs dp, fsdp, tp, sp, pp, cp, ep)"
             )
+    from fivefold.parallel.expert import check_expert_layout
+
+    check_expert_layout(layout)  # ep runs on data-parallel layouts only, for now
 
 
 def runtime_layout(layout: Layout, world: int, model: ModelSpec, seq_len: int) -> Layout:

@@ -6,7 +6,8 @@ data-parallel rank, global-norm clipping active). Each case checks:
   * losses within 1e-5 relative at every step, the step-0 gradient norm within 1e-6, gathered
     parameters after the last step within 1e-5 absolute (the layout tests' tolerances);
   * the ledger's rows on axis `cp` for one step's forward + backward equal what the impl moves:
-    allgather / ring gather K and V of every layer (backward reduce-scatters their gradients),
+    allgather gathers K and V of every layer (backward reduce-scatters their gradients), ring
+    passes them (and in backward their gradients) from rank to rank with send/recv,
     ulysses sends q, k, v and the output through all-to-all both ways; MoE layers add one small
     all-reduce of whole-sequence router statistics each way.
 """
@@ -40,6 +41,9 @@ CASES: list[tuple[str, dict]] = [
     ("tiny", dict(cp=2, fsdp=2, cp_impl="ring")),
     ("tiny", dict(cp=2, tp=2, cp_impl="allgather")),
     ("tiny-moe", dict(dp=2, cp=2, cp_impl="ring")),
+    # a real ring (next ≠ previous rank), and Ulysses with fewer KV heads than cp ranks
+    ("tiny", dict(cp=4, cp_impl="ring")),
+    ("tiny", dict(cp=4, cp_impl="ulysses")),
 ]
 
 
@@ -67,13 +71,19 @@ def expected_cp_traffic(spec: ModelSpec, layout: Layout) -> dict[tuple[str, str]
         q_bytes, kv_bytes = mb * heads * local_seq * d * F32, mb * kv * local_seq * d * F32
         # forward: q, k, v there and the output back; backward: the same four the other way
         out[("cp", "all_to_all")] = (8 * passes, passes * 2 * (2 * q_bytes + 2 * kv_bytes))
+    elif layout.cp_impl == "ring":
+        # forward: K and V (one buffer) hop cp-1 times; backward: they hop cp-1 times again and
+        # the buffer of their gradients cp times (the last hop brings it to the block's owner)
+        block = 2 * mb * kv_heads * local_seq * d * F32
+        hops = passes * (3 * cp - 2)
+        out[("cp", "send")] = out[("cp", "recv")] = (hops, hops * block)
     else:
         gathered = mb * kv_heads * seq * d * F32  # one of K, V for the whole sequence
         out[("cp", "all_gather")] = (2 * passes, 2 * passes * gathered)
         out[("cp", "reduce_scatter")] = (2 * passes, 2 * passes * gathered)
-    if layout.tp > 1 and layout.dp * layout.fsdp == 1:
-        # the cp group is then also the replica group: torch's `replicate` all-reduces the
-        # gradients of every unit (and the loss) over it, as it would over dp = cp
+    if layout.dp * layout.fsdp == 1:
+        # the cp group is then also the replica group: DDP (or `replicate` under tp) all-reduces
+        # the gradients (and the loss) over it, as it would over dp = cp
         as_dp = Layout(dp=cp, tp=layout.tp).resolve(cp * layout.tp)
         theory = expected_forward_backward(spec, as_dp, mb, seq, ACCUMULATION)
         out[("cp", "all_reduce")] = theory[("dp", "all_reduce")]
@@ -197,6 +207,7 @@ def test_ledger_shows_the_cp_traffic(index: int) -> None:
     expected = expected_cp_traffic(spec, layout)
     for rank, r in enumerate(results()[index]):
         fwd_bwd = r["ledger"][0]
+        # (DDP's broadcast of the model's buffers before each forward is not cp traffic)
         got = {(row["axis"], row["op"]): (row["count"], row["bytes"])
-               for row in fwd_bwd if row["axis"] == "cp"}
+               for row in fwd_bwd if row["axis"] == "cp" and row["op"] != "broadcast"}
         assert got == expected, f"rank {rank}"

@@ -12,11 +12,11 @@ Three attention cores (`--cp-impl`), each a drop-in for `Attention.core`:
 
 * `allgather`: K and V gathered over `cp` (autograd-aware: backward reduce-scatters their
   gradients), then one SDPA call with the mask built from the real positions.
-* `ring`: the key/value blocks of all ranks visited in ring order (own block first, then the
-  rank before, ...), each block's partial softmax merged with the running one by the
-  log-sum-exp trick, as a ring implementation does as blocks arrive. The blocks are fetched with
-  the same autograd-aware all-gather rather than send/recv, so autograd derives the backward:
-  the arithmetic is the ring's, the transport is not (no overlap of compute and transfer).
+* `ring`: K/V blocks passed around the ring with send/recv, one hop per step, each block's
+  partial softmax merged into the running output by the log-sum-exp trick; the backward is
+  written by hand (`_RingAttention`): the blocks go round again with a dK/dV buffer that
+  collects every rank's share and takes one last hop home. The next block is received before
+  the current one is used, but nothing overlaps transfer with compute on purpose yet.
 * `ulysses`: an all-to-all turns [sequence shard, all heads] into [whole sequence, heads/cp],
   plain causal SDPA runs on the sequence restored to position order, and a second all-to-all
   turns the output back.
@@ -90,36 +90,15 @@ class ContextParallelCore(nn.Module):
         seq_len = q.shape[2] * self.cp
         if self.impl == "ulysses":
             return self._ulysses(q, k, v, seq_len)
+        if self.impl == "ring":
+            return _RingAttention.apply(q, k, v, self.group, self.cp)
         q_pos = shard_positions(seq_len, self.cp, self.rank).to(q.device)
         k_all = _all_gather(k.contiguous(), gather_dim=2, group=self.group)
         v_all = _all_gather(v.contiguous(), gather_dim=2, group=self.group)
-        if self.impl == "allgather":
-            k_pos = gathered_positions(seq_len, self.cp).to(q.device)
-            mask = q_pos[:, None] >= k_pos[None, :]
-            return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask,
-                                                  enable_gqa=q.shape[1] != k.shape[1])
-        return self._ring(q, k_all.chunk(self.cp, dim=2), v_all.chunk(self.cp, dim=2), q_pos, seq_len)
-
-    def _ring(self, q: torch.Tensor, k_blocks: tuple[torch.Tensor, ...], v_blocks: tuple[torch.Tensor, ...],
-              q_pos: torch.Tensor, seq_len: int) -> torch.Tensor:
-        """Online softmax over the key blocks in ring order; the own block first (every query sees itself)."""
-        scale = q.shape[-1] ** -0.5
-        out = lse = None
-        for step in range(self.cp):
-            src = (self.rank - step) % self.cp
-            k_pos = shard_positions(seq_len, self.cp, src).to(q.device)
-            k, v = _repeat_kv(k_blocks[src], q.shape[1]), _repeat_kv(v_blocks[src], q.shape[1])
-            scores = (q @ k.transpose(-2, -1)).float() * scale
-            scores = scores.masked_fill(q_pos[:, None] < k_pos[None, :], _MASKED)
-            block_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-            block_out = torch.softmax(scores, dim=-1).to(v.dtype) @ v
-            if out is None:
-                out, lse = block_out.float(), block_lse
-                continue
-            new_lse = torch.logaddexp(lse, block_lse)
-            out = out * torch.exp(lse - new_lse) + block_out.float() * torch.exp(block_lse - new_lse)
-            lse = new_lse
-        return out.to(q.dtype)
+        k_pos = gathered_positions(seq_len, self.cp).to(q.device)
+        mask = q_pos[:, None] >= k_pos[None, :]
+        gqa = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=gqa)
 
     def _ulysses(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int) -> torch.Tensor:
         heads = q.shape[1]
@@ -146,6 +125,93 @@ class ContextParallelCore(nn.Module):
         send = x.view(b, hc, self.cp, s // self.cp, d).permute(2, 0, 1, 3, 4).contiguous()
         got = all_to_all_single_autograd(send, None, None, self.group)  # [cp (head group), b, h/cp, s/cp, d]
         return got.transpose(0, 1).reshape(b, hc * self.cp, s // self.cp, d)
+
+
+def _pass_on(tensor: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.Tensor:
+    """Send `tensor` to the next rank of the ring and receive the previous rank's."""
+    rank = dist.get_rank(group)
+    received = torch.empty_like(tensor)
+    ops = [dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % cp), group),
+           dist.P2POp(dist.irecv, received, dist.get_global_rank(group, (rank - 1) % cp), group)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return received
+
+
+def _block_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """Masked, scaled scores of q against one key block (fp32)."""
+    scores = (q @ k.transpose(-2, -1)).float() * scale
+    return scores.masked_fill(q_pos[:, None] < k_pos[None, :], _MASKED)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention with a hand-written backward.
+
+    Forward: K/V blocks travel around the ring by send/recv (own block first, then the previous
+    rank's, ...); each block's partial softmax is merged into the running output by log-sum-exp.
+    Backward: the blocks travel the ring again; each rank adds its queries' share of dK/dV to a
+    gradient buffer that travels with the block, and one last hop brings the buffer home. The
+    softmax is recomputed per block from the saved log-sum-exp (as flash attention does).
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
+                group: dist.ProcessGroup, cp: int) -> torch.Tensor:
+        rank, heads, scale = dist.get_rank(group), q.shape[1], q.shape[-1] ** -0.5
+        seq_len = q.shape[2] * cp
+        q_pos = shard_positions(seq_len, cp, rank).to(q.device)
+        kv = torch.stack((k, v)).contiguous()
+        out = lse = None
+        for step in range(cp):
+            src = (rank - step) % cp
+            nxt = _pass_on(kv, group, cp) if step < cp - 1 else None
+            k_pos = shard_positions(seq_len, cp, src).to(q.device)
+            scores = _block_scores(q, _repeat_kv(kv[0], heads), q_pos, k_pos, scale)
+            block_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+            block_out = torch.exp(scores - block_lse) @ _repeat_kv(kv[1], heads).float()
+            if out is None:  # the own block: every query sees at least itself, so lse is finite
+                out, lse = block_out, block_lse
+            else:
+                new_lse = torch.logaddexp(lse, block_lse)
+                out = out * torch.exp(lse - new_lse) + block_out * torch.exp(block_lse - new_lse)
+                lse = new_lse
+            kv = nxt
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.cp = group, cp
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        group, cp = ctx.group, ctx.cp
+        rank, heads, scale = dist.get_rank(group), q.shape[1], q.shape[-1] ** -0.5
+        seq_len = q.shape[2] * cp
+        q_pos = shard_positions(seq_len, cp, rank).to(q.device)
+        grad_out = grad_out.float()
+        delta = (grad_out * out).sum(dim=-1, keepdim=True)  # rowsum(dO ∘ O)
+        qf = q.float()
+        grad_q = torch.zeros_like(qf)
+        kv = torch.stack((k, v)).contiguous()
+        grad_kv = torch.zeros_like(kv, dtype=torch.float32)  # travels with kv, for the block's owner
+        groups = heads // k.shape[1]
+        for step in range(cp):
+            src = (rank - step) % cp
+            k_pos = shard_positions(seq_len, cp, src).to(q.device)
+            k_rep, v_rep = _repeat_kv(kv[0], heads).float(), _repeat_kv(kv[1], heads).float()
+            probs = torch.exp(_block_scores(q, _repeat_kv(kv[0], heads),
+                                                   q_pos, k_pos, scale) - lse)
+            grad_v = probs.transpose(-2, -1) @ grad_out
+            grad_scores = probs * (grad_out @ v_rep.transpose(-2, -1) - delta)
+            grad_q += (grad_scores @ k_rep) * scale
+            grad_k = (grad_scores.transpose(-2, -1) @ qf) * scale
+            b, _, s, d = grad_k.shape  # sum the query heads that share a kv head
+            grad_kv[0] += grad_k.view(b, -1, groups, s, d).sum(2)
+            grad_kv[1] += grad_v.view(b, -1, groups, s, d).sum(2)
+            if step < cp - 1:
+                kv = _pass_on(kv, group, cp)
+            grad_kv = _pass_on(grad_kv, group, cp)  # after cp hops the buffer is back at its owner
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None
 
 
 def _cp_sequence_aux_loss(moe: MoE, group: dist.ProcessGroup, probs: torch.Tensor,

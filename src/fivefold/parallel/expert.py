@@ -111,7 +111,8 @@ def _dispatch(experts: GroupedExperts, x_sorted: torch.Tensor, counts: list[int]
 
 
 def _local_experts(experts: GroupedExperts, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    gate, up, down = (getattr(experts, n).to_local() for n in EXPERT_WEIGHTS)
+    # FSDP's bf16 policy does not reach the experts it ignores: compute in the rows' dtype
+    gate, up, down = (getattr(experts, n).to_local().to(x.dtype) for n in EXPERT_WEIGHTS)
     outputs = []
     for e, rows in enumerate(x.split(counts, dim=0)):
         outputs.append((F.silu(rows @ gate[e].t()) * (rows @ up[e].t())) @ down[e].t())

@@ -174,3 +174,19 @@ def _check(rank: int, res: dict) -> None:
     assert res["tp_dtensor"] == {("tp", "all_reduce"): (1, 3 * 4 * F32, 3 * 4 * F32)}
     ddp_grads = 4 * 5 + 5
     assert res["dp_ddp"] == {("dp", "all_reduce"): (1, ddp_grads * F32, ddp_grads * F32)}
+
+
+def test_expert_shard_group_is_named_as_fsdp_without_expert_parallelism() -> None:
+    """With ep = 1 the experts' shard group is the fsdp×cp group: the ledger must not call it expert_fsdp."""
+    from fivefold.config import Layout
+    from fivefold.mesh import build_mesh
+    from fivefold.parallel.ledger import flattened_aliases
+
+    def aliases(**axes: int) -> dict[str, str]:
+        lay = Layout(**axes)
+        return flattened_aliases(build_mesh(lay, lay.world, 8))
+
+    assert aliases(fsdp=4)["expert_fsdp"] == "fsdp"
+    assert aliases(fsdp=2, cp=2)["expert_fsdp"] == "fsdp_cp"
+    assert aliases(cp=4)["expert_fsdp"] == "fsdp_cp"
+    assert "expert_fsdp" not in aliases(fsdp=4, ep=2)  # a real expert shard group of its own

@@ -328,12 +328,16 @@ def flattened_aliases(info: MeshInfo) -> dict[str, str]:
     """A flattened dim with one constituent of size > 1 is credited to that constituent.
 
     Except FSDP over fsdp×cp when only cp is split: that is still FSDP traffic, kept as fsdp_cp.
+    Without expert parallelism, `expert_fsdp` is the same group as `fsdp_cp` and is named as it.
     """
     out: dict[str, str] = {}
     for flat, parts in FLATTENED.items():
         split = [a for a in parts if info.dims[a].size > 1]
         if len(split) == 1 and not (flat == "fsdp_cp" and split[0] == "cp"):
             out[flat] = split[0]
+    if info.dims["ep"].size == 1:
+        # without expert parallelism the experts' shard group is the fsdp×cp group itself
+        out["expert_fsdp"] = out.get("fsdp_cp", "fsdp_cp")
     return out
 
 

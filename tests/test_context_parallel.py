@@ -97,7 +97,7 @@ def expected_cp_traffic(spec: ModelSpec, layout: Layout) -> dict[tuple[str, str]
 def _run_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dict]:
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
-    from fivefold.parallel.compare import run_layout
+    from fivefold.parallel.compare import ledger_step_hook, run_layout
     from fivefold.parallel.device_mesh import build_runtime_mesh
     from fivefold.parallel.ledger import CommLedger
 
@@ -108,16 +108,7 @@ def _run_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dic
         mesh = build_runtime_mesh(layout)
         ledger = CommLedger(mesh)
 
-        def hook(step: int, phase: str, ledger: CommLedger = ledger) -> None:
-            if step != LEDGER_STEP:
-                return
-            if phase == "begin":
-                ledger.__enter__()
-            elif phase == "backward":
-                ledger.next_step()
-            else:
-                ledger.__exit__(None, None, None)
-
+        hook = ledger_step_hook(ledger, LEDGER_STEP)
         result, runner, optimizer = run_layout(load_model(model), train, layout, rows, STEPS, mesh, hook)
         results.append({
             "losses": result.losses,

@@ -78,7 +78,7 @@ def _run_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dic
     """On every rank: train each layout, with the ledger on one step and the memory meter after."""
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)  # 2-D gather notes
-    from fivefold.parallel.compare import run_layout
+    from fivefold.parallel.compare import ledger_step_hook, run_layout
     from fivefold.parallel.device_mesh import build_runtime_mesh
     from fivefold.parallel.ledger import CommLedger
     from fivefold.train.memory import local_tensor, state_bytes
@@ -91,16 +91,7 @@ def _run_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dic
         mesh = build_runtime_mesh(layout)
         ledger = CommLedger(mesh)
 
-        def hook(step: int, phase: str, ledger: CommLedger = ledger) -> None:
-            if step != LEDGER_STEP:
-                return
-            if phase == "begin":
-                ledger.__enter__()
-            elif phase == "backward":
-                ledger.next_step()
-            else:
-                ledger.__exit__(None, None, None)
-
+        hook = ledger_step_hook(ledger, LEDGER_STEP)
         result, runner, optimizer = run_layout(spec, train, layout, rows, STEPS, mesh, hook)
         part = runner.model_parts[0]
         storage = sum(local_tensor(p).untyped_storage().nbytes() for p in part.parameters())

@@ -86,19 +86,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _rank_body(rank: int, world: int, spec, train: TrainSpec, layout: Layout, rows: int, steps: int,
                ledger_step: int) -> dict:
-    from fivefold.parallel.compare import run_layout
+    from fivefold.parallel.compare import ledger_step_hook, run_layout
     from fivefold.parallel.device_mesh import build_runtime_mesh
     from fivefold.parallel.ledger import CommLedger
 
     mesh = build_runtime_mesh(layout)
     ledger = CommLedger(mesh)
 
-    def hook(step: int, phase: str) -> None:
-        if step == ledger_step and phase == "begin":
-            ledger.__enter__()
-        elif step == ledger_step and phase == "end":
-            ledger.__exit__(None, None, None)
-
+    hook = ledger_step_hook(ledger, ledger_step, split_optimizer=False)
     result, _, _ = run_layout(spec, train, layout, rows, steps, mesh, hook)
     return {"losses": result.losses, "grad_norms": result.grad_norms, "params": result.params,
             "ledger": ledger.summary()}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,15 +21,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    import json as json_module
-
-    path = tmp_path_factory.mktemp("corpus") / "code.txt"
-    path.write_bytes(b"".join(p.read_bytes() for p in sorted(Path(json_module.__file__).parent.glob("*.py"))))
-    return str(path)
 
 
 def config(corpus: str, model: str = "tiny", **train) -> RunConfig:

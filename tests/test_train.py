@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,17 +27,6 @@ def one_thread():
 
 
 REQUIRED = {"step", "loss", "tokens_per_s", "mfu", "grad_norm", "lr", "memory"}
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    """A small, fixed text corpus: some of the stdlib's json package (fast to read)."""
-    import json as json_module
-
-    folder = Path(json_module.__file__).parent
-    path = tmp_path_factory.mktemp("corpus") / "code.txt"
-    path.write_bytes(b"".join(p.read_bytes() for p in sorted(folder.glob("*.py"))))
-    return str(path)
 
 
 def tiny_run(corpus: str, model: str = "tiny", **train) -> RunConfig:

@@ -94,19 +94,8 @@ def default_layout(layout: Layout, world: int) -> Layout:
     return layout
 
 
-# axes the planner models but the runtime does not run yet: refuse them rather than train
-# something that only looks like them (every axis runs now; kept for the next planned one)
-PLAN_ONLY_AXES: dict[str, str] = {}
-
-
 def check_runtime_axes(layout: Layout) -> None:
-    """Refuse the axes the runtime does not run yet (shared by `train` and `verify`)."""
-    for axis, words in PLAN_ONLY_AXES.items():
-        if getattr(layout, axis) > 1:
-            raise FivefoldError(
-                f"--{axis} {getattr(layout, axis)}: {words} parallelism is modelled by `fivefold plan` but "
-                f"not run by the runtime yet; use --{axis} 1 (the runtime runs dp, fsdp, tp, sp, pp, cp, ep)"
-            )
+    """Refuse axis combinations the runtime does not run (shared by `train` and `verify`)."""
     from fivefold.parallel.expert import check_expert_layout
 
     check_expert_layout(layout)  # ep runs on data-parallel layouts only, for now

@@ -69,20 +69,26 @@ def hand_written(spec, layout, mesh, train):
         tp_mesh = mesh.get("tp")
         stream = Shard(1) if layout.sp else Replicate()
         local = not layout.sp
-        embed_style = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream,
-                                      use_local_output=local)
+        embed_style = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=stream, use_local_output=local
+        )
         parallelize_module(model.model.embed_tokens, tp_mesh, embed_style)
         for block in model.model.layers.values():
             plan = {
-                "self_attn": PrepareModuleInput(input_layouts=(stream, None, None),
-                                                desired_input_layouts=(Replicate(), None, None),
-                                                use_local_output=False),
-                "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn": PrepareModuleInput(
+                    input_layouts=(stream, None, None),
+                    desired_input_layouts=(Replicate(), None, None),
+                    use_local_output=False,
+                ),
+                "self_attn.q_proj": ColwiseParallel(),
+                "self_attn.k_proj": ColwiseParallel(),
                 "self_attn.v_proj": ColwiseParallel(),
                 "self_attn.o_proj": RowwiseParallel(output_layouts=stream, use_local_output=local),
-                "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),),
-                                          use_local_output=False),
-                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp": PrepareModuleInput(
+                    input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_output=False
+                ),
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
                 "mlp.down_proj": RowwiseParallel(output_layouts=stream, use_local_output=local),
             }
             if layout.sp:
@@ -99,6 +105,7 @@ def hand_written(spec, layout, mesh, train):
     if layout.fsdp > 1 or replicate_tp:
         if replicate_tp:
             from torch.distributed._composable.replicate_with_fsdp import replicate as shard_fn
+
             kwargs = {"mesh": mesh.get("dp")}
         else:
             shard_fn = fully_shard
@@ -116,8 +123,9 @@ def hand_written(spec, layout, mesh, train):
     params = list(model.parameters())
     hyper = dict(lr=train.lr, weight_decay=train.weight_decay)
     if layout.zero == 1:
-        opt = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
-                                      process_group=mesh.group("dp"), **hyper)
+        opt = ZeroRedundancyOptimizer(
+            params, optimizer_class=torch.optim.AdamW, process_group=mesh.group("dp"), **hyper
+        )
     else:
         meshes = {getattr(p, "device_mesh", None) for p in params}
         opt = torch.optim.AdamW(params, foreach=len(meshes) == 1, **hyper)
@@ -185,19 +193,26 @@ def _measure(rank: int, world: int, steps: int, seq_len: int, micro_batch: int) 
     for lay in LAYOUTS:
         layout = Layout(**lay).resolve(world)
         data_ranks = layout.dp * layout.fsdp
-        train = TrainSpec(seq_len=seq_len, micro_batch=micro_batch, global_batch=micro_batch * data_ranks,
-                          lr=1e-3, weight_decay=0.0)
+        train = TrainSpec(
+            seq_len=seq_len,
+            micro_batch=micro_batch,
+            global_batch=micro_batch * data_ranks,
+            lr=1e-3,
+            weight_decay=0.0,
+        )
         mesh = build_runtime_mesh(layout)
-        sides = {"fivefold": fivefold_side(spec, layout, mesh, train),
-                 "hand": hand_written(spec, layout, mesh, train)}
+        sides = {
+            "fivefold": fivefold_side(spec, layout, mesh, train),
+            "hand": hand_written(spec, layout, mesh, train),
+        }
         coord = mesh.coord("batch")
         times: dict[str, list[float]] = {"fivefold": [], "hand": []}
         memory: dict[str, dict] = {}
         for i in range(steps + 2):  # two warm-up steps
             gen = torch.Generator().manual_seed(i)
             tokens = torch.randint(0, spec.vocab, (micro_batch * data_ranks, seq_len + 1), generator=gen)
-            x = tokens[coord * micro_batch:(coord + 1) * micro_batch, :-1]
-            y = tokens[coord * micro_batch:(coord + 1) * micro_batch, 1:]
+            x = tokens[coord * micro_batch : (coord + 1) * micro_batch, :-1]
+            y = tokens[coord * micro_batch : (coord + 1) * micro_batch, 1:]
             order = ("fivefold", "hand") if i % 2 == 0 else ("hand", "fivefold")
             for side in order:
                 step, model, opt = sides[side]
@@ -249,23 +264,35 @@ def main() -> int:
     started = time.perf_counter()
     per_rank = spawn_ranks(_measure, 4, args.steps, args.seq_len, args.micro_batch)
     single = _single_process_memory(args.seq_len, args.micro_batch)
-    print(f"model {MODEL}, 4 gloo ranks on {torch.get_num_threads()}-thread host, seq {args.seq_len}, "
-          f"micro-batch {args.micro_batch}, {args.steps} timed steps per side (median, max over ranks)")
-    print(f"{'layout':<18} {'fivefold ms':>12} {'hand ms':>9} {'ratio':>6}   "
-          "per-rank KiB: params grads optim acts")
+    print(
+        f"model {MODEL}, 4 gloo ranks on {torch.get_num_threads()}-thread host, seq {args.seq_len}, "
+        f"micro-batch {args.micro_batch}, {args.steps} timed steps per side (median, max over ranks)"
+    )
+    print(
+        f"{'layout':<18} {'fivefold ms':>12} {'hand ms':>9} {'ratio':>6}   "
+        "per-rank KiB: params grads optim acts"
+    )
     ratios = []
     for i, row in enumerate(per_rank[0]):
-        med = {side: max(statistics.median(r[i]["times"][side]) for r in per_rank)
-               for side in ("fivefold", "hand")}
+        med = {
+            side: max(statistics.median(r[i]["times"][side]) for r in per_rank)
+            for side in ("fivefold", "hand")
+        }
         ratio = med["fivefold"] / med["hand"]
         ratios.append(ratio)
         mem = per_rank[0][i]["memory"]["fivefold"]
-        print(f"{row['layout']:<18} {med['fivefold'] * 1e3:>12.1f} {med['hand'] * 1e3:>9.1f} {ratio:>6.3f}   "
-              + " ".join(f"{mem[k] / 1024:>6.0f}" for k in ("params", "grads", "optimizer", "activations")))
-    print(f"{'single process':<18} {'':>12} {'':>9} {'':>6}   "
-          + " ".join(f"{single[k] / 1024:>6.0f}" for k in ("params", "grads", "optimizer", "activations")))
-    print(f"median ratio over layouts {statistics.median(ratios):.3f} (target <= 1.05); "
-          f"took {time.perf_counter() - started:.0f} s")
+        print(
+            f"{row['layout']:<18} {med['fivefold'] * 1e3:>12.1f} {med['hand'] * 1e3:>9.1f} {ratio:>6.3f}   "
+            + " ".join(f"{mem[k] / 1024:>6.0f}" for k in ("params", "grads", "optimizer", "activations"))
+        )
+    print(
+        f"{'single process':<18} {'':>12} {'':>9} {'':>6}   "
+        + " ".join(f"{single[k] / 1024:>6.0f}" for k in ("params", "grads", "optimizer", "activations"))
+    )
+    print(
+        f"median ratio over layouts {statistics.median(ratios):.3f} (target <= 1.05); "
+        f"took {time.perf_counter() - started:.0f} s"
+    )
     return 0
 
 

@@ -71,7 +71,7 @@ def _body(rank: int, world: int, model_name: str, seq_len: int, batch: int, repe
     times: dict[str, list[tuple[float, float]]] = {"plain": [], "hooks": [], "dispatch": []}
     names = list(times)
     for repeat in range(repeats):
-        for name in names[repeat % 3:] + names[:repeat % 3]:  # each path in each position alike
+        for name in names[repeat % 3 :] + names[: repeat % 3]:  # each path in each position alike
             # plain and dispatch run with no collective kernels registered at all; the hooks step
             # has them registered beforehand, as a ledger kept over a run does
             if name == "hooks":
@@ -109,10 +109,13 @@ def _body(rank: int, world: int, model_name: str, seq_len: int, batch: int, repe
             per_call[name].append((time.process_time() - start) / calls)
             if name == "hooks":
                 comm_hooks.release()
-    return {"times": times, "ops_per_step": OpCounter.count,
-            "per_call": {name: statistics.median(t) for name, t in per_call.items()},
-            "comm_per_step": ledgers["hooks"].summary(skip=2),
-            "same_records": ledgers["hooks"].per_step() == ledgers["dispatch"].per_step()}
+    return {
+        "times": times,
+        "ops_per_step": OpCounter.count,
+        "per_call": {name: statistics.median(t) for name, t in per_call.items()},
+        "comm_per_step": ledgers["hooks"].summary(skip=2),
+        "same_records": ledgers["hooks"].per_step() == ledgers["dispatch"].per_step(),
+    }
 
 
 def main() -> None:
@@ -123,30 +126,40 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--ranks", type=int, default=2)
     args = parser.parse_args()
-    results = run_distributed(_body, args.ranks, args.model, args.seq_len, args.batch, args.repeats,
-                              timeout=1800)
-    print(f"model {args.model}, seq {args.seq_len}, batch {args.batch} per rank, FSDP2 over {args.ranks} "
-          f"gloo ranks, {args.repeats} rotating steps; medians per step")
+    results = run_distributed(
+        _body, args.ranks, args.model, args.seq_len, args.batch, args.repeats, timeout=1800
+    )
+    print(
+        f"model {args.model}, seq {args.seq_len}, batch {args.batch} per rank, FSDP2 over {args.ranks} "
+        f"gloo ranks, {args.repeats} rotating steps; medians per step"
+    )
     for rank, res in enumerate(results):
         for clock, index in (("wall", 0), ("cpu", 1)):
             value = {name: statistics.median(t[index] for t in ts) for name, ts in res["times"].items()}
             parts = [f"plain {value['plain'] * 1e3:7.1f} ms"]
             for name in ("hooks", "dispatch"):
                 ratio = value[name] / value["plain"]
-                parts.append(f"{name} {value[name] * 1e3:7.1f} ms "
-                             f"(ratio {ratio:.4f}, {(ratio - 1) * 100:+.2f} %)")
+                parts.append(
+                    f"{name} {value[name] * 1e3:7.1f} ms (ratio {ratio:.4f}, {(ratio - 1) * 100:+.2f} %)"
+                )
             print(f"rank {rank} {clock:>4}: " + "   ".join(parts))
-        print(f"rank {rank}: {res['ops_per_step']} dispatched ops per step; hooks and dispatch "
-              f"recorded the same: {res['same_records']}")
+        print(
+            f"rank {rank}: {res['ops_per_step']} dispatched ops per step; hooks and dispatch "
+            f"recorded the same: {res['same_records']}"
+        )
     cost = results[0]["per_call"]
     each = ", ".join(f"{name} {t * 1e6:.1f} us" for name, t in cost.items())
-    print(f"CPU time of one tiny all-reduce (rank 0): {each}"
-          f"; the ledger adds {(cost['hooks'] - cost['plain']) * 1e6:.1f} us (hooks) / "
-          f"{(cost['dispatch'] - cost['plain']) * 1e6:.1f} us (dispatch) per collective")
+    print(
+        f"CPU time of one tiny all-reduce (rank 0): {each}"
+        f"; the ledger adds {(cost['hooks'] - cost['plain']) * 1e6:.1f} us (hooks) / "
+        f"{(cost['dispatch'] - cost['plain']) * 1e6:.1f} us (dispatch) per collective"
+    )
     print("recorded per step (rank 0):")
     for row in results[0]["comm_per_step"]:
-        print(f"  {row['axis']:<6} {row['op']:<15} count {row['count']:5.1f}  bytes {row['bytes']:12.0f}  "
-              f"wire {row['wire_bytes']:12.0f}")
+        print(
+            f"  {row['axis']:<6} {row['op']:<15} count {row['count']:5.1f}  bytes {row['bytes']:12.0f}  "
+            f"wire {row['wire_bytes']:12.0f}"
+        )
 
 
 if __name__ == "__main__":

@@ -21,8 +21,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the shared spawn helper
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 2), ("zbv", 2),
-             ("dualpipev", 2)]
+SCHEDULES = [
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved-1f1b", 2),
+    ("zero-bubble", 2),
+    ("zbv", 2),
+    ("dualpipev", 2),
+]
 
 
 def _body(rank: int, world: int, opts: dict) -> list[dict]:
@@ -36,8 +42,15 @@ def _body(rank: int, world: int, opts: dict) -> list[dict]:
     from fivefold.parallel.timeline import gather_events, idle_fraction
     from fivefold.train.memory import ActivationMeter
 
-    spec = dataclasses.replace(load_model("tiny"), layers=8, hidden=opts["hidden"], heads=8, kv_heads=4,
-                               ffn_hidden=4 * opts["hidden"], max_seq_len=opts["seq"])
+    spec = dataclasses.replace(
+        load_model("tiny"),
+        layers=8,
+        hidden=opts["hidden"],
+        heads=8,
+        kv_heads=4,
+        ffn_hidden=4 * opts["hidden"],
+        max_seq_len=opts["seq"],
+    )
     out = []
     for schedule, v in SCHEDULES:
         if opts["only"] and schedule not in opts["only"]:
@@ -62,9 +75,17 @@ def _body(rank: int, world: int, opts: dict) -> list[dict]:
             for part in runner.model_parts:
                 part.zero_grad(set_to_none=True)
         events = gather_events(runner.timeline)
-        out.append({"schedule": schedule, "v": v, "m": m, "time": statistics.median(times),
-                    "peak": max(peaks), "stages": runner.stage_ids,
-                    "idle": idle_fraction(events) if events is not None else None})
+        out.append(
+            {
+                "schedule": schedule,
+                "v": v,
+                "m": m,
+                "time": statistics.median(times),
+                "peak": max(peaks),
+                "stages": runner.stage_ids,
+                "idle": idle_fraction(events) if events is not None else None,
+            }
+        )
         del runner
     return out
 
@@ -79,12 +100,16 @@ def bubble_rows(p: int, m: int) -> list[str]:
                 if schedule == "dualpipev" and micro < 2 * pp:
                     continue
                 cases.append((schedule, pp, micro, v))
-    rows = [f"{'schedule':<17}{'p':>3}{'m':>4}{'V':>3}  {'table unit':>10} {'closed':>7}  {'table 1:2':>9} "
-            f"{'closed':>7}  published 1:2"]
+    rows = [
+        f"{'schedule':<17}{'p':>3}{'m':>4}{'V':>3}  {'table unit':>10} {'closed':>7}  {'table 1:2':>9} "
+        f"{'closed':>7}  published 1:2"
+    ]
     for r in bubble_table(cases):
         pub = f"{r['published 1:2']:.4f}" if "published 1:2" in r else ""
-        rows.append(f"{r['schedule']:<17}{r['p']:>3}{r['m']:>4}{r['V']:>3}  {r['table unit']:>10.4f} "
-                    f"{r['closed unit']:>7.4f}  {r['table 1:2']:>9.4f} {r['closed 1:2']:>7.4f}  {pub}")
+        rows.append(
+            f"{r['schedule']:<17}{r['p']:>3}{r['m']:>4}{r['V']:>3}  {r['table unit']:>10.4f} "
+            f"{r['closed unit']:>7.4f}  {r['table 1:2']:>9.4f} {r['closed 1:2']:>7.4f}  {pub}"
+        )
     return rows
 
 
@@ -112,16 +137,22 @@ def main() -> None:
     results = run_distributed(_body, args.nproc, opts, timeout=1800)
     base = next((r["time"] for r in results[0] if r["schedule"] == "1f1b"), None)
     p, m = args.nproc, args.microbatches
-    print(f"\n{p} CPU ranks, pp {p}, {m} micro-batches of {args.micro}×{args.seq} tokens, "
-          f"hidden {args.hidden}, 8 layers; median forward_backward")
-    print(f"{'schedule':<17}{'V':>2} {'step ms':>9} {'/1F1B':>6} {'idle meas.':>10} {'idle table':>10}  "
-          "peak activations per pp rank (MiB)")
+    print(
+        f"\n{p} CPU ranks, pp {p}, {m} micro-batches of {args.micro}×{args.seq} tokens, "
+        f"hidden {args.hidden}, 8 layers; median forward_backward"
+    )
+    print(
+        f"{'schedule':<17}{'V':>2} {'step ms':>9} {'/1F1B':>6} {'idle meas.':>10} {'idle table':>10}  "
+        "peak activations per pp rank (MiB)"
+    )
     for i, row in enumerate(results[0]):
         predicted = simulated_bubble(row["schedule"], p, m, row["v"], "1:2").idle_fraction
         peaks = " ".join(f"{results[r][i]['peak'] / 2**20:6.2f}" for r in range(p))
         ratio = f"{row['time'] / base:6.2f}" if base else "   n/a"
-        print(f"{row['schedule']:<17}{row['v']:>2} {row['time'] * 1e3:9.1f} {ratio} {row['idle']:10.3f} "
-              f"{predicted:10.3f}  {peaks}")
+        print(
+            f"{row['schedule']:<17}{row['v']:>2} {row['time'] * 1e3:9.1f} {ratio} {row['idle']:10.3f} "
+            f"{predicted:10.3f}  {peaks}"
+        )
 
 
 if __name__ == "__main__":

@@ -49,18 +49,35 @@ class RankFailed(RuntimeError):
         self.trace = trace
 
 
-def _child(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, kwargs: dict,
-           results: Any, pg_timeout_s: float) -> None:
+def _child(
+    rank: int,
+    world: int,
+    port: int,
+    backend: str,
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    results: Any,
+    pg_timeout_s: float,
+) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    env = {"MASTER_ADDR": HOST, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
-           "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)}
+    env = {
+        "MASTER_ADDR": HOST,
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world),
+    }
     os.environ.update(env)
     try:
-        store = dist.TCPStore(HOST, port, world_size=None, is_master=False,
-                              timeout=timedelta(seconds=pg_timeout_s))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=pg_timeout_s))
+        store = dist.TCPStore(
+            HOST, port, world_size=None, is_master=False, timeout=timedelta(seconds=pg_timeout_s)
+        )
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout_s)
+        )
         value = fn(rank, world, *args, **kwargs)
         payload = pickle.dumps(value)  # plain pickle: tensors travel by value, not shared memory
         results.put((rank, True, payload))
@@ -72,18 +89,30 @@ def _child(rank: int, world: int, port: int, backend: str, fn: Callable, args: t
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
-                    timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    **kwargs: Any,
+) -> list[Any]:
     """Call `fn(rank, world, *args, **kwargs)` on `world` spawned ranks; return results by rank."""
     ctx = mp.get_context("forkserver")
     # the fork server imports torch once; every rank then starts as a cheap fork of it
     ctx.set_forkserver_preload(["torch", "torch.distributed", "fivefold.config", "fivefold.mesh"])
     results = ctx.Queue()
-    store = dist.TCPStore(HOST, 0, world_size=None, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout))
-    procs = [ctx.Process(target=_child, args=(rank, world, store.port, backend, fn, args, kwargs, results,
-                                              timeout), daemon=True)
-             for rank in range(world)]
+    store = dist.TCPStore(
+        HOST, 0, world_size=None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+    )
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(rank, world, store.port, backend, fn, args, kwargs, results, timeout),
+            daemon=True,
+        )
+        for rank in range(world)
+    ]
     for p in procs:
         p.start()
     got: dict[int, Any] = {}
@@ -95,8 +124,9 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got]
                 if dead:
-                    raise RankFailed(dead[0], f"process exited with code {procs[dead[0]].exitcode} "
-                                              "before reporting") from None
+                    raise RankFailed(
+                        dead[0], f"process exited with code {procs[dead[0]].exitcode} before reporting"
+                    ) from None
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(world)) - set(got))
                     raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s") from None

@@ -88,8 +88,9 @@ def replica_axis(layout: Layout) -> str | None:
     return None if not split else (split[0] if len(split) == 1 else "batch")
 
 
-def expected_forward_backward(spec: ModelSpec, layout: Layout, micro_batch: int, seq: int,
-                              accumulation: int) -> dict[tuple[str, str], tuple[int, int]]:
+def expected_forward_backward(
+    spec: ModelSpec, layout: Layout, micro_batch: int, seq: int, accumulation: int
+) -> dict[tuple[str, str], tuple[int, int]]:
     """(axis, op) -> (count, bytes) for one optimizer step's forward and backward passes."""
     out: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
 
@@ -170,5 +171,7 @@ def zero_partition(spec: ModelSpec, ranks: int) -> list[int]:
 
 def expected_param_storage(spec: ModelSpec, layout: Layout) -> int:
     """FSDP: bytes of parameter storage per rank, padding included: padded / fsdp per tensor."""
-    return sum(padded(tp_local_shape(n, s, spec, layout.tp), layout.fsdp) // layout.fsdp * F32
-               for n, s in param_shapes(spec).items())
+    return sum(
+        padded(tp_local_shape(n, s, spec, layout.tp), layout.fsdp) // layout.fsdp * F32
+        for n, s in param_shapes(spec).items()
+    )

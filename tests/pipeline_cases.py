@@ -23,23 +23,36 @@ def _spec(name: str, layers: int | None = None):
     return dataclasses.replace(spec, layers=layers) if layers else spec
 
 
-def run_cases(rank: int, world: int, cases: list[dict[str, Any]], train_dir: str | None = None,
-              **train_layout: Any) -> list[dict[str, Any]]:
+def run_cases(
+    rank: int, world: int, cases: list[dict[str, Any]], train_dir: str | None = None, **train_layout: Any
+) -> list[dict[str, Any]]:
     """Every case, then (with `train_dir`) a short real training run through the loop on this world."""
     results = [run_case(rank, world, **case) for case in cases]
     if train_dir is not None:
         from fivefold.config import Layout, RunConfig, TrainSpec, load_model
         from fivefold.train.loop import train
 
-        cfg = RunConfig(model=load_model("tiny"), layout=Layout(**train_layout),
-                        train=TrainSpec(steps=3, seq_len=32, micro_batch=4, eval_every=3, eval_batches=2,
-                                        warmup_steps=1, log_every=1))
+        cfg = RunConfig(
+            model=load_model("tiny"),
+            layout=Layout(**train_layout),
+            train=TrainSpec(
+                steps=3, seq_len=32, micro_batch=4, eval_every=3, eval_batches=2, warmup_steps=1, log_every=1
+            ),
+        )
         train(cfg, train_dir, progress=False)
     return results
 
 
-def run_case(rank: int, world: int, model: str = "tiny", layers: int | None = None, steps: int = 5,
-             clip: float = 0.05, ledger: bool = False, **layout_kwargs: Any) -> dict[str, Any]:
+def run_case(
+    rank: int,
+    world: int,
+    model: str = "tiny",
+    layers: int | None = None,
+    steps: int = 5,
+    clip: float = 0.05,
+    ledger: bool = False,
+    **layout_kwargs: Any,
+) -> dict[str, Any]:
     from fivefold.config import Layout, TrainSpec
     from fivefold.model import build_model, materialize
     from fivefold.parallel.api import LocalRunner
@@ -107,12 +120,20 @@ def run_case(rank: int, world: int, model: str = "tiny", layers: int | None = No
     out["stages"], out["pp_rank"] = runner.stage_ids, mesh.coord("pp")
     if book is not None:
         rows = book.summary()
-        out["p2p"] = {r["op"]: (r["count"], r["bytes"]) for r in rows if r["axis"] == "pp"
-                      and r["op"] in ("send", "recv")}
+        out["p2p"] = {
+            r["op"]: (r["count"], r["bytes"])
+            for r in rows
+            if r["axis"] == "pp" and r["op"] in ("send", "recv")
+        }
     events = runner.timeline.events()
     last = max(e["args"]["step"] for e in events)
-    out["kinds"] = sorted({(e["args"]["stage"], e["args"]["kind"], e["args"]["mb"]) for e in events
-                           if e["args"]["step"] == last and e["args"]["kind"] in COMPUTE_KINDS})
+    out["kinds"] = sorted(
+        {
+            (e["args"]["stage"], e["args"]["kind"], e["args"]["mb"])
+            for e in events
+            if e["args"]["step"] == last and e["args"]["kind"] in COMPUTE_KINDS
+        }
+    )
     out["comm_events"] = sum(1 for e in events if e["args"]["kind"] in ("send", "recv", "send/recv"))
     from fivefold.parallel.timeline import gather_events
 

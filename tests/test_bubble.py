@@ -42,8 +42,10 @@ def test_zero_bubble_fills_the_drain_with_weight_gradients(v):
             sim = simulated_bubble("zero-bubble", p, m, v, model)
             assert sim.idle_fraction == pytest.approx(expect, abs=1e-12)
         # and it beats interleaved 1F1B with the same chunks under the 1:2 costs
-        assert (simulated_bubble("zero-bubble", p, m, v, "1:2").idle_fraction
-                < simulated_bubble("interleaved-1f1b", p, m, v, "1:2").idle_fraction)
+        assert (
+            simulated_bubble("zero-bubble", p, m, v, "1:2").idle_fraction
+            < simulated_bubble("interleaved-1f1b", p, m, v, "1:2").idle_fraction
+        )
 
 
 @pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
@@ -54,7 +56,8 @@ def test_v_schedules_reach_the_fill_bound(schedule):
         # with t_F = t_I = t_W (1:2) both reach the single-step bound (p-1)·t_F/2 exactly
         bound = (p - 1) * 0.5
         assert simulated_bubble(schedule, p, m, 2, "1:2").idle_fraction == pytest.approx(
-            bound / (bound + 3 * m), abs=1e-12)
+            bound / (bound + 3 * m), abs=1e-12
+        )
         unit = simulated_bubble(schedule, p, m, 2, "unit").idle_fraction
         assert unit >= closed_form(schedule, p, m, 2, "unit") - 1e-12
         # and both beat 1F1B by a wide margin
@@ -64,7 +67,8 @@ def test_v_schedules_reach_the_fill_bound(schedule):
 def test_dualpipev_reaches_the_bound_with_unequal_costs_and_zbv_does_not():
     p, m = 4, 8
     assert simulated_bubble("dualpipev", p, m, 2, "unit").idle_fraction == pytest.approx(
-        closed_form("dualpipev", p, m, 2, "unit"), abs=1e-12)
+        closed_form("dualpipev", p, m, 2, "unit"), abs=1e-12
+    )
     zbv = simulated_bubble("zbv", p, m, 2, "unit").idle_fraction
     assert zbv > closed_form("zbv", p, m, 2, "unit") + 0.01
     # the published steady-state forms are the lower numbers the papers quote

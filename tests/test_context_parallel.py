@@ -110,13 +110,15 @@ def _run_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dic
 
         hook = ledger_step_hook(ledger, LEDGER_STEP)
         result, runner, optimizer = run_layout(load_model(model), train, layout, rows, STEPS, mesh, hook)
-        results.append({
-            "losses": result.losses,
-            "grad_norms": result.grad_norms,
-            "params": result.params if rank == 0 else None,
-            "ledger": ledger.per_step(),
-            "seconds": time.perf_counter() - start,
-        })
+        results.append(
+            {
+                "losses": result.losses,
+                "grad_norms": result.grad_norms,
+                "params": result.params if rank == 0 else None,
+                "ledger": ledger.per_step(),
+                "seconds": time.perf_counter() - start,
+            }
+        )
         del runner, optimizer
         torch.distributed.barrier()
     return results
@@ -142,8 +144,9 @@ def test_load_balanced_split_reassembles_the_sequence() -> None:
         chunk = 24 // (2 * cp)
         for r, (part, pos) in enumerate(shards):
             # chunks r and 2cp-1-r: an early and a late one, so causal work is balanced
-            want = list(range(r * chunk, (r + 1) * chunk)) + list(range((2 * cp - 1 - r) * chunk,
-                                                                        (2 * cp - r) * chunk))
+            want = list(range(r * chunk, (r + 1) * chunk)) + list(
+                range((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)
+            )
             assert pos[0].tolist() == want and (pos == pos[0]).all()
             assert torch.equal(part, tokens[:, want])
         # every position exactly once; scattering the shards back by position gives the sequence
@@ -181,8 +184,10 @@ def test_matches_single_process(index: int) -> None:
         assert r["losses"] == ranks[0]["losses"]
     got = ranks[0]
     cmp = compare(ref, type(ref)(got["losses"], got["grad_norms"], got["params"]), 1e-5, PARAM_ATOL)
-    print(f"{case_id(CASES[index])}: loss rel {max(cmp.loss_rel):.2g}, params abs {cmp.max_abs:.2g}, "
-          f"{got['seconds']:.1f} s")
+    print(
+        f"{case_id(CASES[index])}: loss rel {max(cmp.loss_rel):.2g}, params abs {cmp.max_abs:.2g}, "
+        f"{got['seconds']:.1f} s"
+    )
     assert max(cmp.loss_rel) <= 1e-5, (got["losses"], ref.losses)
     assert got["grad_norms"][0] == pytest.approx(ref.grad_norms[0], rel=1e-6)
     assert got["grad_norms"] == pytest.approx(ref.grad_norms, rel=1e-4)
@@ -199,6 +204,9 @@ def test_ledger_shows_the_cp_traffic(index: int) -> None:
     for rank, r in enumerate(results()[index]):
         fwd_bwd = r["ledger"][0]
         # (DDP's broadcast of the model's buffers before each forward is not cp traffic)
-        got = {(row["axis"], row["op"]): (row["count"], row["bytes"])
-               for row in fwd_bwd if row["axis"] == "cp" and row["op"] != "broadcast"}
+        got = {
+            (row["axis"], row["op"]): (row["count"], row["bytes"])
+            for row in fwd_bwd
+            if row["axis"] == "cp" and row["op"] != "broadcast"
+        }
         assert got == expected, f"rank {rank}"

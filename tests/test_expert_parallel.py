@@ -79,13 +79,15 @@ def _run_cases(rank: int, world: int, cases: list) -> list[dict]:
                 seen["ledger"].__exit__(None, None, None)
 
         result, runner, optimizer = run_layout(model_spec(model), train, layout, rows, STEPS, mesh, hook)
-        results.append({
-            "losses": result.losses,
-            "grad_norms": result.grad_norms,
-            "params": result.params if rank == 0 else None,
-            "ledger": seen["ledger"].per_step(),
-            "received": seen["received"],
-        })
+        results.append(
+            {
+                "losses": result.losses,
+                "grad_norms": result.grad_norms,
+                "params": result.params if rank == 0 else None,
+                "ledger": seen["ledger"].per_step(),
+                "received": seen["received"],
+            }
+        )
         del runner, optimizer, seen
         torch.distributed.barrier()
     return results

@@ -82,12 +82,17 @@ def _scenarios(rm, rm_b, method: str) -> dict:
 
     # a known collective on each axis
     measure("tp_all_reduce", lambda: dist.all_reduce(torch.ones(10), group=rm.group("tp")))
-    measure("fsdp_all_gather", lambda: dist.all_gather_into_tensor(torch.empty(6), torch.ones(3),
-                                                                   group=rm.group("fsdp")))
-    measure("fsdp_reduce_scatter", lambda: dist.reduce_scatter_tensor(torch.empty(4), torch.ones(8),
-                                                                      group=rm.group("fsdp")))
-    measure("ep_all_to_all", lambda: dist.all_to_all_single(torch.empty(6), torch.ones(6),
-                                                            group=rm.group("ep")))
+    measure(
+        "fsdp_all_gather",
+        lambda: dist.all_gather_into_tensor(torch.empty(6), torch.ones(3), group=rm.group("fsdp")),
+    )
+    measure(
+        "fsdp_reduce_scatter",
+        lambda: dist.reduce_scatter_tensor(torch.empty(4), torch.ones(8), group=rm.group("fsdp")),
+    )
+    measure(
+        "ep_all_to_all", lambda: dist.all_to_all_single(torch.empty(6), torch.ones(6), group=rm.group("ep"))
+    )
 
     def dispatch_and_combine():  # an expert-parallel all-to-all with autograd, there and back
         tokens = torch.ones(4, 3, requires_grad=True)
@@ -96,8 +101,11 @@ def _scenarios(rm, rm_b, method: str) -> dict:
         funcol.wait_tensor(back).sum().backward()
 
     measure("ep_autograd_all_to_all", dispatch_and_combine)
-    measure("cp_all_gather", lambda: dist.all_gather_into_tensor(torch.empty(8), torch.ones(4),
-                                                                 group=rm_b.group("cp")), rm_b)
+    measure(
+        "cp_all_gather",
+        lambda: dist.all_gather_into_tensor(torch.empty(8), torch.ones(4), group=rm_b.group("cp")),
+        rm_b,
+    )
     pp_peer = dist.get_process_group_ranks(rm.group("pp"))[1 - rm.coord("pp")]
 
     def send_recv():
@@ -109,8 +117,10 @@ def _scenarios(rm, rm_b, method: str) -> dict:
     measure("pp_send_recv", send_recv)
 
     def batched():
-        ops = [dist.P2POp(dist.isend, torch.ones(7), pp_peer),
-               dist.P2POp(dist.irecv, torch.empty(7), pp_peer)]
+        ops = [
+            dist.P2POp(dist.isend, torch.ones(7), pp_peer),
+            dist.P2POp(dist.irecv, torch.empty(7), pp_peer),
+        ]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 

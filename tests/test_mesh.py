@@ -17,6 +17,7 @@ from fivefold.mesh import axis_link_kinds, build_mesh, link_kind
 
 def _reference_groups(sizes: dict[str, int], order: list[str], varying: tuple[str, ...]) -> set[frozenset]:
     """Brute force: enumerate coordinates with itertools, rank = mixed radix innermost first."""
+
     def rank_of(coord: dict[str, int]) -> int:
         rank, scale = 0, 1
         for a in order:
@@ -60,9 +61,11 @@ def test_groups_match_brute_force_for_every_order(world):
             got = {frozenset(g) for g in m.dims[axis].groups}
             assert got == _reference_groups(sizes, list(perm), (axis,)), (perm, axis)
         assert {frozenset(g) for g in m.dims["fsdp_cp"].groups} == _reference_groups(
-            sizes, list(perm), ("fsdp", "cp"))
+            sizes, list(perm), ("fsdp", "cp")
+        )
         assert {frozenset(g) for g in m.dims["batch"].groups} == _reference_groups(
-            sizes, list(perm), ("dp", "fsdp"))
+            sizes, list(perm), ("dp", "fsdp")
+        )
 
 
 def test_groups_partition_the_world_and_coords_agree():
@@ -126,8 +129,7 @@ def test_json_contract():
     assert set(AXES) <= set(names) and "ep" in names
     for d in data["dims"]:
         assert {"name", "size", "groups", "links", "comm"} <= set(d)
-    assert data["ranks"][3] == {"rank": 3, "node": 0, "local_rank": 3,
-                                "coords": data["ranks"][3]["coords"]}
+    assert data["ranks"][3] == {"rank": 3, "node": 0, "local_rank": 3, "coords": data["ranks"][3]["coords"]}
     assert data["ranks"][3]["coords"]["fsdp"] == 1
     json.dumps(data)
 
@@ -144,8 +146,11 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
 def test_cli_table_json_svg_and_errors(tmp_path):
     out = _cli("--gpus", "8", "--gpus-per-node", "4", "--tp", "2", "--fsdp", "2", "--dp", "2")
     assert out.returncode == 0, out.stderr
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in out.stdout.splitlines() if line.startswith("| ")}
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in out.stdout.splitlines()
+        if line.startswith("| ")
+    }
     assert rows["TP"] == ["2", "4", "intra-node", "all-reduce (activations)"]
     assert rows["DP"][:3] == ["2", "4", "inter-node"]
     assert rows["CP"] == ["1", "—", "—", "—"]
@@ -153,8 +158,21 @@ def test_cli_table_json_svg_and_errors(tmp_path):
     assert "node 1" in out.stdout and "\x1b[" not in out.stdout  # not a tty: no colour
 
     svg = tmp_path / "mesh.svg"
-    out = _cli("--gpus", "8", "--gpus-per-node", "4", "--tp", "2", "--fsdp", "-1", "--json",
-               "--axis", "fsdp", "--svg", str(svg))
+    out = _cli(
+        "--gpus",
+        "8",
+        "--gpus-per-node",
+        "4",
+        "--tp",
+        "2",
+        "--fsdp",
+        "-1",
+        "--json",
+        "--axis",
+        "fsdp",
+        "--svg",
+        str(svg),
+    )
     data = json.loads(out.stdout)  # nothing else on stdout
     assert next(d for d in data["dims"] if d["name"] == "fsdp")["size"] == 4
     assert svg.read_text().startswith("<svg") and svg.read_text().count("<rect") >= 8

@@ -41,7 +41,9 @@ def test_zero1_needs_plain_replicas() -> None:
 def test_verify_rejects_bad_layout_without_traceback() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "fivefold", "verify", "--nproc", "3", "--tp", "3"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr

@@ -48,10 +48,22 @@ ODD = dict(name="odd", layers=2, hidden=24, heads=4, kv_heads=2, ffn_hidden=40, 
 
 DENSE_MOE = ("tiny", "tiny-moe")
 CASES: dict[int, list[tuple[str, dict]]] = {
-    2: [(m, lay) for m in DENSE_MOE for lay in (
-        dict(dp=2), dict(dp=2, zero=1), dict(fsdp=2, zero=2), dict(tp=2), dict(tp=2, sp=True))],
-    4: [(m, lay) for m in DENSE_MOE for lay in (
-        dict(fsdp=4, zero=3), dict(dp=2, fsdp=2), dict(tp=4), dict(fsdp=2, tp=2, sp=True), dict(dp=2, tp=2))]
+    2: [
+        (m, lay)
+        for m in DENSE_MOE
+        for lay in (dict(dp=2), dict(dp=2, zero=1), dict(fsdp=2, zero=2), dict(tp=2), dict(tp=2, sp=True))
+    ],
+    4: [
+        (m, lay)
+        for m in DENSE_MOE
+        for lay in (
+            dict(fsdp=4, zero=3),
+            dict(dp=2, fsdp=2),
+            dict(tp=4),
+            dict(fsdp=2, tp=2, sp=True),
+            dict(dp=2, tp=2),
+        )
+    ]
     + [("odd", dict(fsdp=4, zero=3)), ("tied", dict(fsdp=2, tp=2, sp=True))],
     8: [(m, dict(dp=2, fsdp=2, tp=2, sp=True)) for m in DENSE_MOE] + [("tiny", dict(dp=2, fsdp=2, tp=2))],
 }
@@ -95,16 +107,18 @@ def _run_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dic
         result, runner, optimizer = run_layout(spec, train, layout, rows, STEPS, mesh, hook)
         part = runner.model_parts[0]
         storage = sum(local_tensor(p).untyped_storage().nbytes() for p in part.parameters())
-        results.append({
-            "losses": result.losses,
-            "grad_norms": result.grad_norms,
-            "params": result.params if rank == 0 else None,
-            "ledger": ledger.per_step(),
-            "memory": state_bytes([part], optimizer),
-            "storage": storage,
-            "coords": {a: mesh.coord(a) for a in ("dp", "fsdp", "tp")},
-            "seconds": time.perf_counter() - start,
-        })
+        results.append(
+            {
+                "losses": result.losses,
+                "grad_norms": result.grad_norms,
+                "params": result.params if rank == 0 else None,
+                "ledger": ledger.per_step(),
+                "memory": state_bytes([part], optimizer),
+                "storage": storage,
+                "coords": {a: mesh.coord(a) for a in ("dp", "fsdp", "tp")},
+                "seconds": time.perf_counter() - start,
+            }
+        )
         del runner, optimizer, part
         torch.distributed.barrier()
     return results

@@ -21,25 +21,39 @@ from fivefold.parallel.pipeline import (
 )
 from pipeline_cases import MICRO, SEQ, run_cases
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 2), ("zbv", 2),
-             ("dualpipev", 2)]
+SCHEDULES = [
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved-1f1b", 2),
+    ("zero-bubble", 2),
+    ("zbv", 2),
+    ("dualpipev", 2),
+]
 
 
 # ---- the split (no processes)
+
 
 def _brute_force(costs: StageCosts, chunks: int) -> float:
     n = len(costs.layers)
     best = float("inf")
     for cuts in itertools.combinations(range(1, n), chunks - 1):
         bounds = (0, *cuts, n)
-        best = min(best, max(costs.chunk_cost(bounds[k], bounds[k + 1], k == 0, k == chunks - 1)
-                             for k in range(chunks)))
+        best = min(
+            best,
+            max(costs.chunk_cost(bounds[k], bounds[k + 1], k == 0, k == chunks - 1) for k in range(chunks)),
+        )
     return best
 
 
 def test_balanced_split_is_optimal_against_brute_force():
-    for layers, head, emb, chunks in [(8, 0.0, 0.0, 4), (8, 3.0, 0.0, 4), (9, 2.5, 1.0, 3), (12, 5.0, 0.5, 4),
-                                      (7, 0.0, 4.0, 2)]:
+    for layers, head, emb, chunks in [
+        (8, 0.0, 0.0, 4),
+        (8, 3.0, 0.0, 4),
+        (9, 2.5, 1.0, 3),
+        (12, 5.0, 0.5, 4),
+        (7, 0.0, 4.0, 2),
+    ]:
         costs = StageCosts(embedding=emb, layers=tuple(1.0 + 0.1 * (i % 3) for i in range(layers)), head=head)
         counts = balanced_split(costs, chunks)
         assert sum(counts) == layers and min(counts) >= 1 and len(counts) == chunks
@@ -67,8 +81,12 @@ def test_v_shaped_placement_folds_the_chunks():
 def test_manual_split():
     assert parse_split("3, 1", 4, 2) == [3, 1]
     assert parse_split("0,4", 4, 2) == [0, 4]  # the first chunk may hold only the embedding
-    for bad, match in [("2,1", "adds up"), ("1,2,1", "names 3 chunks"), ("a,b", "layer counts"),
-                       ("2,0,2", None)]:
+    for bad, match in [
+        ("2,1", "adds up"),
+        ("1,2,1", "names 3 chunks"),
+        ("a,b", "layer counts"),
+        ("2,0,2", None),
+    ]:
         chunks = 3 if bad == "2,0,2" else 2
         with pytest.raises(FivefoldError, match=match):
             parse_split(bad, 4, chunks)
@@ -98,11 +116,13 @@ def test_clear_errors(layout, train, match):
 def test_virtual_stages_must_divide_layers():
     spec = dataclasses.replace(load_model("tiny"), layers=6)
     with pytest.raises(FivefoldError, match="does not divide the 6 layers"):
-        check_pipeline(spec, Layout(pp=2, pp_schedule="interleaved-1f1b", virtual_stages=2,
-                                    microbatches=4).resolve(2))
+        check_pipeline(
+            spec, Layout(pp=2, pp_schedule="interleaved-1f1b", virtual_stages=2, microbatches=4).resolve(2)
+        )
 
 
 # ---- every schedule on 2 gloo ranks, against the single-process model
+
 
 def _assert_matches(result: dict, rel: float = 1e-5) -> None:
     for got, want in zip(result["loss"], result["ref_loss"]):
@@ -122,14 +142,17 @@ def train_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_ranks(train_dir):
-    cases = [dict(pp=2, pp_schedule=s, virtual_stages=v, microbatches=4, ledger=(s in ("1f1b", "zbv")))
-             for s, v in SCHEDULES]
+    cases = [
+        dict(pp=2, pp_schedule=s, virtual_stages=v, microbatches=4, ledger=(s in ("1f1b", "zbv")))
+        for s, v in SCHEDULES
+    ]
     cases.append(dict(model="tiny-moe", pp=2, pp_schedule="1f1b", microbatches=4))
     cases.append(dict(model="tiny-moe", pp=2, pp_schedule="zero-bubble", virtual_stages=2, microbatches=4))
     cases.append(dict(pp=2, pp_schedule="1f1b", microbatches=4, recompute="full"))
     cases.append(dict(pp=2, pp_schedule="gpipe", pp_split="3,1", microbatches=2))
-    return run_distributed(run_cases, 2, cases, timeout=400, train_dir=str(train_dir), pp=2,
-                           pp_schedule="1f1b", microbatches=4)
+    return run_distributed(
+        run_cases, 2, cases, timeout=400, train_dir=str(train_dir), pp=2, pp_schedule="1f1b", microbatches=4
+    )
 
 
 @pytest.mark.slow
@@ -166,9 +189,12 @@ def test_ledger_counts_activations_and_gradients_per_micro_batch(two_ranks, sche
         result = two_ranks[rank][index]
         # boundaries between chunks on different ranks, seen from this rank: each carries m
         # activations forward and m gradients back
-        boundaries = [s for s in range(2 * v - 1)
-                      if stage_to_rank(s, 2, schedule) != stage_to_rank(s + 1, 2, schedule)
-                      and rank in (stage_to_rank(s, 2, schedule), stage_to_rank(s + 1, 2, schedule))]
+        boundaries = [
+            s
+            for s in range(2 * v - 1)
+            if stage_to_rank(s, 2, schedule) != stage_to_rank(s + 1, 2, schedule)
+            and rank in (stage_to_rank(s, 2, schedule), stage_to_rank(s + 1, 2, schedule))
+        ]
         ops = m * len(boundaries)  # per step and direction: one tensor per micro-batch per boundary
         for op in ("send", "recv"):
             count, nbytes = result["p2p"][op]

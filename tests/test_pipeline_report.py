@@ -12,15 +12,25 @@ from fivefold.parallel.timeline import CATEGORY, idle_fraction, merge_into_trace
 
 def _event(kind: str, rank: int, start: float, dur: float, stage: int | None = None, mb: int | None = None):
     name = kind if mb is None else f"{stage}{kind}{mb}"
-    return {"name": name, "cat": CATEGORY, "ph": "X", "ts": start, "dur": dur, "pid": rank, "tid": 0,
-            "args": {"kind": kind, "step": 3, "pp_rank": rank, "stage": stage, "mb": mb}}
+    return {
+        "name": name,
+        "cat": CATEGORY,
+        "ph": "X",
+        "ts": start,
+        "dur": dur,
+        "pid": rank,
+        "tid": 0,
+        "args": {"kind": kind, "step": 3, "pp_rank": rank, "stage": stage, "mb": mb},
+    }
 
 
 def _gpipe_trace() -> list[dict]:
     """Two ranks, two micro-batches, GPipe with unit forward and backward: idle = 1/3 by hand."""
     events = []
-    for rank, ops in {0: [(0, "F", 0), (1, "F", 1), (4, "B", 0), (5, "B", 1)],
-                      1: [(1, "F", 0), (2, "F", 1), (3, "B", 0), (4, "B", 1)]}.items():
+    for rank, ops in {
+        0: [(0, "F", 0), (1, "F", 1), (4, "B", 0), (5, "B", 1)],
+        1: [(1, "F", 0), (2, "F", 1), (3, "B", 0), (4, "B", 1)],
+    }.items():
         for start, kind, mb in ops:
             events.append(_event(kind, rank, start * 1000.0, 1000.0, rank, mb))
         events.append(_event("recv", rank, 0.0 if rank else 2000.0, 500.0))

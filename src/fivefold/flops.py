@@ -35,15 +35,19 @@ def attention_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = Fal
     return model.layers * per_layer * (0.5 if causal else 1.0)
 
 
-def model_flops_per_token(model: ModelSpec, seq_len: int, causal: bool = False,
-                          matmul_params: int | None = None) -> float:
+def model_flops_per_token(
+    model: ModelSpec, seq_len: int, causal: bool = False, matmul_params: int | None = None
+) -> float:
     """Training (forward + backward) model FLOPs per token."""
     n = matmul_params_per_token(model) if matmul_params is None else matmul_params
     return 6.0 * n + 3.0 * attention_flops_per_token(model, seq_len, causal)
 
 
 def hardware_flops_per_token(
-    model: ModelSpec, seq_len: int, recompute: str = "none", causal: bool = False,
+    model: ModelSpec,
+    seq_len: int,
+    recompute: str = "none",
+    causal: bool = False,
     matmul_params: int | None = None,
 ) -> float:
     """Training FLOPs per token actually executed, including recomputation."""

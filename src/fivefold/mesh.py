@@ -51,8 +51,14 @@ class Dim:
     link: str = "none"  # summary over groups: intra | inter | mixed | none (size 1)
 
     def to_json(self) -> dict:
-        return {"name": self.name, "size": self.size, "groups": self.groups, "links": self.links,
-                "link": self.link, "comm": self.comm}
+        return {
+            "name": self.name,
+            "size": self.size,
+            "groups": self.groups,
+            "links": self.links,
+            "link": self.link,
+            "comm": self.comm,
+        }
 
 
 @dataclass
@@ -94,8 +100,10 @@ class MeshInfo:
             "order": self.layout.order_list,
             "layout": {a: getattr(self.layout, a) for a in AXES + ("ep",)},
             "dims": [d.to_json() for d in self.dims.values()],
-            "ranks": [{"rank": r.rank, "node": r.node, "local_rank": r.local_rank, "coords": r.coords}
-                      for r in self.ranks],
+            "ranks": [
+                {"rank": r.rank, "node": r.node, "local_rank": r.local_rank, "coords": r.coords}
+                for r in self.ranks
+            ],
         }
 
 
@@ -155,8 +163,11 @@ def axis_link_kinds(layout: Layout, gpus_per_node: int) -> dict[str, str]:
 def _axis_groups(world: int, stride: int, size: int) -> list[list[int]]:
     """Groups of an axis with this stride and size: ranks that differ only in its coordinate."""
     block = stride * size
-    return [[outer + inner + i * stride for i in range(size)]
-            for outer in range(0, world, block) for inner in range(stride)]
+    return [
+        [outer + inner + i * stride for i in range(size)]
+        for outer in range(0, world, block)
+        for inner in range(stride)
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,8 +186,11 @@ def comm_words(name: str, layout: Layout) -> str:
         "fsdp": "all-gather (params) + reduce-scatter (grads)",
         "tp": "all-gather + reduce-scatter (activations, SP)" if layout.sp else "all-reduce (activations)",
         "pp": "send/recv (activations)",
-        "cp": {"ring": "send/recv (K/V ring)", "allgather": "all-gather (K/V)",
-               "ulysses": "all-to-all (sequence <-> heads)"}[layout.cp_impl],
+        "cp": {
+            "ring": "send/recv (K/V ring)",
+            "allgather": "all-gather (K/V)",
+            "ulysses": "all-to-all (sequence <-> heads)",
+        }[layout.cp_impl],
         "ep": "all-to-all (tokens, there and back)",
         "expert_fsdp": "all-gather + reduce-scatter (expert params/grads)",
         "fsdp_cp": "all-gather (params) + reduce-scatter (grads)",
@@ -249,21 +263,34 @@ def build_mesh(layout: Layout, world: int, gpus_per_node: int) -> MeshInfo:
         coords["expert_fsdp"] = coords["fsdp_cp"] // lay.ep
         ranks.append(RankInfo(rank, rank // gpus_per_node, rank % gpus_per_node, coords))
 
-    dim_sizes = dict(sizes, ep=lay.ep, expert_fsdp=lay.fsdp * lay.cp // lay.ep, fsdp_cp=lay.fsdp * lay.cp,
-                     batch=lay.dp * lay.fsdp, dp_fsdp_cp=lay.dp * lay.fsdp * lay.cp)
+    dim_sizes = dict(
+        sizes,
+        ep=lay.ep,
+        expert_fsdp=lay.fsdp * lay.cp // lay.ep,
+        fsdp_cp=lay.fsdp * lay.cp,
+        batch=lay.dp * lay.fsdp,
+        dp_fsdp_cp=lay.dp * lay.fsdp * lay.cp,
+    )
     dims: dict[str, Dim] = {}
     for name in list(AXES) + list(DERIVED_DIMS):
         groups = _groups_of(ranks, name)
         links = [link_kind(g, gpus_per_node) for g in groups]
         size = dim_sizes[name]
         assert all(len(g) == size for g in groups)
-        dims[name] = Dim(name, size, groups, links, comm_words(name, lay) if size > 1 else "—",
-                         summarize_links(links, size))
+        dims[name] = Dim(
+            name,
+            size,
+            groups,
+            links,
+            comm_words(name, lay) if size > 1 else "—",
+            summarize_links(links, size),
+        )
     return MeshInfo(world, gpus_per_node, lay, dims, ranks)
 
 
-def _flat_index(coords: dict[str, int], parts: tuple[str, ...], sizes: dict[str, int],
-                order: list[str]) -> int:
+def _flat_index(
+    coords: dict[str, int], parts: tuple[str, ...], sizes: dict[str, int], order: list[str]
+) -> int:
     """Index in a flattened dim: the constituent innermost in `order` varies fastest."""
     index, scale = 0, 1
     for axis in sorted(parts, key=order.index):
@@ -301,33 +328,48 @@ def describe(info: MeshInfo) -> str:
             "a step."
         )
     elif lay.fsdp > 1:
-        parts.append(f"This is FSDP over {lay.fsdp} ranks ({words[d['fsdp'].link]}): params, grads and "
-                     "optimizer state are sharded and gathered layer by layer.")
+        parts.append(
+            f"This is FSDP over {lay.fsdp} ranks ({words[d['fsdp'].link]}): params, grads and "
+            "optimizer state are sharded and gathered layer by layer."
+        )
     elif lay.dp > 1:
         sync = "gradients are all-reduced once a step"
         if lay.zero == 1:
-            sync = ("gradients are reduce-scattered onto the optimizer shards and the updated params "
-                    "all-gathered once a step (ZeRO-1)")
-        parts.append(f"This is data parallel over {lay.dp} replicas ({words[d['dp'].link]}): each holds the "
-                     f"whole model; {sync}.")
+            sync = (
+                "gradients are reduce-scattered onto the optimizer shards and the updated params "
+                "all-gathered once a step (ZeRO-1)"
+            )
+        parts.append(
+            f"This is data parallel over {lay.dp} replicas ({words[d['dp'].link]}): each holds the "
+            f"whole model; {sync}."
+        )
     else:
         parts.append("There is no data parallelism: every rank sees the same batch.")
     if lay.tp > 1:
-        where = {"intra": "within a node, on the fast link as it should be",
-                 "inter": "across nodes — chatty per-layer traffic on the slow link",
-                 "mixed": "partly across nodes — some groups pay the slow link every layer"}[d["tp"].link]
+        where = {
+            "intra": "within a node, on the fast link as it should be",
+            "inter": "across nodes — chatty per-layer traffic on the slow link",
+            "mixed": "partly across nodes — some groups pay the slow link every layer",
+        }[d["tp"].link]
         sp = " with sequence parallelism" if lay.sp else ""
         parts.append(f"Tensor parallel{sp} splits each layer over {lay.tp} GPUs {where}.")
     if lay.cp > 1:
-        parts.append(f"Context parallel splits the sequence over {lay.cp} ranks ({words[d['cp'].link]}, "
-                     f"{lay.cp_impl}); FSDP shards weights over fsdp×cp = {lay.fsdp * lay.cp}.")
+        parts.append(
+            f"Context parallel splits the sequence over {lay.cp} ranks ({words[d['cp'].link]}, "
+            f"{lay.cp_impl}); FSDP shards weights over fsdp×cp = {lay.fsdp * lay.cp}."
+        )
     if lay.pp > 1:
-        parts.append(f"The layers are cut into {lay.pp} pipeline stages ({words[d['pp'].link]}), "
-                     f"passing activations point to point ({lay.pp_schedule}).")
+        parts.append(
+            f"The layers are cut into {lay.pp} pipeline stages ({words[d['pp'].link]}), "
+            f"passing activations point to point ({lay.pp_schedule})."
+        )
     if lay.ep > 1:
-        parts.append(f"Experts are split {lay.ep} ways ({words[d['ep'].link]} all-to-all) over the fsdp×cp "
-                     f"ranks; each expert is FSDP-sharded over the remaining {d['expert_fsdp'].size}.")
-    parts.append(f"{info.world} GPUs on {info.nodes} node(s) of {info.gpus_per_node}; order "
-                 f"{','.join(lay.order_list)} (innermost first).")
+        parts.append(
+            f"Experts are split {lay.ep} ways ({words[d['ep'].link]} all-to-all) over the fsdp×cp "
+            f"ranks; each expert is FSDP-sharded over the remaining {d['expert_fsdp'].size}."
+        )
+    parts.append(
+        f"{info.world} GPUs on {info.nodes} node(s) of {info.gpus_per_node}; order "
+        f"{','.join(lay.order_list)} (innermost first)."
+    )
     return " ".join(parts)
-

@@ -15,8 +15,24 @@ HELP = "show which ranks talk to which for a layout, inside or across nodes"
 
 # dims shown in the picture and accepted by --axis
 PICTURE_DIMS = AXES + ("ep", "expert_fsdp", "fsdp_cp", "batch", "dp_fsdp_cp")
-PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
-           "#9c755f", "#bab0ac", "#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02"]
+PALETTE = [
+    "#4e79a7",
+    "#f28e2b",
+    "#e15759",
+    "#76b7b2",
+    "#59a14f",
+    "#edc948",
+    "#b07aa1",
+    "#ff9da7",
+    "#9c755f",
+    "#bab0ac",
+    "#1b9e77",
+    "#d95f02",
+    "#7570b3",
+    "#e7298a",
+    "#66a61e",
+    "#e6ab02",
+]
 ANSI = [33, 208, 160, 73, 70, 178, 133, 211, 94, 145, 36, 166, 61, 162, 64, 136]  # 256-colour codes
 
 
@@ -24,12 +40,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=int, required=True, help="world size")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     add_layout_arguments(parser)
-    parser.add_argument("--axis", default=None, choices=PICTURE_DIMS,
-                        help="dim whose groups the picture colours (default: the innermost of size > 1)")
+    parser.add_argument(
+        "--axis",
+        default=None,
+        choices=PICTURE_DIMS,
+        help="dim whose groups the picture colours (default: the innermost of size > 1)",
+    )
     parser.add_argument("--svg", default=None, metavar="FILE", help="also write the picture as an SVG file")
     parser.add_argument("--json", action="store_true", help="print only the mesh's JSON object")
-    parser.add_argument("--color", action=argparse.BooleanOptionalAction, default=None,
-                        help="ANSI colours in the picture (default: when stdout is a terminal)")
+    parser.add_argument(
+        "--color",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="ANSI colours in the picture (default: when stdout is a terminal)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,26 +157,35 @@ def render_svg(info, axis: str) -> str:
     cell, gap, left, top = 56, 6, 70, 46
     width = left + info.gpus_per_node * (cell + gap) + 10
     height = top + info.nodes * (cell + gap) + 10
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'font-family="sans-serif" font-size="12">',
-           f'<text x="10" y="20" font-size="14">{escape(axis)}: {d.size} ranks per group, '
-           f'{len(d.groups)} groups, {escape(d.link)}</text>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'font-family="sans-serif" font-size="12">',
+        f'<text x="10" y="20" font-size="14">{escape(axis)}: {d.size} ranks per group, '
+        f"{len(d.groups)} groups, {escape(d.link)}</text>",
+    ]
     for node in range(info.nodes):
         y = top + node * (cell + gap)
         out.append(f'<text x="10" y="{y + cell // 2 + 4}">node {node}</text>')
-        out.append(f'<rect x="{left - 3}" y="{y - 3}" width="{info.gpus_per_node * (cell + gap)}" '
-                   f'height="{cell + 6}" fill="none" stroke="#999"/>')
+        out.append(
+            f'<rect x="{left - 3}" y="{y - 3}" width="{info.gpus_per_node * (cell + gap)}" '
+            f'height="{cell + 6}" fill="none" stroke="#999"/>'
+        )
         for local in range(info.gpus_per_node):
             rank = node * info.gpus_per_node + local
             if rank >= info.world:
                 continue
             x = left + local * (cell + gap)
             fill = PALETTE[index[rank] % len(PALETTE)]
-            out.append(f'<rect x="{x}" y="{y}" width="{cell}" height="{cell}" rx="6" fill="{fill}">'
-                       f'<title>rank {rank}, {escape(axis)} group {index[rank]}</title></rect>')
-            out.append(f'<text x="{x + cell / 2}" y="{y + 24}" text-anchor="middle" '
-                       f'fill="#fff">r{rank}</text>')
-            out.append(f'<text x="{x + cell / 2}" y="{y + 42}" text-anchor="middle" fill="#fff" '
-                       f'font-size="10">g{index[rank]}</text>')
+            out.append(
+                f'<rect x="{x}" y="{y}" width="{cell}" height="{cell}" rx="6" fill="{fill}">'
+                f"<title>rank {rank}, {escape(axis)} group {index[rank]}</title></rect>"
+            )
+            out.append(
+                f'<text x="{x + cell / 2}" y="{y + 24}" text-anchor="middle" fill="#fff">r{rank}</text>'
+            )
+            out.append(
+                f'<text x="{x + cell / 2}" y="{y + 42}" text-anchor="middle" fill="#fff" '
+                f'font-size="10">g{index[rank]}</text>'
+            )
     out.append("</svg>")
     return "\n".join(out) + "\n"

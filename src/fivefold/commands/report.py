@@ -17,18 +17,36 @@ from fivefold.errors import FivefoldError
 
 HELP = "draw a run's loss curve, ledger and pipeline timeline"
 
-COLORS = {"F": "#4e79a7", "B": "#59a14f", "I": "#8cd17d", "W": "#f28e2b",
-          "send": "#bab0ac", "recv": "#bab0ac", "send/recv": "#bab0ac"}
-LEGEND = [("F", "forward"), ("B", "backward"), ("I", "input-grad backward"), ("W", "weight-grad backward"),
-          ("recv", "waiting on send/recv"), ("idle", "idle")]
+COLORS = {
+    "F": "#4e79a7",
+    "B": "#59a14f",
+    "I": "#8cd17d",
+    "W": "#f28e2b",
+    "send": "#bab0ac",
+    "recv": "#bab0ac",
+    "send/recv": "#bab0ac",
+}
+LEGEND = [
+    ("F", "forward"),
+    ("B", "backward"),
+    ("I", "input-grad backward"),
+    ("W", "weight-grad backward"),
+    ("recv", "waiting on send/recv"),
+    ("idle", "idle"),
+]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by fivefold train")
-    parser.add_argument("--out", default=None, metavar="FILE.svg|FILE.png",
-                        help="picture to write (default RUN_DIR/report.svg)")
-    parser.add_argument("--step", type=int, default=None,
-                        help="which recorded pipeline step to draw (default: the last)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE.svg|FILE.png",
+        help="picture to write (default RUN_DIR/report.svg)",
+    )
+    parser.add_argument(
+        "--step", type=int, default=None, help="which recorded pipeline step to draw (default: the last)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
 # ---- reading
 
+
 def _read_metrics(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -94,8 +113,10 @@ def _pick_step(events: list[dict], wanted: int | None) -> int | None:
 
 # ---- text
 
-def summary(run_dir: Path, metrics: list[dict], ledger: Any, timeline: list[dict],
-            bubble: float | None) -> str:
+
+def summary(
+    run_dir: Path, metrics: list[dict], ledger: Any, timeline: list[dict], bubble: float | None
+) -> str:
     lines = [f"run {run_dir}"]
     if metrics:
         last = metrics[-1]
@@ -109,8 +130,10 @@ def summary(run_dir: Path, metrics: list[dict], ledger: Any, timeline: list[dict
             lines.append(f"    {axis:<11} {row['count']:>8.1f} ops {_bytes(row['bytes']):>10}")
     if timeline:
         ranks = sorted({e["pid"] for e in timeline})
-        lines.append(f"  pipeline step {timeline[0]['args']['step']}: measured idle fraction {bubble:.3f} "
-                     f"over {len(ranks)} ranks")
+        lines.append(
+            f"  pipeline step {timeline[0]['args']['step']}: measured idle fraction {bubble:.3f} "
+            f"over {len(ranks)} ranks"
+        )
         for rank in ranks:
             mine = [e for e in timeline if e["pid"] == rank]
             window = next(e for e in mine if e["args"]["kind"] == "step")
@@ -131,6 +154,7 @@ def _bytes(n: float) -> str:
 
 # ---- SVG, by hand
 
+
 def predicted_timeline(config_path: Path) -> list[dict]:
     """The run's schedule replayed from torch's action table (1:2 costs), as timeline events."""
     from fivefold.config import RunConfig
@@ -138,24 +162,43 @@ def predicted_timeline(config_path: Path) -> list[dict]:
 
     try:
         layout = RunConfig.from_toml(config_path).layout
-        sim = simulated_bubble(layout.pp_schedule, layout.pp, layout.microbatches, layout.virtual_stages,
-                               "1:2")
+        sim = simulated_bubble(
+            layout.pp_schedule, layout.pp, layout.microbatches, layout.virtual_stages, "1:2"
+        )
     except (FivefoldError, ValueError, OSError):
         return []
     unit = 1000.0  # one forward of a whole stage drawn as 1 ms
     events = []
     for rank, ops in enumerate(sim.timeline):
-        events.append({"name": "step", "ts": 0.0, "dur": sim.makespan * unit, "pid": rank,
-                       "args": {"kind": "step", "step": "predicted", "pp_rank": rank,
-                                "idle": sim.idle_fraction}})
+        events.append(
+            {
+                "name": "step",
+                "ts": 0.0,
+                "dur": sim.makespan * unit,
+                "pid": rank,
+                "args": {"kind": "step", "step": "predicted", "pp_rank": rank, "idle": sim.idle_fraction},
+            }
+        )
         for start, end, (stage, kind, mb) in ops:
-            events.append({"name": f"{stage}{kind}{mb}", "ts": start * unit, "dur": (end - start) * unit,
-                           "pid": rank, "args": {"kind": kind, "step": "predicted", "pp_rank": rank}})
+            events.append(
+                {
+                    "name": f"{stage}{kind}{mb}",
+                    "ts": start * unit,
+                    "dur": (end - start) * unit,
+                    "pid": rank,
+                    "args": {"kind": kind, "step": "predicted", "pp_rank": rank},
+                }
+            )
     return events
 
 
-def render_svg(metrics: list[dict], timeline: list[dict], ledger: Any, title: str = "",
-               predicted: list[dict] | None = None) -> str:
+def render_svg(
+    metrics: list[dict],
+    timeline: list[dict],
+    ledger: Any,
+    title: str = "",
+    predicted: list[dict] | None = None,
+) -> str:
     width = 960
     parts: list[str] = []
     y = 40
@@ -168,15 +211,20 @@ def render_svg(metrics: list[dict], timeline: list[dict], ledger: Any, title: st
         parts.append(block)
         y += height + 20
     if predicted:
-        heading = (f"predicted from the schedule's action table (F = 1, B = 2 = I + W; "
-                   f"idle {predicted[0]['args']['idle']:.3f})")
+        heading = (
+            f"predicted from the schedule's action table (F = 1, B = 2 = I + W; "
+            f"idle {predicted[0]['args']['idle']:.3f})"
+        )
         block, height = _svg_timeline(predicted, 20, y, width - 40, heading=heading)
         parts.append(block)
         y += height + 20
     height = y + 10
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-            f'font-family="sans-serif" font-size="11">\n<rect width="100%" height="100%" fill="white"/>\n'
-            + "\n".join(parts) + "\n</svg>\n")
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'font-family="sans-serif" font-size="11">\n<rect width="100%" height="100%" fill="white"/>\n'
+        + "\n".join(parts)
+        + "\n</svg>\n"
+    )
 
 
 def _svg_loss(metrics: list[dict], x0: float, y0: float, w: float, h: float) -> str:
@@ -192,25 +240,32 @@ def _svg_loss(metrics: list[dict], x0: float, y0: float, w: float, h: float) -> 
     def px(step: float, value: float) -> tuple[float, float]:
         return (left + (step - s0) / (s1 - s0) * (w - 60), y0 + 10 + (hi - value) / (hi - lo) * (h - 40))
 
-    out = [f'<text x="{x0}" y="{y0}" font-size="13" font-weight="bold">loss</text>',
-           f'<line x1="{left}" y1="{bottom}" x2="{x0 + w}" y2="{bottom}" stroke="#888"/>',
-           f'<line x1="{left}" y1="{y0 + 10}" x2="{left}" y2="{bottom}" stroke="#888"/>',
-           f'<text x="{x0}" y="{y0 + 18}">{hi:.3f}</text>', f'<text x="{x0}" y="{bottom}">{lo:.3f}</text>',
-           f'<text x="{left}" y="{bottom + 14}">step {s0}</text>',
-           f'<text x="{x0 + w - 60}" y="{bottom + 14}">step {s1}</text>']
+    out = [
+        f'<text x="{x0}" y="{y0}" font-size="13" font-weight="bold">loss</text>',
+        f'<line x1="{left}" y1="{bottom}" x2="{x0 + w}" y2="{bottom}" stroke="#888"/>',
+        f'<line x1="{left}" y1="{y0 + 10}" x2="{left}" y2="{bottom}" stroke="#888"/>',
+        f'<text x="{x0}" y="{y0 + 18}">{hi:.3f}</text>',
+        f'<text x="{x0}" y="{bottom}">{lo:.3f}</text>',
+        f'<text x="{left}" y="{bottom + 14}">step {s0}</text>',
+        f'<text x="{x0 + w - 60}" y="{bottom + 14}">step {s1}</text>',
+    ]
     points = " ".join(f"{a:.1f},{b:.1f}" for a, b in (px(s, v) for s, v in zip(steps, losses)))
     out.append(f'<polyline points="{points}" fill="none" stroke="#4e79a7" stroke-width="1.5"/>')
     for s, v in held:
         a, b = px(s, v)
-        out.append(f'<circle cx="{a:.1f}" cy="{b:.1f}" r="3" fill="#e15759">'
-                   f'<title>held-out {v:.4f}</title></circle>')
-    out.append(f'<text x="{x0 + w - 200}" y="{y0 + 12}" fill="#4e79a7">train</text>'
-               f'<text x="{x0 + w - 150}" y="{y0 + 12}" fill="#e15759">● held-out</text>')
+        out.append(
+            f'<circle cx="{a:.1f}" cy="{b:.1f}" r="3" fill="#e15759"><title>held-out {v:.4f}</title></circle>'
+        )
+    out.append(
+        f'<text x="{x0 + w - 200}" y="{y0 + 12}" fill="#4e79a7">train</text>'
+        f'<text x="{x0 + w - 150}" y="{y0 + 12}" fill="#e15759">● held-out</text>'
+    )
     return "\n".join(out)
 
 
-def _svg_timeline(timeline: list[dict], x0: float, y0: float, w: float,
-                  heading: str | None = None) -> tuple[str, float]:
+def _svg_timeline(
+    timeline: list[dict], x0: float, y0: float, w: float, heading: str | None = None
+) -> tuple[str, float]:
     ranks = sorted({e["pid"] for e in timeline})
     windows = [e for e in timeline if e["args"]["kind"] == "step"]
     t0 = min(e["ts"] for e in windows)
@@ -224,8 +279,10 @@ def _svg_timeline(timeline: list[dict], x0: float, y0: float, w: float,
         y = y0 + 12 + row * row_h
         pp = next((e["args"].get("pp_rank") for e in timeline if e["pid"] == rank), "?")
         out.append(f'<text x="{x0}" y="{y + 16}">rank {rank} (pp {pp})</text>')
-        out.append(f'<rect x="{left}" y="{y}" width="{(t1 - t0) * scale:.1f}" height="{row_h - 4}" '
-                   'fill="white" stroke="#ccc"/>')
+        out.append(
+            f'<rect x="{left}" y="{y}" width="{(t1 - t0) * scale:.1f}" height="{row_h - 4}" '
+            'fill="white" stroke="#ccc"/>'
+        )
         for e in timeline:
             kind = e["args"]["kind"]
             if e["pid"] != rank or kind not in COLORS:
@@ -233,23 +290,29 @@ def _svg_timeline(timeline: list[dict], x0: float, y0: float, w: float,
             x, width = left + (e["ts"] - t0) * scale, max(e["dur"] * scale, 0.5)
             comm = kind in ("send", "recv", "send/recv")
             top, height = (y + row_h - 10, 5) if comm else (y, row_h - 4)
-            label = f'{e["name"]} {e["dur"] / 1e3:.2f} ms'
-            out.append(f'<rect x="{x:.2f}" y="{top}" width="{width:.2f}" height="{height}" '
-                       f'fill="{COLORS[kind]}" stroke="white" stroke-width="0.3">'
-                       f'<title>{escape(label)}</title></rect>')
+            label = f"{e['name']} {e['dur'] / 1e3:.2f} ms"
+            out.append(
+                f'<rect x="{x:.2f}" y="{top}" width="{width:.2f}" height="{height}" '
+                f'fill="{COLORS[kind]}" stroke="white" stroke-width="0.3">'
+                f"<title>{escape(label)}</title></rect>"
+            )
             if not comm and width > 22:
                 text = e["name"].lstrip("0123456789") if width < 34 else e["name"]
-                out.append(f'<text x="{x + 2:.1f}" y="{y + 15}" fill="white" font-size="9">'
-                           f'{escape(text)}</text>')
+                out.append(
+                    f'<text x="{x + 2:.1f}" y="{y + 15}" fill="white" font-size="9">{escape(text)}</text>'
+                )
     y = y0 + 20 + len(ranks) * row_h
     for i, (kind, text) in enumerate(LEGEND):
         fill = COLORS.get(kind, "white")
-        out.append(f'<rect x="{left + i * 140}" y="{y}" width="12" height="12" fill="{fill}" stroke="#888"/>'
-                   f'<text x="{left + i * 140 + 16}" y="{y + 10}">{escape(text)}</text>')
+        out.append(
+            f'<rect x="{left + i * 140}" y="{y}" width="12" height="12" fill="{fill}" stroke="#888"/>'
+            f'<text x="{left + i * 140 + 16}" y="{y + 10}">{escape(text)}</text>'
+        )
     return "\n".join(out), len(ranks) * row_h + 40
 
 
 # ---- PNG through matplotlib
+
 
 def render_png(metrics: list[dict], timeline: list[dict], out: Path, title: str = "") -> None:
     try:
@@ -271,8 +334,13 @@ def render_png(metrics: list[dict], timeline: list[dict], out: Path, title: str 
             ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], lw=1.2, label="train")
             held = [m for m in metrics if m.get("held_out_loss") is not None]
             if held:
-                ax.plot([m["step"] for m in held], [m["held_out_loss"] for m in held], "o-", ms=4,
-                        label="held-out")
+                ax.plot(
+                    [m["step"] for m in held],
+                    [m["held_out_loss"] for m in held],
+                    "o-",
+                    ms=4,
+                    label="held-out",
+                )
             ax.set_xlabel("optimizer step")
             ax.set_ylabel("loss")
             ax.legend()
@@ -293,8 +361,14 @@ def render_png(metrics: list[dict], timeline: list[dict], out: Path, title: str 
         ax.invert_yaxis()
         ax.set_xlabel("ms since the step began")
         ax.set_title(f"pipeline, step {timeline[0]['args']['step']} (white: idle)")
-        ax.legend(handles=[Patch(color=COLORS.get(k, "white"), label=t) for k, t in LEGEND if k != "idle"],
-                  loc="upper center", bbox_to_anchor=(0.5, -0.22), fontsize=8, ncol=5, frameon=False)
+        ax.legend(
+            handles=[Patch(color=COLORS.get(k, "white"), label=t) for k, t in LEGEND if k != "idle"],
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.22),
+            fontsize=8,
+            ncol=5,
+            frameon=False,
+        )
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)

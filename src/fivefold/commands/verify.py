@@ -32,12 +32,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seq-len", type=int, default=16)
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per forward")
-    parser.add_argument("--accumulation", type=int, default=0,
-                        help="micro-batches per data-parallel rank (default 1, or --microbatches with --pp)")
+    parser.add_argument(
+        "--accumulation",
+        type=int,
+        default=0,
+        help="micro-batches per data-parallel rank (default 1, or --microbatches with --pp)",
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--grad-clip", type=float, default=0.3, help="global-norm clip (0: off)")
-    parser.add_argument("--ledger-step", type=int, default=-1,
-                        help="step whose communication is shown (default: the last)")
+    parser.add_argument(
+        "--ledger-step", type=int, default=-1, help="step whose communication is shown (default: the last)"
+    )
     add_layout_arguments(parser)
 
 
@@ -51,8 +56,15 @@ def run(args: argparse.Namespace) -> int:
     if all(getattr(base, a) == 1 for a in ("dp", "fsdp", "tp", "pp", "cp")):
         base = dataclasses.replace(base, dp=args.nproc)
     layout = base.resolve(args.nproc)
-    train = TrainSpec(seed=args.seed, seq_len=args.seq_len, micro_batch=args.micro_batch, lr=args.lr,
-                      eps=1e-6, grad_clip=args.grad_clip, steps=args.steps).validate()
+    train = TrainSpec(
+        seed=args.seed,
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+        lr=args.lr,
+        eps=1e-6,
+        grad_clip=args.grad_clip,
+        steps=args.steps,
+    ).validate()
     layout.check_model(spec, train.seq_len)
     from fivefold.train.loop import check_runtime_axes
 
@@ -73,19 +85,31 @@ def run(args: argparse.Namespace) -> int:
     reference = run_reference(spec, train, rows, args.steps)
     missing = sorted(set(reference.params) - set(params))
     if missing:
-        raise FivefoldError(f"the layout run returned no values for {len(missing)} parameters, "
-                            f"e.g. {missing[0]}")
+        raise FivefoldError(
+            f"the layout run returned no values for {len(missing)} parameters, e.g. {missing[0]}"
+        )
     result = compare(reference, ours, LOSS_RTOL, PARAM_ATOL)
     same_everywhere = all(r["losses"] == per_rank[0]["losses"] for r in per_rank)
-    _print_report(spec.name, layout, args.nproc, reference, ours, result, per_rank[0]["ledger"], ledger_step,
-                  same_everywhere, _planned_bytes(spec, layout, train, rows))
+    _print_report(
+        spec.name,
+        layout,
+        args.nproc,
+        reference,
+        ours,
+        result,
+        per_rank[0]["ledger"],
+        ledger_step,
+        same_everywhere,
+        _planned_bytes(spec, layout, train, rows),
+    )
     ok = result.ok and same_everywhere
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
 
-def _rank_body(rank: int, world: int, spec, train: TrainSpec, layout: Layout, rows: int, steps: int,
-               ledger_step: int) -> dict:
+def _rank_body(
+    rank: int, world: int, spec, train: TrainSpec, layout: Layout, rows: int, steps: int, ledger_step: int
+) -> dict:
     from fivefold.parallel.compare import ledger_step_hook, run_layout
     from fivefold.parallel.device_mesh import build_runtime_mesh
     from fivefold.parallel.ledger import CommLedger
@@ -95,8 +119,12 @@ def _rank_body(rank: int, world: int, spec, train: TrainSpec, layout: Layout, ro
 
     hook = ledger_step_hook(ledger, ledger_step, split_optimizer=False)
     result, _, _ = run_layout(spec, train, layout, rows, steps, mesh, hook)
-    return {"losses": result.losses, "grad_norms": result.grad_norms, "params": result.params,
-            "ledger": ledger.summary()}
+    return {
+        "losses": result.losses,
+        "grad_norms": result.grad_norms,
+        "params": result.params,
+        "ledger": ledger.summary(),
+    }
 
 
 def _planned_bytes(spec, layout: Layout, train: TrainSpec, rows: int) -> dict[tuple[str, str], float]:
@@ -105,16 +133,32 @@ def _planned_bytes(spec, layout: Layout, train: TrainSpec, rows: int) -> dict[tu
     from fivefold.plan import TrainShape, plan
 
     try:
-        shape = TrainShape(seq_len=train.seq_len, global_batch=rows, micro_batch=train.micro_batch,
-                           param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+        shape = TrainShape(
+            seq_len=train.seq_len,
+            global_batch=rows,
+            micro_batch=train.micro_batch,
+            param_bytes=4,
+            grad_bytes=4,
+            optimizer_bytes=8,
+        )
         predicted = plan(spec, load_hardware("cpu"), layout, shape, gpus_per_node=layout.world)
     except FivefoldError:
         return {}
     return {(c.axis, c.op.replace("-", "_")): c.bytes for c in predicted.comm}
 
 
-def _print_report(model: str, layout: Layout, nproc: int, reference, ours, result, ledger: list[dict],
-                  ledger_step: int, same_everywhere: bool, planned: dict[tuple[str, str], float]) -> None:
+def _print_report(
+    model: str,
+    layout: Layout,
+    nproc: int,
+    reference,
+    ours,
+    result,
+    ledger: list[dict],
+    ledger_step: int,
+    same_everywhere: bool,
+    planned: dict[tuple[str, str], float],
+) -> None:
     split = [a for a in ("dp", "fsdp", "tp", "pp", "cp") if getattr(layout, a) > 1]
     axes = " × ".join(f"{a}{getattr(layout, a)}" for a in split)
     extras = [f"zero {layout.zero}"] + (["sp"] if layout.sp else [])
@@ -122,8 +166,10 @@ def _print_report(model: str, layout: Layout, nproc: int, reference, ours, resul
     print(f"{'step':>4}  {'reference loss':>15}  {'layout loss':>15}  {'rel diff':>9}")
     for i, (a, b, rel) in enumerate(zip(reference.losses, ours.losses, result.loss_rel)):
         print(f"{i:>4}  {a:>15.8f}  {b:>15.8f}  {rel:>9.2e}")
-    print(f"updated parameters: max abs diff {result.max_abs:.3e} ({result.worst_param}), "
-          f"max rel diff {result.max_rel:.3e}; tolerances: loss {LOSS_RTOL:g} rel, params {PARAM_ATOL:g} abs")
+    print(
+        f"updated parameters: max abs diff {result.max_abs:.3e} ({result.worst_param}), "
+        f"max rel diff {result.max_rel:.3e}; tolerances: loss {LOSS_RTOL:g} rel, params {PARAM_ATOL:g} abs"
+    )
     if not same_everywhere:
         print("the reported loss differs between ranks")
     print(f"communication of step {ledger_step} on rank 0: measured (ledger) and predicted (fivefold plan)")

@@ -41,8 +41,9 @@ class Simulation:
         return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan)
 
 
-def action_table(schedule: str, pp: int, microbatches: int,
-                 virtual_stages: int = 1) -> tuple[list[list[Op]], bool]:
+def action_table(
+    schedule: str, pp: int, microbatches: int, virtual_stages: int = 1
+) -> tuple[list[list[Op]], bool]:
     """The compute actions per pp rank, in order, as torch's schedule class builds them.
 
     Returns (table, repaired). torch's 1F1B table numbers the last rank's micro-batches from 1 (its
@@ -97,9 +98,7 @@ def _renumber_if_needed(table: list[list[Op]], m: int) -> tuple[list[list[Op]], 
         for s, k, j in ops:
             seen.setdefault((s, group(k)), []).append(j)
     inputs_of = {s: sorted(j for ops in table for (t, k, j) in ops if t == s and k == "I") for s, _ in seen}
-    valid = all(
-        sorted(v) == (inputs_of[s] if g == "W" else list(range(m))) for (s, g), v in seen.items()
-    )
+    valid = all(sorted(v) == (inputs_of[s] if g == "W" else list(range(m))) for (s, g), v in seen.items())
     if valid:
         return table, False
     counters: dict[tuple[int, str], int] = {}
@@ -121,8 +120,13 @@ def _renumber_if_needed(table: list[list[Op]], m: int) -> tuple[list[list[Op]], 
     return fixed, True
 
 
-def simulate(table: list[list[Op]], num_stages: int, costs: dict[str, float], virtual_stages: int = 1,
-             repaired: bool = False) -> Simulation:
+def simulate(
+    table: list[list[Op]],
+    num_stages: int,
+    costs: dict[str, float],
+    virtual_stages: int = 1,
+    repaired: bool = False,
+) -> Simulation:
     """Replay the table: list scheduling in each rank's order, inputs permitting."""
     scale = 1.0 / virtual_stages
     done: dict[tuple[int, str, int], float] = {}  # (stage, kind, mb) -> end time
@@ -173,15 +177,17 @@ def _ready_time(op: Op, done: dict, num_stages: int) -> float | None:
     return max(times, default=0.0)
 
 
-def simulated_bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1,
-                     cost_model: str = "unit") -> Simulation:
+def simulated_bubble(
+    schedule: str, pp: int, microbatches: int, virtual_stages: int = 1, cost_model: str = "unit"
+) -> Simulation:
     v = 2 if schedule in V_SHAPED else virtual_stages
     table, repaired = action_table(schedule, pp, microbatches, v)
     return simulate(table, pp * v, COST_MODELS[cost_model], v, repaired)
 
 
-def closed_form(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1,
-                cost_model: str = "unit") -> float:
+def closed_form(
+    schedule: str, pp: int, microbatches: int, virtual_stages: int = 1, cost_model: str = "unit"
+) -> float:
     """The idle fraction the analysis predicts: bubble / (bubble + m·(t_F + t_B)) per rank.
 
     * GPipe (Huang et al. 2019), 1F1B (Narayanan et al. 2019): bubble (p−1)(t_F + t_B), i.e.
@@ -232,8 +238,10 @@ def published_form(schedule: str, pp: int, microbatches: int, cost_model: str = 
     return bubble / (bubble + m * (f + b))
 
 
-def bubble_table(cases: list[tuple[str, int, int, int]], cost_models: tuple[str, ...] = ("unit", "1:2"),
-                 ) -> list[dict[str, object]]:
+def bubble_table(
+    cases: list[tuple[str, int, int, int]],
+    cost_models: tuple[str, ...] = ("unit", "1:2"),
+) -> list[dict[str, object]]:
     """Rows of schedule × (p, m, V) -> simulated vs closed-form idle fraction per cost model."""
     rows = []
     for schedule, p, m, v in cases:
@@ -263,5 +271,14 @@ def ascii_diagram(sim: Simulation, width: int = 100) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["COST_MODELS", "Simulation", "action_table", "ascii_diagram", "bubble_table", "closed_form",
-           "simulate", "simulated_bubble", "stage_to_rank"]
+__all__ = [
+    "COST_MODELS",
+    "Simulation",
+    "action_table",
+    "ascii_diagram",
+    "bubble_table",
+    "closed_form",
+    "simulate",
+    "simulated_bubble",
+    "stage_to_rank",
+]

@@ -77,8 +77,15 @@ def ledger_step_hook(ledger: Any, step: int, split_optimizer: bool = True) -> An
     return hook
 
 
-def run_layout(spec: ModelSpec, train: TrainSpec, layout: Layout, rows: int, steps: int,
-               runtime_mesh: Any, step_hook: Any = None) -> tuple[RunResult, Any, torch.optim.Optimizer]:
+def run_layout(
+    spec: ModelSpec,
+    train: TrainSpec,
+    layout: Layout,
+    rows: int,
+    steps: int,
+    runtime_mesh: Any,
+    step_hook: Any = None,
+) -> tuple[RunResult, Any, torch.optim.Optimizer]:
     """This rank's side of the same run under `layout` (already resolved).
 
     Returns (result, runner, optimizer); `step_hook(step, phase)` is called at "begin",
@@ -127,8 +134,9 @@ class Comparison:
     ok: bool
 
 
-def compare(reference: RunResult, other: RunResult, loss_rtol: float = 1e-5,
-            param_atol: float = 5e-5) -> Comparison:
+def compare(
+    reference: RunResult, other: RunResult, loss_rtol: float = 1e-5, param_atol: float = 5e-5
+) -> Comparison:
     loss_rel = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(reference.losses, other.losses)]
     max_abs, max_rel, worst = 0.0, 0.0, ""
     for name, ref in reference.params.items():

@@ -131,15 +131,18 @@ def _pass_on(tensor: torch.Tensor, group: dist.ProcessGroup, cp: int) -> torch.T
     """Send `tensor` to the next rank of the ring and receive the previous rank's."""
     rank = dist.get_rank(group)
     received = torch.empty_like(tensor)
-    ops = [dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % cp), group),
-           dist.P2POp(dist.irecv, received, dist.get_global_rank(group, (rank - 1) % cp), group)]
+    ops = [
+        dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % cp), group),
+        dist.P2POp(dist.irecv, received, dist.get_global_rank(group, (rank - 1) % cp), group),
+    ]
     for request in dist.batch_isend_irecv(ops):
         request.wait()
     return received
 
 
-def _block_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+def _block_scores(
+    q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Masked, scaled scores of q against one key block (fp32)."""
     scores = (q @ k.transpose(-2, -1)).float() * scale
     return scores.masked_fill(q_pos[:, None] < k_pos[None, :], _MASKED)
@@ -156,8 +159,14 @@ class _RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
-                group: dist.ProcessGroup, cp: int) -> torch.Tensor:
+    def forward(
+        ctx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,  # type: ignore[override]
+        group: dist.ProcessGroup,
+        cp: int,
+    ) -> torch.Tensor:
         rank, heads, scale = dist.get_rank(group), q.shape[1], q.shape[-1] ** -0.5
         seq_len = q.shape[2] * cp
         q_pos = shard_positions(seq_len, cp, rank).to(q.device)
@@ -199,8 +208,7 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % cp
             k_pos = shard_positions(seq_len, cp, src).to(q.device)
             k_rep, v_rep = _repeat_kv(kv[0], heads).float(), _repeat_kv(kv[1], heads).float()
-            probs = torch.exp(_block_scores(q, _repeat_kv(kv[0], heads),
-                                                   q_pos, k_pos, scale) - lse)
+            probs = torch.exp(_block_scores(q, _repeat_kv(kv[0], heads), q_pos, k_pos, scale) - lse)
             grad_v = probs.transpose(-2, -1) @ grad_out
             grad_scores = probs * (grad_out @ v_rep.transpose(-2, -1) - delta)
             grad_q += (grad_scores @ k_rep) * scale
@@ -214,15 +222,17 @@ class _RingAttention(torch.autograd.Function):
         return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None
 
 
-def _cp_sequence_aux_loss(moe: MoE, group: dist.ProcessGroup, probs: torch.Tensor,
-                          chosen: torch.Tensor) -> torch.Tensor:
+def _cp_sequence_aux_loss(
+    moe: MoE, group: dist.ProcessGroup, probs: torch.Tensor, chosen: torch.Tensor
+) -> torch.Tensor:
     """MoE's sequence-wise auxiliary loss from whole-sequence statistics summed over `cp`."""
     from torch.distributed.nn.functional import all_reduce  # autograd-aware: backward sums too
 
     b, s, k = chosen.shape
     e = moe.num_experts
     counts = torch.zeros(b, e, device=probs.device).scatter_add_(
-        1, chosen.reshape(b, -1), torch.ones(b, s * k, device=probs.device))
+        1, chosen.reshape(b, -1), torch.ones(b, s * k, device=probs.device)
+    )
     summed = all_reduce(torch.cat((counts, probs.sum(dim=1).to(counts.dtype)), dim=1), group=group)
     full = s * dist.get_world_size(group)
     load = summed[:, :e] * (e / (k * full))

@@ -36,8 +36,9 @@ def mixed_precision(train: TrainSpec) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, zero: int, train: TrainSpec,
-               ignored: set[nn.Parameter] | None = None) -> None:
+def apply_fsdp(
+    model: nn.Module, mesh: DeviceMesh, zero: int, train: TrainSpec, ignored: set[nn.Parameter] | None = None
+) -> None:
     """FSDP2 units: each block, the embedding, norm + head, then the root (in place).
 
     `mesh` is 1-D (fsdp_cp) for FSDP or 2-D (dp, fsdp_cp) for HSDP; `ignored` parameters (experts
@@ -78,8 +79,11 @@ def _units(model: nn.Module) -> list:
     """Embedding, each block, norm + head; a tied embedding and head share one unit."""
     decoder = model.model
     tail = [m for m in (decoder.norm, model.lm_head) if m is not None]
-    tied = (decoder.embed_tokens is not None and model.lm_head is not None
-            and model.lm_head.weight is decoder.embed_tokens.weight)
+    tied = (
+        decoder.embed_tokens is not None
+        and model.lm_head is not None
+        and model.lm_head.weight is decoder.embed_tokens.weight
+    )
     if tied:
         return [[decoder.embed_tokens, *tail], *decoder.layers.values()]
     units: list = [decoder.embed_tokens] if decoder.embed_tokens is not None else []
@@ -148,17 +152,23 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
         # positions in the global parameter order, which the groups' lists give
         order = [key for group in state_dict["param_groups"] for key in group["params"]]
         position = {key: i for i, key in enumerate(order)}
-        groups = [dict(group, params=[position[k] for k in group["params"]])
-                  for group in state_dict["param_groups"]]
+        groups = [
+            dict(group, params=[position[k] for k in group["params"]]) for group in state_dict["param_groups"]
+        ]
         state = {position[k]: v for k, v in state_dict["state"].items()}
         super().load_state_dict({"state": state, "param_groups": groups})
 
 
-def _zero_with_groups(groups: list[dict], dp_group: torch.distributed.ProcessGroup, foreach: bool,
-                      hyper: dict) -> ZeroRedundancyOptimizer:
+def _zero_with_groups(
+    groups: list[dict], dp_group: torch.distributed.ProcessGroup, foreach: bool, hyper: dict
+) -> ZeroRedundancyOptimizer:
     zero = ShardedOptimizer(
-        groups[0]["params"], optimizer_class=torch.optim.AdamW, process_group=dp_group, foreach=foreach,
-        weight_decay=groups[0]["weight_decay"], **hyper,
+        groups[0]["params"],
+        optimizer_class=torch.optim.AdamW,
+        process_group=dp_group,
+        foreach=foreach,
+        weight_decay=groups[0]["weight_decay"],
+        **hyper,
     )
     for group in groups[1:]:
         zero.add_param_group(group)

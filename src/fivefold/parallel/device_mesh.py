@@ -76,8 +76,9 @@ def root_dim_names(layout: Layout) -> tuple[str, ...]:
     return tuple(reversed(layout.order_list))
 
 
-def build_runtime_mesh(layout: Layout, device_type: str = "cpu",
-                       gpus_per_node: int | None = None) -> RuntimeMesh:
+def build_runtime_mesh(
+    layout: Layout, device_type: str = "cpu", gpus_per_node: int | None = None
+) -> RuntimeMesh:
     """Build the DeviceMesh for the initialised default process group's world."""
     if not dist.is_initialized():
         raise FivefoldError("build_runtime_mesh needs an initialised default process group")

@@ -85,8 +85,9 @@ def _make_dispatch(group: dist.ProcessGroup, ranks: int):
     return forward
 
 
-def _dispatch(experts: GroupedExperts, x_sorted: torch.Tensor, counts: list[int],
-              group: dist.ProcessGroup, ranks: int) -> torch.Tensor:
+def _dispatch(
+    experts: GroupedExperts, x_sorted: torch.Tensor, counts: list[int], group: dist.ProcessGroup, ranks: int
+) -> torch.Tensor:
     local_experts = len(counts) // ranks
     send_counts = torch.tensor(counts, dtype=torch.int64, device=x_sorted.device)
     recv_counts = torch.empty_like(send_counts)
@@ -100,8 +101,12 @@ def _dispatch(experts: GroupedExperts, x_sorted: torch.Tensor, counts: list[int]
     for row in recv:
         starts.append([offset + sum(row[:e]) for e in range(local_experts)])
         offset += sum(row)
-    order = [i for e in range(local_experts) for r in range(ranks)
-             for i in range(starts[r][e], starts[r][e] + recv[r][e])]
+    order = [
+        i
+        for e in range(local_experts)
+        for r in range(ranks)
+        for i in range(starts[r][e], starts[r][e] + recv[r][e])
+    ]
     order_t = torch.tensor(order, dtype=torch.long, device=x_sorted.device)
     per_expert = [sum(recv[r][e] for r in range(ranks)) for e in range(local_experts)]
     experts.rows_received += len(order)

@@ -51,22 +51,39 @@ METHODS = ("hooks", "dispatch")
 
 # op name (namespace-free) -> normalised op
 C10D_OPS = {
-    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
-    "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_coalesced_": "all_gather",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_coalesced_": "all_gather",
     "allgather_into_tensor_coalesced_": "all_gather",
-    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "alltoall_base_": "all_to_all", "alltoall_": "all_to_all",
-    "broadcast_": "broadcast", "scatter_": "scatter", "gather_": "gather", "reduce_": "reduce",
-    "send": "send", "recv_": "recv", "recv_any_source_": "recv", "barrier": "barrier",
+    "alltoall_base_": "all_to_all",
+    "alltoall_": "all_to_all",
+    "broadcast_": "broadcast",
+    "scatter_": "scatter",
+    "gather_": "gather",
+    "reduce_": "reduce",
+    "send": "send",
+    "recv_": "recv",
+    "recv_any_source_": "recv",
+    "barrier": "barrier",
 }
 FUNCTIONAL_OPS = {
-    "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
     "all_reduce_coalesced_": "all_reduce",
-    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
     "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "all_to_all_single": "all_to_all", "broadcast": "broadcast", "broadcast_": "broadcast",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
 }
 
 HOOKED_OPS = {"c10d": tuple(C10D_OPS), "_c10d_functional": tuple(FUNCTIONAL_OPS)}
@@ -99,8 +116,9 @@ class CommLedger(TorchDispatchMode):
     step; `write(dir)` writes `ledger.json`. `record(...)` adds an op the mode cannot see.
     """
 
-    def __init__(self, mesh: RuntimeMesh | MeshInfo | None = None, rank: int | None = None,
-                 method: str = "hooks") -> None:
+    def __init__(
+        self, mesh: RuntimeMesh | MeshInfo | None = None, rank: int | None = None, method: str = "hooks"
+    ) -> None:
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -177,8 +195,9 @@ class CommLedger(TorchDispatchMode):
         if op == "all_gather":
             payload = _nbytes(bound.get("output_tensor", bound.get("output_tensors", bound.get("outputs"))))
         elif op in ("reduce_scatter", "all_to_all"):
-            payload = _nbytes(bound.get("input_tensor", bound.get("input_tensors", bound.get("inputs",
-                              bound.get("input")))))
+            payload = _nbytes(
+                bound.get("input_tensor", bound.get("input_tensors", bound.get("inputs", bound.get("input"))))
+            )
         elif op == "scatter":
             payload = _nbytes(bound["output_tensors"]) * n
         elif op == "gather":
@@ -255,8 +274,10 @@ class CommLedger(TorchDispatchMode):
     def _rows(step: dict[tuple[str, str], list[float]]) -> list[dict]:
         order = {a: i for i, a in enumerate(AXIS_PRIORITY)}
         items = sorted(step.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0]))
-        return [{"axis": axis, "op": op, "count": int(c), "bytes": int(b), "wire_bytes": w}
-                for (axis, op), (c, b, w) in items]
+        return [
+            {"axis": axis, "op": op, "count": int(c), "bytes": int(b), "wire_bytes": w}
+            for (axis, op), (c, b, w) in items
+        ]
 
     def per_step(self) -> list[list[dict]]:
         """Rows of each step (the open step only if it has records)."""
@@ -299,8 +320,14 @@ class CommLedger(TorchDispatchMode):
             "per_step": [{"step": i, "ops": rows} for i, rows in enumerate(per_step)],
             "summary": self.summary(skip),
             "by_axis": self.by_axis(skip),
-            "formulas": {"all_reduce": "2(n-1)/n*S", "all_gather": "(n-1)/n*S", "reduce_scatter": "(n-1)/n*S",
-                         "all_to_all": "(n-1)/n*S", "send": "S", "recv": "S"},
+            "formulas": {
+                "all_reduce": "2(n-1)/n*S",
+                "all_gather": "(n-1)/n*S",
+                "reduce_scatter": "(n-1)/n*S",
+                "all_to_all": "(n-1)/n*S",
+                "send": "S",
+                "recv": "S",
+            },
         }
 
     def write(self, path: str | Path, skip: int = 0) -> Path:

@@ -109,8 +109,11 @@ def balanced_split(costs: StageCosts, chunks: int) -> list[int]:
         prefix.append(prefix[-1] + c)
 
     def cost(i: int, j: int, k: int) -> float:  # layers i..j-1 as chunk k
-        return prefix[j] - prefix[i] + (costs.embedding if k == 0 else 0.0) + (
-            costs.head if k == chunks - 1 else 0.0
+        return (
+            prefix[j]
+            - prefix[i]
+            + (costs.embedding if k == 0 else 0.0)
+            + (costs.head if k == chunks - 1 else 0.0)
         )
 
     ideal = n / chunks

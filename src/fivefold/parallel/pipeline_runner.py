@@ -25,9 +25,17 @@ from fivefold.parallel.timeline import Timeline
 class PipelineRunner:
     """One rank's chunks of a pipeline, stepped by a torch schedule."""
 
-    def __init__(self, parts: list[nn.Module], modules: list[nn.Module], stage_ids: list[int],
-                 split: list[int], runtime_mesh, layout: Layout, device: torch.device,
-                 train: TrainSpec | None = None) -> None:
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        modules: list[nn.Module],
+        stage_ids: list[int],
+        split: list[int],
+        runtime_mesh,
+        layout: Layout,
+        device: torch.device,
+        train: TrainSpec | None = None,
+    ) -> None:
         self.train = train
         self.model_parts = parts  # the chunks' own modules (a DDP wrapper, if any, is only called)
         self.stage_ids = stage_ids
@@ -124,8 +132,9 @@ class PipelineRunner:
     def _step(self, inputs: torch.Tensor, labels: torch.Tensor, losses: list, train: bool) -> None:
         args = (inputs,) if self.has_first else ()
         target = labels if self.has_last else None
-        self.schedule.step(*args, target=target, losses=losses if self.has_last else None,
-                           return_outputs=False)
+        self.schedule.step(
+            *args, target=target, losses=losses if self.has_last else None, return_outputs=False
+        )
 
     def _forward_only(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
         """Micro-batch by micro-batch, stage by stage, every rank in the same order: no schedule state.
@@ -211,8 +220,9 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 def _send_tensor(t: torch.Tensor, group, peer: int) -> None:
     t = t.to_local() if hasattr(t, "to_local") else t
-    header = torch.tensor([t.dim(), _DTYPES.index(t.dtype), *t.shape] + [0] * (8 - t.dim()),
-                          dtype=torch.int64, device=t.device)
+    header = torch.tensor(
+        [t.dim(), _DTYPES.index(t.dtype), *t.shape] + [0] * (8 - t.dim()), dtype=torch.int64, device=t.device
+    )
     dist.send(header, group=group, group_dst=peer)
     dist.send(t.contiguous(), group=group, group_dst=peer)
 
@@ -221,7 +231,7 @@ def _recv_tensor(group, peer: int, device: torch.device) -> torch.Tensor:
     header = torch.zeros(10, dtype=torch.int64, device=device)
     dist.recv(header, group=group, group_src=peer)
     ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
-    out = torch.empty([int(v) for v in header[2:2 + ndim]], dtype=dtype, device=device)
+    out = torch.empty([int(v) for v in header[2 : 2 + ndim]], dtype=dtype, device=device)
     dist.recv(out, group=group, group_src=peer)
     return out
 

@@ -35,8 +35,9 @@ from fivefold.parallel.tensor import loss_context
 
 
 class ParallelRunner:
-    def __init__(self, model: nn.Module, wrapped: nn.Module, runtime_mesh: Any, layout: Layout,
-                 train: TrainSpec) -> None:
+    def __init__(
+        self, model: nn.Module, wrapped: nn.Module, runtime_mesh: Any, layout: Layout, train: TrainSpec
+    ) -> None:
         self.model = model  # parameters live here (DTensor shards under TP/FSDP)
         self.wrapped = wrapped  # what forward calls: a DDP wrapper, or the model itself
         self.model_parts = [model]

@@ -47,9 +47,16 @@ def spawn_ranks(fn: Callable[..., Any], nproc: int, *args: Any) -> list[Any]:
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"fivefold-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", rdzv_configs={"timeout": 120},
-        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"fivefold-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        rdzv_configs={"timeout": 120},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
     )
     levels = {name: logging.getLogger(name).level for name in _QUIET}
     for name in _QUIET:

@@ -167,8 +167,12 @@ def _gather_scatter(seq: Shard) -> ParallelStyle:
     the input gradient is cut to this rank's shard, without a sum.
     """
     return PrepareModuleInputOutput(
-        input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
-        output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=False,
+        input_layouts=(seq,),
+        desired_input_layouts=(Replicate(),),
+        use_local_input=True,
+        output_layouts=(Replicate(),),
+        desired_output_layouts=(seq,),
+        use_local_output=False,
     )
 
 

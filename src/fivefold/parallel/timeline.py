@@ -48,11 +48,18 @@ class Timeline:
         name = kind if args.get("mb") is None else f"{kind}{args['mb']}"
         if "stage" in args and args["stage"] is not None and kind in COMPUTE_KINDS:
             name = f"{args['stage']}{name}"
-        self._current.append({
-            "name": name, "cat": CATEGORY, "ph": "X", "ts": start, "dur": max(end - start, 0.0),
-            "pid": self.rank, "tid": 0,
-            "args": {"kind": kind, "step": self._step_index, "pp_rank": self.pp_rank, **args},
-        })
+        self._current.append(
+            {
+                "name": name,
+                "cat": CATEGORY,
+                "ph": "X",
+                "ts": start,
+                "dur": max(end - start, 0.0),
+                "pid": self.rank,
+                "tid": 0,
+                "args": {"kind": kind, "step": self._step_index, "pp_rank": self.pp_rank, **args},
+            }
+        )
 
     def instrument(self, stage: Any) -> None:
         """Wrap this stage's forward, backward and weight-gradient calls."""
@@ -66,8 +73,9 @@ class Timeline:
             self._record("F", t0, _now_us(), stage=index, mb=fwd_chunk_id)
             return out
 
-        def backward_one_chunk(bwd_chunk_id: int, *args: Any, full_backward: bool = True,
-                               **kwargs: Any) -> Any:
+        def backward_one_chunk(
+            bwd_chunk_id: int, *args: Any, full_backward: bool = True, **kwargs: Any
+        ) -> Any:
             t0 = _now_us()
             out = backward(bwd_chunk_id, *args, full_backward=full_backward, **kwargs)
             self._record("B" if full_backward else "I", t0, _now_us(), stage=index, mb=bwd_chunk_id)
@@ -122,18 +130,28 @@ class Timeline:
             self._current = None
             info.clear()
             events.extend(_idle_gaps(events, start, end, self.rank, self._step_index, self.pp_rank))
-            events.append({"name": "step", "cat": CATEGORY, "ph": "X", "ts": start, "dur": end - start,
-                           "pid": self.rank, "tid": 1,
-                           "args": {"kind": "step", "step": self._step_index, "pp_rank": self.pp_rank}})
+            events.append(
+                {
+                    "name": "step",
+                    "cat": CATEGORY,
+                    "ph": "X",
+                    "ts": start,
+                    "dur": end - start,
+                    "pid": self.rank,
+                    "tid": 1,
+                    "args": {"kind": "step", "step": self._step_index, "pp_rank": self.pp_rank},
+                }
+            )
             self.steps.append(events)
-            del self.steps[:-self.keep_steps]
+            del self.steps[: -self.keep_steps]
 
     def events(self) -> list[dict[str, Any]]:
         return [e for step in self.steps for e in step]
 
 
-def _idle_gaps(events: list[dict[str, Any]], start: float, end: float, rank: int, step: int,
-               pp_rank: int) -> list[dict[str, Any]]:
+def _idle_gaps(
+    events: list[dict[str, Any]], start: float, end: float, rank: int, step: int, pp_rank: int
+) -> list[dict[str, Any]]:
     """Intervals of [start, end] that no compute event covers (waits on peers count as idle)."""
     busy = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["args"]["kind"] in COMPUTE_KINDS)
     gaps, cursor = [], start
@@ -143,8 +161,20 @@ def _idle_gaps(events: list[dict[str, Any]], start: float, end: float, rank: int
         cursor = max(cursor, e)
     if end > cursor:
         gaps.append((cursor, end))
-    return [{"name": "idle", "cat": CATEGORY, "ph": "X", "ts": s, "dur": e - s, "pid": rank, "tid": 0,
-             "args": {"kind": "idle", "step": step, "pp_rank": pp_rank}} for s, e in gaps if e > s]
+    return [
+        {
+            "name": "idle",
+            "cat": CATEGORY,
+            "ph": "X",
+            "ts": s,
+            "dur": e - s,
+            "pid": rank,
+            "tid": 0,
+            "args": {"kind": "idle", "step": step, "pp_rank": pp_rank},
+        }
+        for s, e in gaps
+        if e > s
+    ]
 
 
 def idle_fraction(events: list[dict[str, Any]], step: int | None = None) -> float:
@@ -187,8 +217,10 @@ def merge_into_trace(path: str | Path, events: list[dict[str, Any]]) -> None:
         except json.JSONDecodeError:
             pass
     kept = [e for e in trace.get("traceEvents", []) if e.get("cat") != CATEGORY]
-    names = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {pid}"}}
-             for pid in sorted({e["pid"] for e in events})]
+    names = [
+        {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {pid}"}}
+        for pid in sorted({e["pid"] for e in events})
+    ]
     have_names = {(e.get("pid"), e.get("name")) for e in kept if e.get("ph") == "M"}
     kept += [n for n in names if (n["pid"], n["name"]) not in have_names]
     trace["traceEvents"] = kept + events

@@ -63,20 +63,27 @@ def wire_factor(op: str, n: int) -> tuple[float, int]:
     raise ValueError(op)
 
 
-def link_params(hw: HardwareSpec, link: str) -> tuple[float, float]:
-    """(latency in s, bandwidth in bytes/s) of a link kind; a group spanning nodes runs at the network's."""
+def link_params(hw: HardwareSpec, link: str, per_node: int = 1) -> tuple[float, float]:
+    """(latency in s, bandwidth in bytes/s) of a link kind; a group spanning nodes runs at the network's.
+
+    A group with `per_node` members on each node ("mixed") stripes its rings over that many NICs
+    (NCCL runs one ring per NIC), so each rank's inter-node share shrinks by `per_node`, up to the
+    node's own link."""
     eff = hw.link_efficiency or DEFAULT_LINK_EFFICIENCY
     if link == "intra":
         return hw.intra_node_latency_us * 1e-6, hw.intra_node_gbps * 1e9 * eff
-    return hw.inter_node_latency_us * 1e-6, hw.inter_node_gbps * 1e9 * eff
+    bw = min(hw.inter_node_gbps * max(per_node, 1), hw.intra_node_gbps)
+    return hw.inter_node_latency_us * 1e-6, bw * 1e9 * eff
 
 
-def collective_time(hw: HardwareSpec, op: str, payload: float, n: int, link: str) -> tuple[float, float]:
+def collective_time(
+    hw: HardwareSpec, op: str, payload: float, n: int, link: str, per_node: int = 1
+) -> tuple[float, float]:
     """(wire bytes per rank, seconds) for one collective of `payload` bytes over n ranks."""
     factor, steps = wire_factor(op, n)
     if steps == 0:
         return 0.0, 0.0
-    alpha, beta = link_params(hw, link)
+    alpha, beta = link_params(hw, link, per_node)
     wire = factor * payload
     return wire, steps * alpha + wire / beta
 

@@ -18,6 +18,7 @@ from fivefold.plan.spec import Arch
 
 DEFAULT_MATMUL_EFFICIENCY = 0.75  # large bf16 GEMM, fraction of the dense peak
 DEFAULT_MEMORY_EFFICIENCY = 0.80  # streaming elementwise kernels, fraction of HBM bandwidth
+DEFAULT_FP8_SPEEDUP = 1.4  # fp8 over 16-bit matmul rate, end to end (peak ratio 2)
 ATTENTION_RATIO = 0.80  # attention kernels relative to plain GEMMs (softmax, masking, tiling)
 OPTIMIZER_BYTES_PER_PARAM = 34  # Adam step: read grad + master/m/v, write master/m/v/16-bit param, zero grad
 BYTES = 2  # 16-bit activations
@@ -31,12 +32,15 @@ class Rates:
     hbm: float  # sustained bytes/s
 
     @classmethod
-    def of(cls, hw: HardwareSpec) -> Rates:
+    def of(cls, hw: HardwareSpec, fp8: bool = False) -> Rates:
         mm = hw.matmul_efficiency or DEFAULT_MATMUL_EFFICIENCY
         mem = hw.memory_efficiency or DEFAULT_MEMORY_EFFICIENCY
-        return cls(
-            hw.peak_tflops * 1e12 * mm, hw.peak_tflops * 1e12 * mm * ATTENTION_RATIO, hw.hbm_gbps * 1e9 * mem
-        )
+        dense = hw.peak_tflops * 1e12 * mm
+        # fp8 linears: the tensor-core peak doubles, but casts and scaling eat part of it; the
+        # attention core stays in 16 bits
+        speedup = (hw.fp8_speedup or DEFAULT_FP8_SPEEDUP) if fp8 else 1.0
+        attn = hw.peak_tflops * 1e12 * hw.attention_efficiency if hw.attention_efficiency else dense * ATTENTION_RATIO
+        return cls(dense * speedup, attn, hw.hbm_gbps * 1e9 * mem)
 
     def gemm(self, m: float, k: float, n: float, count: float = 1.0) -> float:
         """Seconds for `count` matmuls (m×k)·(k×n) in 16 bits, on the roofline."""

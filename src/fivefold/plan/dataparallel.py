@@ -16,6 +16,19 @@ from fivefold.plan.memory import shard_group
 from fivefold.plan.spec import TrainShape
 
 
+def members_per_node(layout: Layout, axes: tuple[str, ...], gpus_per_node: int) -> int:
+    """Ranks of one group over `axes` that share a node (each axis contributes up to node/stride)."""
+    from fivefold.mesh import strides
+
+    st = strides(layout)
+    out = 1
+    for a in axes:
+        size = getattr(layout, a)
+        if size > 1:
+            out *= min(size, max(1, gpus_per_node // st[a]))
+    return max(1, min(out, gpus_per_node))
+
+
 def data_parallel_traffic(
     layout: Layout,
     shape: TrainShape,
@@ -37,11 +50,12 @@ def data_parallel_traffic(
     sharded_axes = ("fsdp", "cp") if layout.fsdp > 1 else ("dp", "cp")
     shard_link = worst_link(kinds, *sharded_axes)
     shard_axis = "fsdp" if layout.fsdp > 1 else "dp"
+    per_node = members_per_node(layout, sharded_axes, hw.gpus_per_node) if shard_link == "mixed" else 1
 
     def once(axis: str, op: str, payload: float, group: int, link: str, window: float) -> None:
         if group <= 1 or payload <= 0:
             return
-        t = collective_time(hw, op, payload, group, link)[1]
+        t = collective_time(hw, op, payload, group, link, per_node if link == shard_link else 1)[1]
         hidden = window if overlap else 0.0
         add(
             axis,
@@ -66,8 +80,8 @@ def data_parallel_traffic(
         # behind its backward (prefetching one layer ahead)
         bwd_gathers = 1 if z == 3 else 0
         shards = [(pl, grp) for pl, grp in ((dense, n), (experts, n_exp)) if grp > 1 and pl > 0]
-        t_ag = {grp: collective_time(hw, "all-gather", p * pl, grp, shard_link)[1] for pl, grp in shards}
-        t_rs = {grp: collective_time(hw, "reduce-scatter", g * pl, grp, shard_link)[1] for pl, grp in shards}
+        t_ag = {grp: collective_time(hw, "all-gather", p * pl, grp, shard_link, per_node)[1] for pl, grp in shards}
+        t_rs = {grp: collective_time(hw, "reduce-scatter", g * pl, grp, shard_link, per_node)[1] for pl, grp in shards}
         busy_f = sum(t_ag.values())
         busy_b = bwd_gathers * busy_f + sum(t_rs.values())
         exposed_f = max(busy_f - t_f, 0.0)

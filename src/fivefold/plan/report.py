@@ -49,7 +49,7 @@ def plan(
     shape.validate()
     check_plan_inputs(model, layout, shape)
     gpn = gpus_per_node or hw.gpus_per_node
-    arch = resolve_arch(model, shape.block)
+    arch = resolve_arch(model, shape.block, shape.attention)
     m = shape.microbatches(layout)
     return _plan(model, hw, layout, shape, arch, gpn, m)
 
@@ -92,7 +92,7 @@ def step_lower_bound(
     model: ModelSpec, arch: Arch, hw: HardwareSpec, layout: Layout, shape: TrainShape, m: int, memo: dict
 ) -> float:
     """Step time with every collective free: never above `_plan`'s (the search's pruning bound)."""
-    rates = Rates.of(hw)
+    rates = Rates.of(hw, shape.fp8)
     lt = layer_times(model, arch, layout, shape, rates, memo)
     stages = stage_names(layout)
     times = []
@@ -133,7 +133,7 @@ def _plan(
     memo: dict | None = None,
 ) -> Plan:
     memo = {} if memo is None else memo
-    rates = Rates.of(hw)
+    rates = Rates.of(hw, shape.fp8)
     kinds = links(layout, gpn)
     mem = mem or memory(model, arch, layout, shape, m, memo)
     comms: dict[tuple[str, str], Collective] = {}

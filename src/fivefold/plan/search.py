@@ -120,7 +120,7 @@ def search(
 ) -> SearchResult:
     start = time.perf_counter()
     gpn = gpus_per_node or hw.gpus_per_node
-    arch = resolve_arch(model, shape.block)
+    arch = resolve_arch(model, shape.block, shape.attention)
     cap = capacity(hw)
     facts = model_facts(model, arch, shape.seq_len)
     memo: dict = {}

@@ -13,6 +13,7 @@ from fivefold.config import Layout, ModelSpec
 from fivefold.errors import FivefoldError, divisors, suggest
 
 BLOCKS = ("auto", "llama", "gpt")
+ATTENTION = ("flash", "materialized")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class TrainShape:
     optimizer_bytes: int = 12  # fp32 master weights + Adam first and second moments
     block: str = "auto"  # auto | llama | gpt (see Arch)
     overlap_grad_reduce: bool = True  # data-parallel gradient reduction overlaps the last backward
+    attention: str = "flash"  # flash | materialized (the s×s scores kept, as the 2021-22 Megatron kernels)
+    fp8: bool = False  # matmuls in fp8 (Transformer Engine / torchao float8 linears), the rest in 16 bits
 
     def validate(self) -> TrainShape:
         for name in ("seq_len", "global_batch", "micro_batch"):
@@ -34,6 +37,8 @@ class TrainShape:
                 raise FivefoldError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.block not in BLOCKS:
             raise FivefoldError(f"--block must be one of {', '.join(BLOCKS)}, got {self.block!r}")
+        if self.attention not in ATTENTION:
+            raise FivefoldError(f"--attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
         return self
 
     def microbatches(self, layout: Layout) -> int:
@@ -56,11 +61,12 @@ class TrainShape:
 class Arch:
     """Implementation facts that change memory and time but are not in the model's shape.
 
-    `gpt`: the Megatron GPT block of the 2021-22 papers: two-matrix GeLU MLP, LayerNorm, dropout,
-    tied embeddings, and attention that materialises the s×s score matrix (no FlashAttention).
-    `llama`: SwiGLU, RMSNorm, no dropout, rotary embeddings and FlashAttention.
+    `gpt`: the GPT block: two-matrix GeLU MLP, LayerNorm, tied embeddings.
+    `llama`: SwiGLU, RMSNorm, rotary embeddings.
     `auto` picks gpt for a dense multi-head model whose MLP is exactly 4·hidden (GPT-2/3, OPT,
-    BLOOM, MT-NLG, Megatron's tables), llama otherwise.
+    BLOOM, MT-NLG, MPT, Megatron's tables), llama otherwise.
+    The attention kernel is a separate fact of the run: FlashAttention unless `materialized` is
+    asked for (the 2021-22 Megatron kernels, which also apply dropout to the scores and residuals).
     """
 
     name: str
@@ -70,7 +76,7 @@ class Arch:
     tied: bool
 
 
-def resolve_arch(model: ModelSpec, block: str = "auto") -> Arch:
+def resolve_arch(model: ModelSpec, block: str = "auto", attention: str = "flash") -> Arch:
     if block == "auto":
         classic = (
             not model.is_moe
@@ -79,9 +85,10 @@ def resolve_arch(model: ModelSpec, block: str = "auto") -> Arch:
             and model.ffn_hidden == 4 * model.hidden
         )
         block = "gpt" if classic else "llama"
+    flash = attention != "materialized"
     if block == "gpt":
-        return Arch("gpt", gated_mlp=False, dropout=True, flash=False, tied=True)
-    return Arch("llama", gated_mlp=True, dropout=False, flash=True, tied=model.tie_embeddings)
+        return Arch("gpt", gated_mlp=False, dropout=not flash, flash=flash, tied=True)
+    return Arch("llama", gated_mlp=True, dropout=not flash, flash=flash, tied=model.tie_embeddings)
 
 
 def mlp_params(model: ModelSpec, arch: Arch) -> int:

@@ -1,0 +1,289 @@
+"""Published training runs (`fivefold-reference-runs` TOML) turned into planner inputs.
+
+A run states its model, hardware, layout and what it measured; keys it does not publish are absent
+(never zero) and listed under `unknown`. The planner needs a few of them; those it fills with the
+defaults a practitioner would use (`FILL` below), never with a value that only makes the prediction
+better. A run that lacks a field the planner cannot do without, or whose facts contradict each other
+(world size ≠ product of the axes, batch not divisible), raises one `FivefoldError` line naming the
+run and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from fivefold.config import HardwareSpec, Layout, ModelSpec, load_hardware
+from fivefold.errors import FivefoldError
+from fivefold.plan.spec import TrainShape
+
+BUILTIN = ("published_runs.toml", "public_runs_2.toml")  # the bundled reference sets
+GPU_PRESETS = {
+    "A100": "a100-80gb",
+    "H100": "h100-80gb",
+    "H800": "h100-80gb",
+    "HOPPER": "h100-80gb",
+    "H200": "h200",
+    "B200": "b200",
+}
+FILL = {  # what an unpublished layout field defaults to (see docs/planner.md, "Unknowns")
+    "micro_batch": 1,
+    "vocab": 32000,
+}
+SHAPE_KEYS = (
+    "layers",
+    "hidden",
+    "heads",
+    "vocab",
+    "ffn_hidden",
+    "kv_heads",
+    "head_dim",
+    "experts",
+    "experts_per_token",
+    "expert_ffn_hidden",
+    "shared_experts",
+    "moe_layers",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "v_head_dim",
+)
+
+
+def builtin_paths() -> list[Path]:
+    base = resources.files("fivefold") / "presets" / "runs"
+    return [Path(str(base / name)) for name in BUILTIN]
+
+
+def load_runs(*paths: str | Path) -> list[dict[str, Any]]:
+    """Every `[[run]]` of the files, each tagged with `_file`; one line on a malformed file."""
+    runs: list[dict[str, Any]] = []
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            raise FivefoldError(f"runs file {p}: not found")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise FivefoldError(f"runs file {p}: not valid TOML ({exc})") from None
+        if not isinstance(data.get("run"), list) or not data["run"]:
+            raise FivefoldError(f"runs file {p}: no [[run]] tables (format fivefold-reference-runs)")
+        for i, run in enumerate(data["run"]):
+            for key in ("id", "source", "model", "layout", "measured"):
+                if key not in run:
+                    name = run.get("id", f"#{i + 1}")
+                    raise FivefoldError(f"runs file {p}: run {name} has no {key!r}")
+            runs.append({**run, "_file": str(p)})
+    return runs
+
+
+def source_of(run: dict[str, Any]) -> str:
+    """The publisher a run comes from: a repository (owner/name) or a paper's first author."""
+    return str(run["source"]).split()[0].rstrip(",")
+
+
+def _need(run: dict[str, Any], table: str, key: str) -> Any:
+    data = run.get(table, {})
+    if key in data:
+        return data[key]
+    raise FivefoldError(f"run {run['id']}: {table}.{key} is missing (needed to plan it)")
+
+
+def _int(run: dict[str, Any], table: str, key: str, value: Any) -> int:
+    try:
+        out = int(value)
+    except (TypeError, ValueError):
+        raise FivefoldError(f"run {run['id']}: {table}.{key} must be an integer, got {value!r}") from None
+    if out <= 0:
+        raise FivefoldError(f"run {run['id']}: {table}.{key} must be positive, got {out}")
+    return out
+
+
+def hardware(run: dict[str, Any]) -> HardwareSpec:
+    """The run's GPU: the matching preset with the run's published numbers laid over it, or, for a GPU
+    without a preset, a spec from the run alone (the planner's default knobs)."""
+    table = run.get("hardware", {})
+    gpu = str(table.get("gpu", ""))
+    preset = next((p for k, p in GPU_PRESETS.items() if k in gpu.upper()), None)
+    changes: dict[str, Any] = {}
+    for key, field_name, kind in (
+        ("peak_bf16_tflops", "peak_tflops", float),
+        ("gpu_memory_gb", "gpu_memory_gb", float),
+        ("gpus_per_node", "gpus_per_node", int),
+        ("inter_node_gbs_per_gpu", "inter_node_gbps", float),
+        ("intra_node_gbs_per_gpu", "intra_node_gbps", float),
+        ("hbm_gbs", "hbm_gbps", float),
+    ):
+        if key in table:
+            changes[field_name] = kind(table[key])
+    if preset is None:
+        if "peak_tflops" not in changes or "gpu_memory_gb" not in changes:
+            raise FivefoldError(
+                f"run {run['id']}: hardware.gpu {gpu!r} has no preset; give hardware.peak_bf16_tflops "
+                "and hardware.gpu_memory_gb"
+            )
+        return HardwareSpec(name=gpu or "gpu", **changes).validate()
+    return dataclasses.replace(load_hardware(preset), **changes)
+
+
+def family(hw: HardwareSpec) -> str:
+    """The GPU generation a run's matmul knob belongs to: a100, hopper (H100/H200) or other."""
+    name = hw.name.lower()
+    if "a100" in name:
+        return "a100"
+    if name.startswith(("h100", "h200", "h800")) or "hopper" in name:
+        return "hopper"
+    return "other"
+
+
+def _schedule(value: Any, pp: int, v: int) -> str:
+    s = "".join(ch for ch in str(value or "1f1b").lower() if ch.isalnum())
+    if pp > 1 and (v > 1 or "interleaved" in s):
+        return "interleaved-1f1b" if "zero" not in s and "zb" not in s else "zero-bubble"
+    if "zbv" in s or "zerobubblev" in s:
+        return "zbv"
+    if "zero" in s or s.startswith("zb"):
+        return "zero-bubble"
+    return "gpipe" if "gpipe" in s else "1f1b"
+
+
+@dataclass
+class RunInputs:
+    model: ModelSpec
+    hw: HardwareSpec
+    layout: Layout
+    shape: TrainShape
+    recompute_known: bool  # False: the planner picks the least recompute that fits
+
+
+def build(run: dict[str, Any]) -> RunInputs | None:
+    """The planner's inputs for a run, or None for a memory-only example without a model shape."""
+    mt, lt = run.get("model", {}), run.get("layout", {})
+    if "layers" not in mt:
+        return None
+    rid = run["id"]
+    shape_vals = {k: mt[k] for k in SHAPE_KEYS if k in mt}
+    if "moe_experts" in mt:  # a file that names the MoE keys after the paper
+        shape_vals.setdefault("experts", mt["moe_experts"])
+        shape_vals.setdefault("experts_per_token", mt.get("moe_topk", 1))
+        shape_vals.setdefault("expert_ffn_hidden", mt.get("ffn_hidden"))
+    for key in ("layers", "hidden", "heads"):
+        _need(run, "model", key)
+    if "vocab" not in shape_vals:
+        shape_vals["vocab"] = FILL["vocab"]  # the head is a few % of a large model's FLOPs
+    if "ffn_hidden" not in shape_vals:
+        shape_vals["ffn_hidden"] = 4 * int(mt["hidden"])
+    ints = {k: _int(run, "model", k, v) for k, v in shape_vals.items()}
+    try:
+        model = ModelSpec(name=rid, **ints).validate()
+    except FivefoldError as exc:
+        raise FivefoldError(f"run {rid}: {exc}") from None
+    gpus = _int(run, "layout", "gpus", _need(run, "layout", "gpus"))
+    pp = int(lt.get("pp", 1))
+    v = int(lt.get("virtual_stages", 1) or 1) if pp > 1 else 1
+    schedule = _schedule(lt.get("pipeline_schedule"), pp, v)
+    if schedule == "interleaved-1f1b" and v < 2:
+        v = 2  # an interleaved schedule without a published chunk count: torch's and Megatron's least
+    ep, cp, tp = int(lt.get("ep", 1)), int(lt.get("cp", 1)), int(lt.get("tp", 1))
+    fsdp = int(lt.get("fsdp", 1))
+    dp = int(lt.get("dp", -1 if "fsdp" not in lt else 1))
+    if "zero_stage" in lt:
+        zero = int(lt["zero_stage"])
+    else:  # unpublished: FSDP shards everything, Megatron/NeMo use the distributed optimizer
+        zero = 3 if fsdp > 1 else (1 if dp != 1 else 0)
+    if ep > 1 and (fsdp * cp) % ep:  # experts fold onto sharded data ranks in fivefold's vocabulary
+        dp, fsdp, zero = 1, -1 if dp == -1 else dp, max(zero, 2)
+    if zero >= 2 and fsdp == 1 and dp > 1:  # ZeRO-2/3 over the data ranks is fsdp in fivefold's words
+        dp, fsdp = 1, dp
+    sp = lt.get("sequence_parallel")
+    sp = bool(sp) if sp is not None else tp > 1  # Megatron/NeMo/torchtitan turn SP on with TP
+    rc = str(lt.get("recompute", "none")).lower()
+    recompute_known = "recompute" in lt
+    rc = {"custom": "selective", "none": "none", "selective": "selective", "full": "full"}.get(rc, "none")
+    layout = Layout(
+        dp=dp,
+        fsdp=fsdp,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        ep=ep,
+        zero=zero,
+        sp=sp and tp > 1,
+        pp_schedule=schedule,
+        virtual_stages=v,
+        recompute=rc,
+    )
+    try:
+        layout = layout.resolve(gpus)
+    except FivefoldError as exc:
+        raise FivefoldError(f"run {rid}: layout contradicts gpus = {gpus}: {exc}") from None
+    seq = mt.get("seq_len") or lt.get("seq_len")
+    if not seq:
+        raise FivefoldError(f"run {rid}: model.seq_len is missing (needed to plan it)")
+    seq = _int(run, "model", "seq_len", seq)
+    data = layout.dp * layout.fsdp
+    mb = _int(run, "layout", "micro_batch", lt.get("micro_batch", FILL["micro_batch"]))
+    if lt.get("global_batch"):
+        batch = _int(run, "layout", "global_batch", lt["global_batch"])
+    elif lt.get("global_batch_tokens"):
+        batch = int(lt["global_batch_tokens"]) // seq
+    elif lt.get("local_batch"):
+        batch = int(lt["local_batch"]) * data
+    else:  # unpublished: one micro-batch per data rank
+        batch = mb * data
+    if batch % data:
+        raise FivefoldError(
+            f"run {rid}: global_batch {batch} is not a multiple of the data-parallel ranks {data}"
+        )
+    if (batch // data) % mb:
+        mb = 1  # a published micro-batch that does not divide the local batch (a short last one)
+    precision = str(lt.get("precision", "")).lower()
+    arch = str(mt.get("arch", "")).lower()
+    gated = any(w in arch for w in ("swiglu", "geglu", "swi-glu"))
+    plain = any(w in arch for w in ("gelu", "relu", "mpt")) or arch.startswith("gpt")
+    shape = TrainShape(
+        block="llama" if gated else ("gpt" if plain else "auto"),
+        seq_len=seq,
+        global_batch=batch,
+        micro_batch=mb,
+        attention=str(lt.get("attention", "flash")),
+        fp8="fp8" in precision or "float8" in precision,
+    )
+    return RunInputs(model, hardware(run), layout, shape, recompute_known)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """The throughput a run published, in the unit it was published in."""
+
+    metric: str  # tokens/s/GPU | step time s | TFLOP/s (model|hardware) | MFU
+    value: float
+
+
+def throughput(run: dict[str, Any]) -> Throughput | None:
+    """The most definition-free throughput the run publishes: tokens/s, then step time, then
+    TFLOP/s, then MFU (the last two depend on a FLOP convention and a peak)."""
+    meas, gpus = run.get("measured", {}), run.get("layout", {}).get("gpus")
+    if meas.get("tokens_per_s_per_gpu"):
+        return Throughput("tokens/s/GPU", float(meas["tokens_per_s_per_gpu"]))
+    if meas.get("tokens_per_s_total") and gpus:
+        return Throughput("tokens/s/GPU", float(meas["tokens_per_s_total"]) / int(gpus))
+    if meas.get("iteration_time_s"):
+        return Throughput("step time s", float(meas["iteration_time_s"]))
+    if meas.get("tflops_per_gpu"):
+        return Throughput(f"TFLOP/s ({meas.get('tflops_basis', 'model')})", float(meas["tflops_per_gpu"]))
+    if meas.get("mfu"):
+        return Throughput("MFU", float(meas["mfu"]))
+    return None
+
+
+def source_peak(run: dict[str, Any], hw: HardwareSpec, fp8: bool) -> float:
+    """The peak (TFLOP/s) the source divided by for its MFU: the fp8 peak for fp8 rows that give one."""
+    table = run.get("hardware", {})
+    if fp8 and "peak_fp8_tflops" in table:
+        return float(table["peak_fp8_tflops"])
+    return float(table.get("peak_bf16_tflops", hw.peak_tflops))

@@ -10,15 +10,51 @@ HELP = "predict memory, communication, bubble, step time and MFU; search layouts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="model preset, MODEL.toml or HF config.json")
-    parser.add_argument("--hardware", required=True, help="hardware preset or HW.toml")
-    parser.add_argument("--gpus", type=int, required=True, help="world size")
+    parser.add_argument("--model", default=None, help="model preset, MODEL.toml or HF config.json")
+    parser.add_argument("--hardware", default=None, help="hardware preset or HW.toml")
+    parser.add_argument("--gpus", type=int, default=None, help="world size")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="default: the hardware's")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (training)")
     parser.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
-    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    parser.add_argument(
+        "--micro-batch", type=int, default=None, help="sequences per micro-batch (default 1; searched)"
+    )
     parser.add_argument("--mode", choices=("train", "inference"), default="train")
-    parser.add_argument("--search", action="store_true", help="rank every valid layout that fits")
+    parser.add_argument(
+        "--search",
+        action="store_true",
+        help="rank every valid layout that fits; layout flags given stay fixed, the rest is searched",
+    )
+    parser.add_argument(
+        "--attention",
+        choices=("flash", "materialized"),
+        default="flash",
+        help="attention kernel: flash (default) or materialized s×s scores (2021-22 Megatron kernels)",
+    )
+    parser.add_argument("--fp8", action="store_true", help="matmuls in fp8 (Transformer Engine, float8)")
+    runs = parser.add_argument_group("validation against published runs")
+    runs.add_argument(
+        "--validate",
+        nargs="*",
+        metavar="RUNS.toml",
+        default=None,
+        help="predicted vs published for every run (default: the bundled reference sets)",
+    )
+    runs.add_argument(
+        "--cross-validate",
+        nargs="*",
+        metavar="RUNS.toml",
+        default=None,
+        help="leave-one-source-out error beside the median-constant predictor's (default: bundled sets)",
+    )
+    runs.add_argument(
+        "--calibrate",
+        nargs="+",
+        metavar="RUNS.toml",
+        default=None,
+        help="fit the hardware knobs to these runs and write a hardware TOML (see --out)",
+    )
+    runs.add_argument("--out", default=None, help="--calibrate: hardware TOML to write (default: stdout)")
     parser.add_argument("--top", type=int, default=5, help="layouts to show with --search")
     parser.add_argument(
         "--block",
@@ -54,6 +90,13 @@ def run(args: argparse.Namespace) -> int:
     from fivefold.errors import FivefoldError
     from fivefold.mesh import resolve_layout
 
+    if args.validate is not None or args.cross_validate is not None or args.calibrate is not None:
+        from fivefold.commands.plan_runs import run_runs
+
+        return run_runs(args)
+    for flag in ("model", "hardware", "gpus"):
+        if getattr(args, flag) is None:
+            raise FivefoldError(f"--{flag} is required (unless --validate, --cross-validate or --calibrate)")
     model = load_model(args.model)
     hw = load_hardware(args.hardware)
     if args.gpus <= 0:
@@ -70,13 +113,19 @@ def run(args: argparse.Namespace) -> int:
     shape = TrainShape(
         seq_len=args.seq_len,
         global_batch=args.global_batch,
-        micro_batch=args.micro_batch,
+        micro_batch=args.micro_batch or 1,
         grad_bytes=4 if args.grad_dtype == "fp32" else 2,
         block=args.block,
         overlap_grad_reduce=not args.no_overlap_grad_reduce,
+        attention=args.attention,
+        fp8=args.fp8,
     ).validate()
     if args.search:
-        result = search(model, hw, args.gpus, shape, gpn, top=args.top)
+        from fivefold.plan.search import PINNABLE
+
+        pins = {k: getattr(args, k, None) for k in PINNABLE}
+        pins["micro_batch"] = args.micro_batch
+        result = search(model, hw, args.gpus, shape, gpn, top=args.top, pins=pins)
         if args.json:
             print(
                 json.dumps(

@@ -10,6 +10,16 @@ from fivefold.plan.memory import Memory
 from fivefold.plan.spec import Arch, TrainShape
 
 MEMORY_RESERVE = 0.04  # share of HBM kept by the CUDA context, NCCL buffers and fragmentation
+# Half-width of the band around a predicted MFU: the planner's leave-one-source-out mean |error| over
+# the bundled published runs (docs/planner.md; tests/test_plan_validation.py keeps it honest).
+MFU_BAND = 0.20
+
+
+def fit_words(margin_bytes: float) -> str:
+    """'fits with 6 GB to spare' / 'does not fit by 3 GB' (GB = 1e9 bytes, usable memory)."""
+    gb = abs(margin_bytes) / 1e9
+    amount = f"{gb:.0f} GB" if gb >= 1 else f"{gb:.1f} GB"
+    return f"fits with {amount} to spare" if margin_bytes >= 0 else f"does not fit by {amount}"
 
 
 @dataclass
@@ -46,6 +56,15 @@ class Plan:
     def gpus(self) -> int:
         return self.layout.world
 
+    @property
+    def margin_bytes(self) -> float:
+        """Usable memory left (negative: missing) on the worst rank."""
+        return capacity(self.hardware) - self.memory.total
+
+    @property
+    def mfu_band(self) -> tuple[float, float]:
+        return self.mfu * (1 - MFU_BAND), self.mfu * (1 + MFU_BAND)
+
     def to_json(self) -> dict[str, object]:
         lay = self.layout
         return {
@@ -77,6 +96,7 @@ class Plan:
             "memory": self.memory.to_json(),
             "memory_capacity": int(capacity(self.hardware)),
             "fits": self.fits,
+            "fits_margin_bytes": int(self.margin_bytes),
             "comm": [c.to_json() for c in self.comm],
             "compute_time_s": self.compute_time_s,
             "bubble_time_s": self.bubble_time_s,
@@ -87,6 +107,8 @@ class Plan:
             "tokens_per_s": self.tokens_per_s,
             "tflops_per_gpu": self.tflops_per_gpu,
             "mfu": self.mfu,
+            "mfu_low": self.mfu_band[0],
+            "mfu_high": self.mfu_band[1],
             "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
             "hfu": self.hfu,
             "model_flops_per_token": self.model_flops_per_token,

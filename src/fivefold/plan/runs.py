@@ -202,8 +202,8 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     sp = lt.get("sequence_parallel")
     sp = bool(sp) if sp is not None else tp > 1  # Megatron/NeMo/torchtitan turn SP on with TP
     rc = str(lt.get("recompute", "none")).lower()
-    recompute_known = "recompute" in lt
-    rc = {"custom": "selective", "none": "none", "selective": "selective", "full": "full"}.get(rc, "none")
+    recompute_known = rc in ("none", "selective", "full")  # "custom" (MaxText remat policies): unknown
+    rc = rc if recompute_known else "none"
     layout = Layout(
         dp=dp,
         fsdp=fsdp,
@@ -287,3 +287,25 @@ def source_peak(run: dict[str, Any], hw: HardwareSpec, fp8: bool) -> float:
     if fp8 and "peak_fp8_tflops" in table:
         return float(table["peak_fp8_tflops"])
     return float(table.get("peak_bf16_tflops", hw.peak_tflops))
+
+
+def contradictions(run: dict[str, Any]) -> list[str]:
+    """Stated facts of a run that disagree with each other by more than rounding (2%)."""
+    meas, lt, out = run.get("measured", {}), run.get("layout", {}), []
+    gpus = lt.get("gpus")
+    per, total = meas.get("tokens_per_s_per_gpu"), meas.get("tokens_per_s_total")
+    if per and total and gpus and abs(per * gpus / total - 1) > 0.02:
+        out.append(f"tokens_per_s_per_gpu × gpus = {per * gpus:.4g} but tokens_per_s_total = {total:.4g}")
+    step, seq = meas.get("iteration_time_s"), run.get("model", {}).get("seq_len")
+    batch = lt.get("global_batch")
+    if step and total and seq and batch and abs(batch * seq / step / total - 1) > 0.02:
+        out.append(f"global_batch × seq_len / iteration_time_s = {batch * seq / step:.4g} tokens/s but "
+                   f"tokens_per_s_total = {total:.4g}")
+    axes = [lt.get(a) for a in ("dp", "fsdp", "tp", "pp", "cp")]
+    if gpus and all(isinstance(a, int) and a > 0 for a in axes[:1] + axes[2:]):
+        world = 1
+        for a in axes:
+            world *= a if isinstance(a, int) and a > 0 else 1
+        if world != gpus:
+            out.append(f"dp×fsdp×tp×pp×cp = {world} but gpus = {gpus}")
+    return out

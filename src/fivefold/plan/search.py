@@ -76,25 +76,67 @@ def _data_modes(rest: int, cp: int, gpn: int) -> list[tuple[int, int, int]]:
     return modes
 
 
+PINNABLE = ("dp", "fsdp", "tp", "pp", "cp", "ep", "zero", "sp", "pp_schedule", "virtual_stages", "recompute")
+
+
+def _pinned_data_modes(rest: int, cp: int, gpn: int, pins: dict) -> list[tuple[int, int, int]]:
+    """(dp, fsdp, zero) splits that honour pinned dp, fsdp and zero."""
+    dp, fsdp = pins.get("dp"), pins.get("fsdp")
+    if dp is None and fsdp is None:
+        modes = _data_modes(rest, cp, gpn)
+        if "zero" in pins:
+            z = pins["zero"]
+            modes = [m for m in modes if m[2] == z]
+            if z == 0 and rest > 1:
+                modes.append((rest, 1, 0))
+        return modes
+    if dp is not None and fsdp is not None:
+        pairs = [(dp, fsdp)] if dp * fsdp == rest else []
+    elif dp is not None:
+        pairs = [(dp, rest // dp)] if rest % dp == 0 else []
+    else:
+        pairs = [(rest // fsdp, fsdp)] if rest % fsdp == 0 else []
+    out = []
+    for d, f in pairs:
+        zeros = [pins["zero"]] if "zero" in pins else ([2, 3] if d == 1 and f > 1 else [3] if f > 1 else [1])
+        out += [(d, f, z) for z in zeros if not (f > 1 and z < 2) or "zero" in pins]
+    return out
+
+
 def candidates(
-    model: ModelSpec, hw: HardwareSpec, gpus: int, shape: TrainShape, gpn: int
+    model: ModelSpec, hw: HardwareSpec, gpus: int, shape: TrainShape, gpn: int, pins: dict | None = None
 ) -> Iterator[Layout]:
-    """Every layout the search scores (before memory pruning and micro-batch choice)."""
-    for tp in _tp_choices(model, gpus, gpn):
-        for pp in divisors(gpus // tp):
+    """Every layout the search scores (before memory pruning and micro-batch choice); `pins` (layout
+    fields the user fixed) restrict each axis to the given value."""
+    pins = pins or {}
+    tps = [pins["tp"]] if "tp" in pins else _tp_choices(model, gpus, gpn)
+    for tp in (t for t in tps if gpus % t == 0):
+        pps = [pins["pp"]] if "pp" in pins else divisors(gpus // tp)
+        for pp in (q for q in pps if (gpus // tp) % q == 0):
             if pp > model.layers:
                 break
-            for cp in (c for c in divisors(gpus // (tp * pp)) if c & (c - 1) == 0):
-                if cp > 1 and (shape.seq_len % (2 * cp) or shape.seq_len // cp < 1024):
+            cps = [pins["cp"]] if "cp" in pins else [c for c in divisors(gpus // (tp * pp)) if c & (c - 1) == 0]
+            for cp in (c for c in cps if (gpus // (tp * pp)) % c == 0):
+                if "cp" not in pins and cp > 1 and (shape.seq_len % (2 * cp) or shape.seq_len // cp < 1024):
                     continue
                 rest = gpus // (tp * pp * cp)
-                for dp, fsdp, zero in _data_modes(rest, cp, gpn):
+                for dp, fsdp, zero in _pinned_data_modes(rest, cp, gpn, pins):
                     eps = [1]
                     if model.is_moe:
                         room = fsdp * cp
                         eps = [e for e in divisors(math.gcd(room, model.experts))]
+                    if "ep" in pins:
+                        eps = [pins["ep"]]
+                    scheds = _schedules(pp, model.layers, model.is_moe)
+                    if "pp_schedule" in pins and pp > 1:
+                        v_pin = pins.get("virtual_stages")
+                        v_default = 2 if pins["pp_schedule"] in ("interleaved-1f1b", "zbv", "dualpipev") else 1
+                        scheds = [(pins["pp_schedule"], v_pin or v_default)]
+                    elif "virtual_stages" in pins and pp > 1:
+                        v_pin = pins["virtual_stages"]
+                        scheds = [(sc, v) for sc, v in scheds if v == v_pin] or [("interleaved-1f1b", v_pin)]
                     for ep in eps:
-                        for sched, v in _schedules(pp, model.layers, model.is_moe):
+                        for sched, v in scheds:
                             yield Layout(
                                 dp=dp,
                                 fsdp=fsdp,
@@ -103,7 +145,7 @@ def candidates(
                                 cp=cp,
                                 ep=ep,
                                 zero=zero,
-                                sp=tp > 1,
+                                sp=pins.get("sp", tp > 1) and tp > 1,
                                 pp_schedule=sched,
                                 virtual_stages=v,
                             )
@@ -117,7 +159,13 @@ def search(
     gpus_per_node: int | None = None,
     top: int = 5,
     micro_batches: tuple[int, ...] = (1, 2, 4, 8),
+    pins: dict | None = None,
 ) -> SearchResult:
+    """The `top` fastest layouts that fit. `pins` fixes layout fields (keys of PINNABLE, and
+    `micro_batch`); everything else is searched."""
+    pins = {k: v for k, v in (pins or {}).items() if v is not None}
+    if "micro_batch" in pins:
+        micro_batches = (pins.pop("micro_batch"),)
     start = time.perf_counter()
     gpn = gpus_per_node or hw.gpus_per_node
     arch = resolve_arch(model, shape.block, shape.attention)
@@ -128,7 +176,8 @@ def search(
     state_cache: dict[tuple, float] = {}
     shapes = [(b, dataclasses.replace(shape, micro_batch=b)) for b in micro_batches]
     bounded: list[tuple[float, int, Layout, TrainShape, int, Memory]] = []
-    for base in candidates(model, hw, gpus, shape, gpn):
+    recomputes = (pins["recompute"],) if "recompute" in pins else RECOMPUTE_ORDER
+    for base in candidates(model, hw, gpus, shape, gpn, pins):
         n = shard_group(base)
         ends = tuple(stage_names(base))
         key = (base.tp, base.pp, base.ep, base.zero, n, ends)
@@ -156,7 +205,7 @@ def search(
             m = shape.global_batch // (data * b)
             if base.pp_schedule == "interleaved-1f1b" and m % base.pp:
                 continue
-            for rc in RECOMPUTE_ORDER:
+            for rc in recomputes:
                 considered += 1
                 lay = copy.copy(base)
                 lay.recompute = rc
@@ -182,11 +231,13 @@ def search(
             heapq.heappop(slowest_kept)
     results.sort(key=lambda p: (round(p.step_time_s, 9), _axes_used(p.layout), p.memory.total))
     best = results[:top]
-    explanation = (
-        explain(best, model, hw, gpus, gpn)
-        if best
-        else ["no layout fits: the model state alone exceeds GPU memory at every sharding degree tried"]
-    )
+    if best:
+        explanation = explain(best, model, hw, gpus, gpn)
+    elif pins:
+        fixed = ", ".join(f"{k}={v}" for k, v in pins.items())
+        explanation = [f"no layout fits with {fixed} fixed: free more flags or add GPUs"]
+    else:
+        explanation = ["no layout fits: the model state alone exceeds GPU memory at every sharding degree tried"]
     return SearchResult(best, considered, fitting, time.perf_counter() - start, explanation)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fivefold.plan.result import Plan, capacity
+from fivefold.plan.result import MFU_BAND, Plan, capacity, fit_words
 
 BAR_WIDTH = 48
 PARTS = (("params", "█"), ("grads", "▓"), ("optimizer", "▒"), ("activations", "░"), ("buffers", "·"))
@@ -44,7 +44,7 @@ def plan_text(p: Plan) -> str:
         f"micro-batch {p.shape.micro_batch}, "
         f"{p.microbatches} micro-batches per step",
         "",
-        f"memory per GPU (worst rank: {m.stage} stage) — {'fits' if p.fits else 'DOES NOT FIT'}",
+        f"memory per GPU (worst rank: {m.stage} stage) — {fit_words(p.margin_bytes)}",
     ]
     out += memory_chart(
         {
@@ -77,7 +77,8 @@ def plan_text(p: Plan) -> str:
         f"  exposed comm  {p.exposed_comm_s:10.3f} s",
         f"  optimizer     {p.optimizer_time_s:10.3f} s",
         f"  step          {p.step_time_s:10.3f} s   {p.tokens_per_s:,.0f} tokens/s",
-        f"  model   {p.tflops_per_gpu:7.1f} TFLOP/s per GPU   MFU {p.mfu:.1%}  (causal-half count: "
+        f"  model   {p.tflops_per_gpu:7.1f} TFLOP/s per GPU   MFU {p.mfu:.1%}  "
+        f"(cross-validated band ±{MFU_BAND:.0%}: {p.mfu_band[0]:.1%}–{p.mfu_band[1]:.1%}; causal-half count: "
         f"{p.mfu_causal:.1%})",
         f"  hardware {p.hardware_tflops_per_gpu:6.1f} TFLOP/s per GPU   HFU {p.hfu:.1%}  (with recompute)",
     ]

@@ -1,0 +1,88 @@
+"""`fivefold plan --validate / --cross-validate / --calibrate`: the planner against published runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from fivefold.errors import FivefoldError
+
+
+def _runs(paths: list[str]) -> tuple[list, list[str]]:
+    """Cases of the files (the bundled reference sets when none is given) and the runs left out."""
+    from fivefold.plan import validation as V
+    from fivefold.plan.runs import builtin_paths, contradictions, load_runs
+
+    files = [Path(p) for p in paths] or builtin_paths()
+    for p in files:
+        if p.is_dir():
+            raise FivefoldError(
+                f"{p}: a directory; --validate/--cross-validate/--calibrate take fivefold-reference-runs "
+                "TOML files"
+            )
+    runs = load_runs(*files)
+    left_out, kept = [], []
+    for run in runs:
+        bad = contradictions(run)
+        if bad:
+            left_out.append(f"run {run['id']}: left out, its facts contradict: {'; '.join(bad)}")
+        else:
+            kept.append(run)
+    return V.cases(kept), left_out
+
+
+def run_runs(args: argparse.Namespace) -> int:
+    from fivefold.plan import validation as V
+
+    if args.calibrate is not None:
+        return _calibrate(args)
+    cross = args.cross_validate is not None
+    cases, left_out = _runs(args.cross_validate if cross else args.validate)
+    if not cases:
+        raise FivefoldError("no run with a model shape and a published throughput to compare")
+    for line in left_out:
+        print(line, file=sys.stderr)
+    inside = V.in_sample(cases)
+    print(V.per_run_table(inside) if not cross else "")
+    print(V.source_table(inside, "in-sample (knobs fitted on every run)"))
+    print(V.knobs_table(inside))
+    if cross:
+        loso = V.cross_validate(cases)
+        print()
+        print(V.per_run_table(loso))
+        print(V.source_table(loso, "leave-one-source-out (knobs fitted without the source)"))
+        print(V.knobs_table(loso))
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from fivefold.config import dumps_toml, to_dict
+    from fivefold.plan import validation as V
+    cases, left_out = _runs(args.calibrate)
+    for line in left_out:
+        print(line, file=sys.stderr)
+    if not cases:
+        raise FivefoldError("--calibrate: no run with a model shape and a published throughput to fit")
+    names = {c.inputs.hw.name for c in cases}
+    if len(names) > 1:
+        raise FivefoldError(
+            f"--calibrate: the runs are on different GPUs ({', '.join(sorted(names))}); give runs of one GPU"
+        )
+    knobs = V.fit(cases)
+    hw = knobs.apply(cases[0].inputs.hw)
+    result = V.in_sample(cases, knobs)
+    s = result.summary()
+    data = to_dict(dataclasses.replace(hw))
+    text = (
+        f"# fitted by `fivefold plan --calibrate` to {s['runs']} run(s): mean |error| {s['mean']:.1%}, "
+        f"worst {s['worst']:.1%}\n" + dumps_toml(data)
+    )
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out} (mean |error| {s['mean']:.1%} over {s['runs']} run(s))")
+    else:
+        print(text)
+    return 0

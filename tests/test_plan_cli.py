@@ -188,3 +188,72 @@ def test_inference_with_expert_parallel_replicas(capsys) -> None:
     assert with_ep["layout"]["replicas"] == 8 and with_ep["layout"]["ep"] == 8
     assert with_ep["memory"]["params"] < without["memory"]["params"] / 3  # experts split 8 ways
     assert with_ep["comm_time_s"]["ep"] > 0
+
+
+def test_fits_margin_and_mfu_band(capsys) -> None:
+    fitting = ("--tp", "8", "--pp", "2", "--sp", "--zero", "1", "--recompute", "selective")
+    code, out, _ = run_cli(capsys, *fitting, "--json")
+    data = json.loads(out)
+    assert data["mfu_low"] < data["mfu"] < data["mfu_high"]
+    assert data["fits"] and data["fits_margin_bytes"] > 0
+    assert data["memory_capacity"] - data["memory"]["total"] == pytest.approx(
+        data["fits_margin_bytes"], abs=2
+    )
+    code, out, _ = run_cli(capsys, *fitting)
+    assert code == 0 and "fits with" in out and "GB to spare" in out
+    code, out, _ = run_cli(capsys, "--tp", "1", "--recompute", "none")  # 70B unsharded on one GPU
+    assert code == 0 and "does not fit by" in out
+
+
+BAD_RUN = """
+[[run]]
+id = "bad-run"
+source = "a made-up source"
+kind = "measured"
+[run.hardware]
+gpu = "H100 80GB"
+[run.model]
+layers = 32
+hidden = 4096
+heads = 32
+vocab = 32000
+[run.layout]
+gpus = 8
+tp = 1
+pp = 1
+global_batch = 8
+[run.measured]
+tokens_per_s_per_gpu = 1000
+"""
+
+
+def test_bad_runs_file_names_the_run_and_the_field(capsys, tmp_path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(BAD_RUN)  # no seq_len
+    assert main(["plan", "--validate", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad-run" in err[0] and "seq_len" in err[0]
+    bad.write_text(
+        BAD_RUN.replace("[run.measured]", "[run.measured]\nnothing = 1").replace("[[run]]\n", "[[x]]\n")
+    )
+    assert main(["plan", "--validate", str(bad)]) == 2
+    assert "no [[run]]" in capsys.readouterr().err
+    assert main(["plan", "--cross-validate", str(tmp_path / "missing.toml")]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_contradicting_runs_are_reported_and_calibration_writes_hardware(capsys, tmp_path) -> None:
+    good = BAD_RUN.replace("vocab = 32000", "vocab = 32000\nseq_len = 2048")
+    runs = good + good.replace('"bad-run"', '"contradicts"').replace(
+        "tokens_per_s_per_gpu = 1000", "tokens_per_s_per_gpu = 1000\ntokens_per_s_total = 20000"
+    )
+    path = tmp_path / "runs.toml"
+    path.write_text(runs)
+    out_file = tmp_path / "hw.toml"
+    assert main(["plan", "--calibrate", str(path), "--out", str(out_file)]) == 0
+    captured = capsys.readouterr()
+    assert "contradicts" in captured.err and "tokens_per_s_total" in captured.err
+    code = main([*BASE[:3], "--hardware", str(out_file), *BASE[5:], "--tp", "8", "--json"])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["hardware"] == "hw" and data["step_time_s"] > 0

@@ -52,3 +52,33 @@ def test_moe_search_uses_expert_parallelism() -> None:
     result = search(model, hw, 64, TrainShape(seq_len=4096, global_batch=256), top=3)
     assert result.plans
     assert any("Expert parallel" in line for line in result.explanation)
+
+
+def test_pinned_search_keeps_the_given_flags_and_searches_the_rest() -> None:
+    model, hw = load_model("llama3-405b"), load_hardware("h100-80gb")
+    shape = TrainShape(seq_len=8192, global_batch=2048)
+    free = search(model, hw, 16384, shape, top=3)
+    start = time.perf_counter()
+    pinned = search(model, hw, 16384, shape, top=3, pins={"tp": 8, "pp": 16, "recompute": None})
+    assert time.perf_counter() - start < 10.0  # the benchmark measures about 0.1 s
+    assert pinned.plans
+    for p in pinned.plans:
+        assert (p.layout.tp, p.layout.pp) == (8, 16)
+    # pinning may only cost time: the free search's best is at least as fast
+    assert free.plans[0].step_time_s <= pinned.plans[0].step_time_s + 1e-9
+    # the rest is still searched: schedules, recompute and micro-batch vary among the results
+    assert (
+        len(
+            {
+                (p.layout.pp_schedule, p.layout.virtual_stages, p.layout.dp, p.layout.zero)
+                for p in pinned.plans
+            }
+        )
+        > 1
+    )
+    one = search(
+        model, hw, 16384, shape, top=2, pins={"tp": 8, "pp": 16, "recompute": "full", "micro_batch": 1}
+    )
+    assert all(p.layout.recompute == "full" and p.shape.micro_batch == 1 for p in one.plans)
+    none = search(model, hw, 16384, shape, pins={"tp": 1, "pp": 1, "zero": 0})  # 6.5 TB of state per GPU
+    assert not none.plans and "fixed" in none.explanation[0]

@@ -120,10 +120,12 @@ def test_tp_across_nodes_is_slow() -> None:
 
 def test_strong_scaling_loses_efficiency_weak_scaling_keeps_it() -> None:
     model = load_model("llama3-8b")
-    hw = load_hardware("h100-80gb")
+    # a 2.5 GB/s network per GPU, so that the gathers of one micro-batch outlast its compute
+    hw = dataclasses.replace(load_hardware("h100-80gb"), inter_node_gbps=2.5)
     strong = [plan(model, hw, Layout(fsdp=g).resolve(g), TrainShape(8192, 256, 1)) for g in (16, 64, 256)]
     mfu = [p.mfu for p in strong]
-    assert mfu[0] > mfu[1] > mfu[2]  # fixed batch: fewer micro-batches to hide the gathers behind
+    # fixed batch: fewer micro-batches to hide the gathers behind
+    assert mfu[0] > mfu[1] > mfu[2]
     assert strong[0].step_time_s > strong[1].step_time_s > strong[2].step_time_s
     weak = [plan(model, hw, Layout(fsdp=g).resolve(g), TrainShape(8192, 4 * g, 1)) for g in (16, 64, 256)]
     assert max(p.mfu for p in weak) / min(p.mfu for p in weak) < 1.1
@@ -135,7 +137,7 @@ def test_bigger_hardware_knobs_go_faster() -> None:
     lay = Layout(dp=32, recompute="full").resolve(32)
     base = plan(model, A100, lay, shape)
     faster = plan(model, dataclasses.replace(A100, matmul_efficiency=0.9), lay, shape)
-    slow_net = plan(model, dataclasses.replace(A100, inter_node_gbps=2.5), lay, shape)
+    slow_net = plan(model, dataclasses.replace(A100, inter_node_gbps=0.25), lay, shape)
     assert faster.step_time_s < base.step_time_s < slow_net.step_time_s
 
 

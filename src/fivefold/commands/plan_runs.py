@@ -61,6 +61,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from fivefold.config import dumps_toml, to_dict
     from fivefold.plan import validation as V
+
     cases, left_out = _runs(args.calibrate)
     for line in left_out:
         print(line, file=sys.stderr)
@@ -75,7 +76,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     hw = knobs.apply(cases[0].inputs.hw)
     result = V.in_sample(cases, knobs)
     s = result.summary()
-    data = to_dict(dataclasses.replace(hw))
+    data = {k: v for k, v in to_dict(dataclasses.replace(hw)).items() if k != "name"}  # the file names it
     text = (
         f"# fitted by `fivefold plan --calibrate` to {s['runs']} run(s): mean |error| {s['mean']:.1%}, "
         f"worst {s['worst']:.1%}\n" + dumps_toml(data)

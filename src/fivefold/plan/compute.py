@@ -22,6 +22,7 @@ DEFAULT_FP8_SPEEDUP = 1.4  # fp8 over 16-bit matmul rate, end to end (peak ratio
 ATTENTION_RATIO = 0.80  # attention kernels relative to plain GEMMs (softmax, masking, tiling)
 OPTIMIZER_BYTES_PER_PARAM = 34  # Adam step: read grad + master/m/v, write master/m/v/16-bit param, zero grad
 BYTES = 2  # 16-bit activations
+EAGER_TRAFFIC = 3.0  # unfused elementwise ops re-read and re-write their tensors about three times
 GEMM_HALF_DIM = 128  # a matmul whose smallest dimension is this runs at half the large-GEMM rate
 
 
@@ -39,7 +40,11 @@ class Rates:
         # fp8 linears: the tensor-core peak doubles, but casts and scaling eat part of it; the
         # attention core stays in 16 bits
         speedup = (hw.fp8_speedup or DEFAULT_FP8_SPEEDUP) if fp8 else 1.0
-        attn = hw.peak_tflops * 1e12 * hw.attention_efficiency if hw.attention_efficiency else dense * ATTENTION_RATIO
+        attn = (
+            hw.peak_tflops * 1e12 * hw.attention_efficiency
+            if hw.attention_efficiency
+            else dense * ATTENTION_RATIO
+        )
         return cls(dense * speedup, attn, hw.hbm_gbps * 1e9 * mem)
 
     def gemm(self, m: float, k: float, n: float, count: float = 1.0) -> float:
@@ -65,7 +70,14 @@ class LayerTime:
 
 
 def layer_time(
-    model: ModelSpec, arch: Arch, layout: Layout, micro_batch: int, seq_len: int, rates: Rates, moe: bool
+    model: ModelSpec,
+    arch: Arch,
+    layout: Layout,
+    micro_batch: int,
+    seq_len: int,
+    rates: Rates,
+    moe: bool,
+    fused: bool = True,
 ) -> LayerTime:
     h, hd, tp = model.hidden, model.head_dim, layout.tp
     tokens = micro_batch * seq_len / layout.cp
@@ -129,6 +141,8 @@ def layer_time(
     if not arch.dropout:
         stream += 4 * tokens * (q_local + kv_local)
     stream += permute
+    if not fused:  # eager PyTorch: every norm, activation and rotary op is its own kernel
+        stream *= EAGER_TRAFFIC
     elementwise = rates.stream(stream) + core_stream
     fwd = gemm_fwd + core + elementwise
     bwd = 2 * gemm_fwd + core_bwd + 2 * elementwise

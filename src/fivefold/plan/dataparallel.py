@@ -80,8 +80,13 @@ def data_parallel_traffic(
         # behind its backward (prefetching one layer ahead)
         bwd_gathers = 1 if z == 3 else 0
         shards = [(pl, grp) for pl, grp in ((dense, n), (experts, n_exp)) if grp > 1 and pl > 0]
-        t_ag = {grp: collective_time(hw, "all-gather", p * pl, grp, shard_link, per_node)[1] for pl, grp in shards}
-        t_rs = {grp: collective_time(hw, "reduce-scatter", g * pl, grp, shard_link, per_node)[1] for pl, grp in shards}
+        t_ag = {
+            grp: collective_time(hw, "all-gather", p * pl, grp, shard_link, per_node)[1] for pl, grp in shards
+        }
+        t_rs = {
+            grp: collective_time(hw, "reduce-scatter", g * pl, grp, shard_link, per_node)[1]
+            for pl, grp in shards
+        }
         busy_f = sum(t_ag.values())
         busy_b = bwd_gathers * busy_f + sum(t_rs.values())
         exposed_f = max(busy_f - t_f, 0.0)

@@ -83,7 +83,9 @@ def layer_times(
     for moe in (False, True) if model.is_moe else (False,):
         key = ("time", layout.tp, layout.cp, layout.sp, layout.ep, shape.micro_batch, moe)
         if key not in memo:
-            memo[key] = layer_time(model, arch, layout, shape.micro_batch, shape.seq_len, rates, moe)
+            memo[key] = layer_time(
+                model, arch, layout, shape.micro_batch, shape.seq_len, rates, moe, shape.fused
+            )
         out[moe] = memo[key]
     return out
 

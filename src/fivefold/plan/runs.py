@@ -252,6 +252,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         micro_batch=mb,
         attention=str(lt.get("attention", "flash")),
         fp8="fp8" in precision or "float8" in precision,
+        fused=lt.get("torch_compile", True) is not False,
     )
     return RunInputs(model, hardware(run), layout, shape, recompute_known)
 
@@ -299,8 +300,10 @@ def contradictions(run: dict[str, Any]) -> list[str]:
     step, seq = meas.get("iteration_time_s"), run.get("model", {}).get("seq_len")
     batch = lt.get("global_batch")
     if step and total and seq and batch and abs(batch * seq / step / total - 1) > 0.02:
-        out.append(f"global_batch × seq_len / iteration_time_s = {batch * seq / step:.4g} tokens/s but "
-                   f"tokens_per_s_total = {total:.4g}")
+        out.append(
+            f"global_batch × seq_len / iteration_time_s = {batch * seq / step:.4g} tokens/s but "
+            f"tokens_per_s_total = {total:.4g}"
+        )
     axes = [lt.get(a) for a in ("dp", "fsdp", "tp", "pp", "cp")]
     if gpus and all(isinstance(a, int) and a > 0 for a in axes[:1] + axes[2:]):
         world = 1

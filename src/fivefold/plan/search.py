@@ -115,7 +115,9 @@ def candidates(
         for pp in (q for q in pps if (gpus // tp) % q == 0):
             if pp > model.layers:
                 break
-            cps = [pins["cp"]] if "cp" in pins else [c for c in divisors(gpus // (tp * pp)) if c & (c - 1) == 0]
+            cps = (
+                [pins["cp"]] if "cp" in pins else [c for c in divisors(gpus // (tp * pp)) if c & (c - 1) == 0]
+            )
             for cp in (c for c in cps if (gpus // (tp * pp)) % c == 0):
                 if "cp" not in pins and cp > 1 and (shape.seq_len % (2 * cp) or shape.seq_len // cp < 1024):
                     continue
@@ -130,7 +132,9 @@ def candidates(
                     scheds = _schedules(pp, model.layers, model.is_moe)
                     if "pp_schedule" in pins and pp > 1:
                         v_pin = pins.get("virtual_stages")
-                        v_default = 2 if pins["pp_schedule"] in ("interleaved-1f1b", "zbv", "dualpipev") else 1
+                        v_default = (
+                            2 if pins["pp_schedule"] in ("interleaved-1f1b", "zbv", "dualpipev") else 1
+                        )
                         scheds = [(pins["pp_schedule"], v_pin or v_default)]
                     elif "virtual_stages" in pins and pp > 1:
                         v_pin = pins["virtual_stages"]
@@ -237,7 +241,9 @@ def search(
         fixed = ", ".join(f"{k}={v}" for k, v in pins.items())
         explanation = [f"no layout fits with {fixed} fixed: free more flags or add GPUs"]
     else:
-        explanation = ["no layout fits: the model state alone exceeds GPU memory at every sharding degree tried"]
+        explanation = [
+            "no layout fits: the model state alone exceeds GPU memory at every sharding degree tried"
+        ]
     return SearchResult(best, considered, fitting, time.perf_counter() - start, explanation)
 
 

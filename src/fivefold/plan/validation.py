@@ -102,6 +102,7 @@ class Prediction:
     fits: bool
     margin_gb: float  # capacity - planned memory (negative: does not fit)
     recompute: str
+    uncertain: bool = False  # the run carries an `uncertain` note (derived shapes, unstated peak, ...)
 
     @property
     def ratio(self) -> float:
@@ -189,7 +190,16 @@ def predict(case: Case, knobs: Knobs = Knobs()) -> Prediction:
         value = mfu * hw.peak_tflops / source_peak(case.run, hw, case.inputs.shape.fp8)
     margin = (capacity(hw) - p.memory.total) / 1e9
     return Prediction(
-        case.id, case.source, metric, case.target.value, value, p.mfu, p.fits, margin, p.layout.recompute
+        case.id,
+        case.source,
+        metric,
+        case.target.value,
+        value,
+        p.mfu,
+        p.fits,
+        margin,
+        p.layout.recompute,
+        "uncertain" in case.run,
     )
 
 
@@ -212,8 +222,8 @@ def fit(train: list[Case], start: Knobs = Knobs(), rounds: int = 1) -> Knobs:
                 continue
             subset = [c for c in train if _depends(c, name)]
 
-            def f(x: float, name: str = name, subset: list[Case] = subset) -> float:
-                k = dataclasses.replace(knobs, **{name: x})
+            def f(x: float, name: str = name, subset: list[Case] = subset, base: Knobs = knobs) -> float:
+                k = dataclasses.replace(base, **{name: x})
                 return loss([predict(c, k) for c in subset])
 
             knobs = dataclasses.replace(knobs, **{name: round(_golden(f, lo, hi), 3)})
@@ -257,6 +267,9 @@ class Validation:
         for p in self.predictions:
             out.setdefault(p.source, []).append(p)
         return out
+
+    def certain(self) -> list[Prediction]:
+        return [p for p in self.predictions if not p.uncertain]
 
     def summary(self, preds: list[Prediction] | None = None) -> dict[str, float]:
         preds = self.predictions if preds is None else preds
@@ -312,9 +325,7 @@ def error_band(v: Validation) -> float:
 
 
 def per_run_table(v: Validation) -> str:
-    lines = [
-        f"{'run':<50}{'metric':<19}{'published':>11}{'predicted':>11}{'error':>8}{'const':>8}  fits"
-    ]
+    lines = [f"{'run':<50}{'metric':<19}{'published':>11}{'predicted':>11}{'error':>8}{'const':>8}  fits"]
     for p in v.predictions:
         fits = f"{p.margin_gb:+.0f} GB" if p.fits else f"NO ({p.margin_gb:+.0f} GB)"
         lines.append(
@@ -325,7 +336,9 @@ def per_run_table(v: Validation) -> str:
 
 
 def source_table(v: Validation, title: str) -> str:
-    head = f"{'source':<28}{'runs':>5}{'mean':>8}{'worst':>8}{'const mean':>12}{'const worst':>13}{'no fit':>8}"
+    head = (
+        f"{'source':<28}{'runs':>5}{'mean':>8}{'worst':>8}{'const mean':>12}{'const worst':>13}{'no fit':>8}"
+    )
     lines = [title, head]
     for source, preds in v.by_source().items():
         s = v.summary(preds)
@@ -333,11 +346,12 @@ def source_table(v: Validation, title: str) -> str:
             f"{source[:27]:<28}{s['runs']:>5}{s['mean']:>8.1%}{s['worst']:>8.1%}"
             f"{s['constant_mean']:>12.1%}{s['constant_worst']:>13.1%}{s['not_fitting']:>8}"
         )
-    s = v.summary()
-    lines.append(
-        f"{'all':<28}{s['runs']:>5}{s['mean']:>8.1%}{s['worst']:>8.1%}"
-        f"{s['constant_mean']:>12.1%}{s['constant_worst']:>13.1%}{s['not_fitting']:>8}"
-    )
+    for name, preds in (("all", v.predictions), ("all without `uncertain`", v.certain())):
+        s = v.summary(preds)
+        lines.append(
+            f"{name:<28}{s['runs']:>5}{s['mean']:>8.1%}{s['worst']:>8.1%}"
+            f"{s['constant_mean']:>12.1%}{s['constant_worst']:>13.1%}{s['not_fitting']:>8}"
+        )
     return "\n".join(lines)
 
 
@@ -395,12 +409,16 @@ def compare(run: dict[str, Any]) -> tuple[Plan | None, list[Comparison]]:
     mfu = p.mfu_causal if causal else p.mfu
     if "iteration_time_s" in meas:
         out.append(Comparison(rid, "step time s", meas["iteration_time_s"], p.step_time_s))
+    if "tokens_per_s" in meas:
+        out.append(Comparison(rid, "tokens/s", meas["tokens_per_s"], p.tokens_per_s))
     if "tflops_per_gpu" in meas:
         basis = meas.get("tflops_basis", "model")
         pred = p.hardware_tflops_per_gpu if basis == "hardware" else mfu * hw.peak_tflops
         out.append(Comparison(rid, f"TFLOP/s ({basis})", meas["tflops_per_gpu"], pred))
     if "mfu" in meas:
-        out.append(Comparison(rid, "MFU", meas["mfu"], mfu * hw.peak_tflops / source_peak(run, hw, shape.fp8)))
+        out.append(
+            Comparison(rid, "MFU", meas["mfu"], mfu * hw.peak_tflops / source_peak(run, hw, shape.fp8))
+        )
     if "hfu" in meas:
         out.append(Comparison(rid, "HFU", meas["hfu"], p.hfu))
     if "analytic_param_optimizer_memory_gib_per_gpu" in meas:

@@ -257,6 +257,8 @@ class HardwareSpec:
     matmul_efficiency: float = 0.0  # 0: the planner's default for this peak
     link_efficiency: float = 0.0
     memory_efficiency: float = 0.0  # share of hbm_gbps streaming kernels sustain; 0: planner default
+    tdp_w: float = 0.0  # board power the peak is quoted at
+    power_limit_w: float = 0.0  # a lower cap set by the operator: clocks drop as its cube root
     attention_efficiency: float = 0.0  # share of the peak attention kernels reach; 0: 0.8 × matmul
     fp8_speedup: float = 0.0  # fp8 matmul rate over the 16-bit one (tensor-core peak ratio 2); 0: default
 

@@ -26,6 +26,14 @@ EAGER_TRAFFIC = 3.0  # unfused elementwise ops re-read and re-write their tensor
 GEMM_HALF_DIM = 128  # a matmul whose smallest dimension is this runs at half the large-GEMM rate
 
 
+def clock_factor(hw: HardwareSpec) -> float:
+    """Tensor-core clock under an operator's power cap: dynamic power grows as f·V² with V ∝ f, so
+    the sustained clock scales as the cube root of the power allowed."""
+    if hw.power_limit_w and hw.tdp_w and hw.power_limit_w < hw.tdp_w:
+        return (hw.power_limit_w / hw.tdp_w) ** (1 / 3)
+    return 1.0
+
+
 @dataclass(frozen=True)
 class Rates:
     flops: float  # sustained matmul FLOP/s
@@ -36,15 +44,12 @@ class Rates:
     def of(cls, hw: HardwareSpec, fp8: bool = False) -> Rates:
         mm = hw.matmul_efficiency or DEFAULT_MATMUL_EFFICIENCY
         mem = hw.memory_efficiency or DEFAULT_MEMORY_EFFICIENCY
-        dense = hw.peak_tflops * 1e12 * mm
+        peak = hw.peak_tflops * 1e12 * clock_factor(hw)
+        dense = peak * mm
         # fp8 linears: the tensor-core peak doubles, but casts and scaling eat part of it; the
         # attention core stays in 16 bits
         speedup = (hw.fp8_speedup or DEFAULT_FP8_SPEEDUP) if fp8 else 1.0
-        attn = (
-            hw.peak_tflops * 1e12 * hw.attention_efficiency
-            if hw.attention_efficiency
-            else dense * ATTENTION_RATIO
-        )
+        attn = peak * hw.attention_efficiency if hw.attention_efficiency else dense * ATTENTION_RATIO
         return cls(dense * speedup, attn, hw.hbm_gbps * 1e9 * mem)
 
     def gemm(self, m: float, k: float, n: float, count: float = 1.0) -> float:

@@ -193,9 +193,13 @@ def _plan(
             ops = ("all-gather", "reduce-scatter") if layout.sp else ("all-reduce",)
             times = {op: t_of(op, act_bytes, layout.tp, tp_link) for op in ops}
             t_pass = 2 * n * sum(times.values())
-            # backward: each input-gradient collective overlaps the weight-gradient matmul
-            hidden_b = min(t_pass, wgrad)
-            exp_f += t_pass
+            # backward: each input-gradient collective overlaps the weight-gradient matmul; with
+            # collective matmuls (TE userbuffers, torch async TP) the forward ones hide behind the
+            # matmul they feed, and the backward ones behind both backward matmuls
+            over = shape.tp_overlap
+            hidden_f = min(t_pass, wgrad) if over else 0.0
+            hidden_b = min(t_pass, (2 if over else 1) * wgrad)
+            exp_f += t_pass - hidden_f
             exp_b += t_pass - hidden_b
             for op in ops:
                 share = times[op] / sum(times.values())
@@ -208,12 +212,12 @@ def _plan(
                         layout.tp,
                         tp_link,
                         calls,
-                        share * ((2 if full else 1) * t_pass + t_pass - hidden_b),
-                        "weight-grad matmuls",
+                        share * ((2 if full else 1) * (t_pass - hidden_f) + t_pass - hidden_b),
+                        "matmuls (collective matmul)" if over else "weight-grad matmuls",
                     )
                 )
             if layout.sp:  # norm outputs are kept sharded: re-gather them for the weight gradients
-                t_ag = 2 * n * times["all-gather"]
+                t_ag = 0.0 if over else 2 * n * times["all-gather"]
                 exp_b += t_ag
                 recs.append(("tp", "all-gather", act_bytes, layout.tp, tp_link, 2 * n, t_ag, "none"))
         if layout.cp > 1:

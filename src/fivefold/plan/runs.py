@@ -30,6 +30,16 @@ GPU_PRESETS = {
     "H200": "h200",
     "B200": "b200",
 }
+# What the trainer behind a source does when a run does not say (facts about the frameworks):
+# NeMo / Megatron-core with Transformer Engine fuses its elementwise kernels and, in its performance
+# recipes, overlaps the tp collectives with the matmuls; torchtitan and MosaicML Composer run eager
+# PyTorch unless torch.compile is stated. Others: fused kernels, no tp overlap.
+TRAINERS = {
+    "NVIDIA/NeMo": {"fused": True, "tp_overlap": True},
+    "NVIDIA/dgxc-benchmarking": {"fused": True, "tp_overlap": True},
+    "pytorch/torchtitan": {"fused": False, "tp_overlap": False},
+    "mosaicml/llm-foundry": {"fused": False, "tp_overlap": False},
+}
 FILL = {  # what an unpublished layout field defaults to (see docs/planner.md, "Unknowns")
     "micro_batch": 1,
     "vocab": 32000,
@@ -117,6 +127,7 @@ def hardware(run: dict[str, Any]) -> HardwareSpec:
         ("inter_node_gbs_per_gpu", "inter_node_gbps", float),
         ("intra_node_gbs_per_gpu", "intra_node_gbps", float),
         ("hbm_gbs", "hbm_gbps", float),
+        ("power_limit_w", "power_limit_w", float),
     ):
         if key in table:
             changes[field_name] = kind(table[key])
@@ -242,6 +253,9 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     if (batch // data) % mb:
         mb = 1  # a published micro-batch that does not divide the local batch (a short last one)
     precision = str(lt.get("precision", "")).lower()
+    trainer = TRAINERS.get(source_of(run), {})
+    if "jax" in str(lt.get("framework", "")).lower():
+        trainer = {"fused": True, "tp_overlap": False}  # XLA fuses elementwise ops
     arch = str(mt.get("arch", "")).lower()
     gated = any(w in arch for w in ("swiglu", "geglu", "swi-glu"))
     plain = any(w in arch for w in ("gelu", "relu", "mpt")) or arch.startswith("gpt")
@@ -252,7 +266,8 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         micro_batch=mb,
         attention=str(lt.get("attention", "flash")),
         fp8="fp8" in precision or "float8" in precision,
-        fused=lt.get("torch_compile", True) is not False,
+        fused=bool(lt.get("torch_compile", trainer.get("fused", True))),
+        tp_overlap=bool(lt.get("async_tp", trainer.get("tp_overlap", False))),
     )
     return RunInputs(model, hardware(run), layout, shape, recompute_known)
 

@@ -29,6 +29,7 @@ class TrainShape:
     block: str = "auto"  # auto | llama | gpt (see Arch)
     overlap_grad_reduce: bool = True  # data-parallel gradient reduction overlaps the last backward
     attention: str = "flash"  # flash | materialized (the s×s scores kept, as the 2021-22 Megatron kernels)
+    tp_overlap: bool = False  # tp collectives overlapped with the matmuls (TE comm overlap, async TP)
     fused: bool = True  # fused elementwise kernels (Megatron/TE, torch.compile); False: eager PyTorch
     fp8: bool = False  # matmuls in fp8 (Transformer Engine / torchao float8 linears), the rest in 16 bits
 

@@ -27,9 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--attention",
-        choices=("flash", "materialized"),
+        choices=("flash", "flash3", "materialized"),
         default="flash",
-        help="attention kernel: flash (default) or materialized s×s scores (2021-22 Megatron kernels)",
+        help="attention kernel: flash (FlashAttention-2 class, default), flash3 (Hopper: FA3, cuDNN) "
+        "or materialized s×s scores (2021-22 Megatron kernels)",
     )
     parser.add_argument("--fp8", action="store_true", help="matmuls in fp8 (Transformer Engine, float8)")
     runs = parser.add_argument_group("validation against published runs")

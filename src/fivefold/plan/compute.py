@@ -19,6 +19,8 @@ from fivefold.plan.spec import Arch
 DEFAULT_MATMUL_EFFICIENCY = 0.75  # large bf16 GEMM, fraction of the dense peak
 DEFAULT_MEMORY_EFFICIENCY = 0.80  # streaming elementwise kernels, fraction of HBM bandwidth
 DEFAULT_FP8_SPEEDUP = 1.4  # fp8 over 16-bit matmul rate, end to end (peak ratio 2)
+# FlashAttention-3 / cuDNN fused attention over FlashAttention-2 on H100 (Shah et al. 2024: 1.5-2.0×)
+FLASH3_SPEEDUP = 1.75
 ATTENTION_RATIO = 0.80  # attention kernels relative to plain GEMMs (softmax, masking, tiling)
 OPTIMIZER_BYTES_PER_PARAM = 34  # Adam step: read grad + master/m/v, write master/m/v/16-bit param, zero grad
 BYTES = 2  # 16-bit activations
@@ -41,7 +43,7 @@ class Rates:
     hbm: float  # sustained bytes/s
 
     @classmethod
-    def of(cls, hw: HardwareSpec, fp8: bool = False) -> Rates:
+    def of(cls, hw: HardwareSpec, fp8: bool = False, attention: str = "flash") -> Rates:
         mm = hw.matmul_efficiency or DEFAULT_MATMUL_EFFICIENCY
         mem = hw.memory_efficiency or DEFAULT_MEMORY_EFFICIENCY
         peak = hw.peak_tflops * 1e12 * clock_factor(hw)
@@ -50,6 +52,8 @@ class Rates:
         # attention core stays in 16 bits
         speedup = (hw.fp8_speedup or DEFAULT_FP8_SPEEDUP) if fp8 else 1.0
         attn = peak * hw.attention_efficiency if hw.attention_efficiency else dense * ATTENTION_RATIO
+        if attention == "flash3":
+            attn *= FLASH3_SPEEDUP
         return cls(dense * speedup, attn, hw.hbm_gbps * 1e9 * mem)
 
     def gemm(self, m: float, k: float, n: float, count: float = 1.0) -> float:

@@ -94,7 +94,7 @@ def step_lower_bound(
     model: ModelSpec, arch: Arch, hw: HardwareSpec, layout: Layout, shape: TrainShape, m: int, memo: dict
 ) -> float:
     """Step time with every collective free: never above `_plan`'s (the search's pruning bound)."""
-    rates = Rates.of(hw, shape.fp8)
+    rates = Rates.of(hw, shape.fp8, shape.attention)
     lt = layer_times(model, arch, layout, shape, rates, memo)
     stages = stage_names(layout)
     times = []
@@ -135,7 +135,7 @@ def _plan(
     memo: dict | None = None,
 ) -> Plan:
     memo = {} if memo is None else memo
-    rates = Rates.of(hw, shape.fp8)
+    rates = Rates.of(hw, shape.fp8, shape.attention)
     kinds = links(layout, gpn)
     mem = mem or memory(model, arch, layout, shape, m, memo)
     comms: dict[tuple[str, str], Collective] = {}

@@ -32,11 +32,11 @@ GPU_PRESETS = {
 }
 # What the trainer behind a source does when a run does not say (facts about the frameworks):
 # NeMo / Megatron-core with Transformer Engine fuses its elementwise kernels and, in its performance
-# recipes, overlaps the tp collectives with the matmuls; torchtitan and MosaicML Composer run eager
+# recipes, overlaps the tp collectives with the matmuls, and on Hopper runs cuDNN's fused attention; torchtitan and MosaicML Composer run eager
 # PyTorch unless torch.compile is stated. Others: fused kernels, no tp overlap.
 TRAINERS = {
-    "NVIDIA/NeMo": {"fused": True, "tp_overlap": True},
-    "NVIDIA/dgxc-benchmarking": {"fused": True, "tp_overlap": True},
+    "NVIDIA/NeMo": {"fused": True, "tp_overlap": True, "attention": "flash3"},
+    "NVIDIA/dgxc-benchmarking": {"fused": True, "tp_overlap": True, "attention": "flash3"},
     "pytorch/torchtitan": {"fused": False, "tp_overlap": False},
     "mosaicml/llm-foundry": {"fused": False, "tp_overlap": False},
 }
@@ -256,6 +256,9 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     trainer = TRAINERS.get(source_of(run), {})
     if "jax" in str(lt.get("framework", "")).lower():
         trainer = {"fused": True, "tp_overlap": False}  # XLA fuses elementwise ops
+    attention = trainer.get("attention", "flash")
+    if attention == "flash3" and not any(k in str(run.get("hardware", {}).get("gpu", "")).upper() for k in ("H100", "H200", "H800")):
+        attention = "flash"  # FlashAttention-3 class kernels are Hopper-only
     arch = str(mt.get("arch", "")).lower()
     gated = any(w in arch for w in ("swiglu", "geglu", "swi-glu"))
     plain = any(w in arch for w in ("gelu", "relu", "mpt")) or arch.startswith("gpt")
@@ -264,7 +267,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         seq_len=seq,
         global_batch=batch,
         micro_batch=mb,
-        attention=str(lt.get("attention", "flash")),
+        attention=str(lt.get("attention", attention)),
         fp8="fp8" in precision or "float8" in precision,
         fused=bool(lt.get("torch_compile", trainer.get("fused", True))),
         tp_overlap=bool(lt.get("async_tp", trainer.get("tp_overlap", False))),

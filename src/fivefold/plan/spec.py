@@ -13,7 +13,7 @@ from fivefold.config import Layout, ModelSpec
 from fivefold.errors import FivefoldError, divisors, suggest
 
 BLOCKS = ("auto", "llama", "gpt")
-ATTENTION = ("flash", "materialized")
+ATTENTION = ("flash", "flash3", "materialized")
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,9 @@ class TrainShape:
     optimizer_bytes: int = 12  # fp32 master weights + Adam first and second moments
     block: str = "auto"  # auto | llama | gpt (see Arch)
     overlap_grad_reduce: bool = True  # data-parallel gradient reduction overlaps the last backward
-    attention: str = "flash"  # flash | materialized (the s×s scores kept, as the 2021-22 Megatron kernels)
+    # flash (FlashAttention-2 class) | flash3 (Hopper-native: FlashAttention-3, cuDNN fused attention)
+    # | materialized (the s×s scores kept, as the 2021-22 Megatron kernels)
+    attention: str = "flash"
     tp_overlap: bool = False  # tp collectives overlapped with the matmuls (TE comm overlap, async TP)
     fused: bool = True  # fused elementwise kernels (Megatron/TE, torch.compile); False: eager PyTorch
     fp8: bool = False  # matmuls in fp8 (Transformer Engine / torchao float8 linears), the rest in 16 bits

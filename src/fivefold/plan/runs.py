@@ -32,13 +32,12 @@ GPU_PRESETS = {
 }
 # What the trainer behind a source does when a run does not say (facts about the frameworks):
 # NeMo / Megatron-core with Transformer Engine fuses its elementwise kernels and, in its performance
-# recipes, overlaps the tp collectives with the matmuls, and on Hopper runs cuDNN's fused attention; torchtitan and MosaicML Composer run eager
-# PyTorch unless torch.compile is stated. Others: fused kernels, no tp overlap.
+# recipes, overlaps the tp collectives with the matmuls, and on Hopper runs cuDNN's fused attention; torchtitan runs eager PyTorch unless
+# torch.compile is stated. Others: fused kernels, no tp overlap.
 TRAINERS = {
     "NVIDIA/NeMo": {"fused": True, "tp_overlap": True, "attention": "flash3"},
     "NVIDIA/dgxc-benchmarking": {"fused": True, "tp_overlap": True, "attention": "flash3"},
     "pytorch/torchtitan": {"fused": False, "tp_overlap": False},
-    "mosaicml/llm-foundry": {"fused": False, "tp_overlap": False},
 }
 FILL = {  # what an unpublished layout field defaults to (see docs/planner.md, "Unknowns")
     "micro_batch": 1,

@@ -213,7 +213,9 @@ def loss(preds: list[Prediction]) -> float:
 
 def fit(train: list[Case], start: Knobs = Knobs(), rounds: int = 1) -> Knobs:
     """Coordinate descent, golden-section per knob in its physical range; knobs no training run
-    depends on (no A100 run, no fp8 run) keep their preset value."""
+    depends on (no A100 run, no fp8 run) keep their preset value. Runs marked `uncertain` (derived
+    shapes, unstated peak or network) are predicted but do not steer the fit."""
+    train = [c for c in train if "uncertain" not in c.run] or train
     needed = {name: any(_depends(c, name) for c in train) for name in KNOB_RANGES}
     knobs = start
     for _ in range(rounds):

@@ -55,7 +55,8 @@ def data_parallel_traffic(
     def once(axis: str, op: str, payload: float, group: int, link: str, window: float) -> None:
         if group <= 1 or payload <= 0:
             return
-        t = collective_time(hw, op, payload, group, link, per_node if link == shard_link else 1)[1]
+        k = per_node if link == shard_link else 1
+        t = collective_time(hw, op, payload, group, link, k)[1]
         hidden = window if overlap else 0.0
         add(
             axis,
@@ -66,6 +67,7 @@ def data_parallel_traffic(
             1,
             exposed=max(t - hidden, 0.0),
             overlap="last backward" if overlap else "none",
+            per_node=k,
         )
 
     n_exp = max(n // ep, 1)
@@ -102,6 +104,7 @@ def data_parallel_traffic(
                 (1 + bwd_gathers) * m,
                 exposed=ag_exposed * m,
                 overlap="micro-batch compute",
+                per_node=per_node,
             )
             add(
                 shard_axis,
@@ -112,6 +115,7 @@ def data_parallel_traffic(
                 m,
                 exposed=t_rs[group] / busy_b * exposed_b * m,
                 overlap="micro-batch backward",
+                per_node=per_node,
             )
         if layout.dp > 1 and layout.fsdp > 1:  # HSDP: replicas all-reduce their shard once a step
             once(

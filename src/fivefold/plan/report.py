@@ -149,12 +149,13 @@ def _plan(
         count: float,
         exposed: float = -1.0,
         overlap: str = "none",
+        per_node: int = 1,
     ) -> float:
         """Record `count` collectives of `payload` bytes; return their time (all counted as exposed
         unless `exposed` says otherwise)."""
         if n <= 1 or count <= 0:
             return 0.0
-        wire, t = collective_time(hw, op, payload, n, link)
+        wire, t = collective_time(hw, op, payload, n, link, per_node)
         key = (axis, op)
         c = comms.get(key) or Collective(axis, op, 0.0, 0.0, 0.0, link, 0, n, overlap=overlap)
         c.bytes += payload * count

@@ -32,11 +32,12 @@ GPU_PRESETS = {
 }
 # What the trainer behind a source does when a run does not say (facts about the frameworks):
 # NeMo / Megatron-core with Transformer Engine fuses its elementwise kernels and, in its performance
-# recipes, overlaps the tp collectives with the matmuls, and on Hopper runs cuDNN's fused attention; torchtitan runs eager PyTorch unless
+# recipes, overlaps the tp collectives with the matmuls, on Hopper runs cuDNN's fused attention, and
+# reduces gradients in bf16 (Megatron-core's grad_reduce_in_fp32 defaults to off); torchtitan runs eager PyTorch unless
 # torch.compile is stated. Others: fused kernels, no tp overlap.
 TRAINERS = {
-    "NVIDIA/NeMo": {"fused": True, "tp_overlap": True, "attention": "flash3"},
-    "NVIDIA/dgxc-benchmarking": {"fused": True, "tp_overlap": True, "attention": "flash3"},
+    "NVIDIA/NeMo": {"fused": True, "tp_overlap": True, "attention": "flash3", "grad_bytes": 2},
+    "NVIDIA/dgxc-benchmarking": {"fused": True, "tp_overlap": True, "attention": "flash3", "grad_bytes": 2},
     "pytorch/torchtitan": {"fused": False, "tp_overlap": False},
 }
 FILL = {  # what an unpublished layout field defaults to (see docs/planner.md, "Unknowns")
@@ -269,6 +270,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         attention=str(lt.get("attention", attention)),
         fp8="fp8" in precision or "float8" in precision,
         fused=bool(lt.get("torch_compile", trainer.get("fused", True))),
+        grad_bytes=int(trainer.get("grad_bytes", 4)),
         tp_overlap=bool(lt.get("async_tp", trainer.get("tp_overlap", False))),
     )
     return RunInputs(model, hardware(run), layout, shape, recompute_known)

@@ -98,11 +98,11 @@ def test_llama3_405b_table4() -> None:
     """Dubey et al. 2024 (Llama 3), Table 4: bf16 MFU of 405B on H100 (causal attention FLOPs).
 
     Layout details the paper leaves open are fixed here: interleaved 1F1B with 4 chunks per rank,
-    micro-batch 1, the optimizer sharded over the data-parallel ranks (zero 1), all-gather CP.
+    micro-batch 1, the optimizer sharded over the data-parallel ranks (zero 1), all-gather CP,
+    Hopper-native attention and tp communication overlap.
     """
     from fivefold.config import Layout, load_hardware, load_model
     from fivefold.plan import TrainShape, plan
-    from fivefold.plan.result import MFU_BAND
 
     model, hw = load_model("llama3-405b"), load_hardware("h100-80gb")
     rows = ((8192, 1, 64, 8192, 32, 0.43), (16384, 1, 128, 8192, 16, 0.41), (16384, 16, 8, 131072, 16, 0.38))
@@ -118,10 +118,12 @@ def test_llama3_405b_table4() -> None:
             virtual_stages=4,
             cp_impl="allgather",
         ).resolve(gpus)
-        p = plan(model, hw, lay, TrainShape(seq_len=seq, global_batch=per_replica * dp))
-        # held out from the fit (the paper is not among the bundled runs): within the band at 8k; the
-        # 131k-token row misses by 37% (the fitted attention efficiency is that of slower kernels)
-        band = MFU_BAND if seq <= 8192 else 0.40
+        # a tuned Hopper stack: Hopper-native attention and tp collectives overlapped with the matmuls
+        shape = TrainShape(seq_len=seq, global_batch=per_replica * dp, attention="flash3", tp_overlap=True)
+        p = plan(model, hw, lay, shape)
+        # held out from the fit (the paper is not among the bundled runs): -13% and -18% at 8k tokens,
+        # -26% at 131k (under-predicted: the fitted efficiencies are a mean over slower stacks)
+        band = 0.20 if seq <= 8192 else 0.30
         assert p.mfu_causal == pytest.approx(published, rel=band), (gpus, seq, p.mfu_causal)
 
 
@@ -208,8 +210,10 @@ def load_runs_all() -> list:
 def test_leave_one_source_out_beats_the_median_constant(loso) -> None:
     """The thresholds the planner reaches on unseen sources (docs/planner.md has the tables).
 
-    Not reached yet: mean ≤ 10% and worst ≤ 25% over all runs (the nanotron heat-map runs, whose
-    shapes, peak and network are unpublished, miss by up to 2.6×), and every run judged to fit.
+    Reached: mean ≤ 10% over the runs without an `uncertain` note, and under half the median
+    constant's error. Not reached: mean ≤ 10% and worst ≤ 25% over all runs (the nanotron heat-map
+    runs, whose shapes, peak and network are unpublished, miss by up to 3.3×), and every run that ran
+    judged to fit (11 are not: ZeRO-3 1T/2T, a few NeMo/dgxc and MosaicML runs).
     """
     from fivefold.plan.result import MFU_BAND
 
@@ -217,10 +221,10 @@ def test_leave_one_source_out_beats_the_median_constant(loso) -> None:
     every = loso.summary()
     certain = loso.summary(loso.certain())
     assert every["runs"] >= 130 and certain["runs"] >= 100
-    assert every["mean"] <= 0.5 * every["constant_mean"] + 0.01, every
-    assert every["mean"] <= 0.22, every
-    assert certain["mean"] <= 0.16 and certain["mean"] <= 0.5 * certain["constant_mean"], certain
-    assert every["not_fitting"] <= 20, every
+    assert every["mean"] <= 0.5 * every["constant_mean"], every
+    assert every["mean"] <= 0.16, every
+    assert certain["mean"] <= 0.10 and certain["mean"] <= 0.5 * certain["constant_mean"], certain
+    assert every["not_fitting"] <= 11, every
     by = {s: loso.summary(preds) for s, preds in loso.by_source().items()}
     assert by["NVIDIA/Megatron-LM"]["mean"] <= 0.10 and by["Dao-AILab/flash-attention"]["mean"] <= 0.10
     assert every["mean"] <= MFU_BAND  # the band printed with every plan is the cross-validated error

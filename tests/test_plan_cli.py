@@ -257,3 +257,31 @@ def test_contradicting_runs_are_reported_and_calibration_writes_hardware(capsys,
     assert code == 0
     data = json.loads(capsys.readouterr().out)
     assert data["hardware"] == "hw" and data["step_time_s"] > 0
+
+
+def test_calibrate_reads_run_directories(capsys, tmp_path) -> None:
+    from fivefold.config import Layout, RunConfig, TrainSpec, load_model
+
+    run = tmp_path / "run-dp2"
+    run.mkdir()
+    cfg = RunConfig(
+        model=load_model("small"),
+        train=TrainSpec(seq_len=256, micro_batch=8, global_batch=16),
+        layout=Layout(dp=2, zero=0).resolve(2),
+    )
+    (run / "config.toml").write_text(cfg.to_toml())
+    assert main(["plan", "--calibrate", str(run)]) == 2  # no metrics.jsonl yet
+    err = capsys.readouterr().err
+    assert "run-dp2" in err and "metrics.jsonl" in err
+    steps = [{"step": i, "loss": 5.0, "step_time_s": t} for i, t in enumerate((9.0, 2.1, 1.9, 2.0), 1)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    out_file = tmp_path / "cpu-here.toml"
+    assert main(["plan", "--calibrate", str(run), "--out", str(out_file)]) == 0
+    capsys.readouterr()
+    code = main(
+        ["plan", "--model", "small", "--hardware", str(out_file), "--gpus", "2", "--dp", "2", "--zero", "0"]
+        + ["--seq-len", "256", "--global-batch", "16", "--micro-batch", "8", "--json"]
+    )
+    assert code == 0
+    step = json.loads(capsys.readouterr().out)["step_time_s"]
+    assert step == pytest.approx(2.0, rel=0.05)  # the median step after the first, reproduced

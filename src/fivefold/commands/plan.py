@@ -51,9 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     runs.add_argument(
         "--calibrate",
         nargs="+",
-        metavar="RUNS.toml",
+        metavar="RUNS.toml|RUN_DIR",
         default=None,
-        help="fit the hardware knobs to these runs and write a hardware TOML (see --out)",
+        help="fit the hardware knobs to these runs (TOML files or run directories) and write a "
+        "hardware TOML (see --out)",
     )
     runs.add_argument("--out", default=None, help="--calibrate: hardware TOML to write (default: stdout)")
     parser.add_argument("--top", type=int, default=5, help="layouts to show with --search")

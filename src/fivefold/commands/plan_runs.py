@@ -1,4 +1,5 @@
-"""`fivefold plan --validate / --cross-validate / --calibrate`: the planner against published runs."""
+"""`fivefold plan --validate / --cross-validate / --calibrate`: the planner against published runs
+(reference-runs TOML files) or `fivefold train` run directories."""
 
 from __future__ import annotations
 
@@ -12,16 +13,11 @@ from fivefold.errors import FivefoldError
 def _runs(paths: list[str]) -> tuple[list, list[str]]:
     """Cases of the files (the bundled reference sets when none is given) and the runs left out."""
     from fivefold.plan import validation as V
-    from fivefold.plan.runs import builtin_paths, contradictions, load_runs
+    from fivefold.plan.runs import builtin_paths, contradictions, load_runs, run_from_dir
 
     files = [Path(p) for p in paths] or builtin_paths()
-    for p in files:
-        if p.is_dir():
-            raise FivefoldError(
-                f"{p}: a directory; --validate/--cross-validate/--calibrate take fivefold-reference-runs "
-                "TOML files"
-            )
-    runs = load_runs(*files)
+    runs = [run_from_dir(p) for p in files if p.is_dir()]
+    runs += load_runs(*[p for p in files if not p.is_dir()]) if any(not p.is_dir() for p in files) else []
     left_out, kept = [], []
     for run in runs:
         bad = contradictions(run)

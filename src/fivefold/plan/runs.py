@@ -29,6 +29,7 @@ GPU_PRESETS = {
     "HOPPER": "h100-80gb",
     "H200": "h200",
     "B200": "b200",
+    "CPU": "cpu",
 }
 # What the trainer behind a source does when a run does not say (facts about the frameworks):
 # NeMo / Megatron-core with Transformer Engine fuses its elementwise kernels and, in its performance
@@ -331,3 +332,62 @@ def contradictions(run: dict[str, Any]) -> list[str]:
         if world != gpus:
             out.append(f"dp×fsdp×tp×pp×cp = {world} but gpus = {gpus}")
     return out
+
+
+def run_from_dir(path: str | Path) -> dict[str, Any]:
+    """A fivefold run directory (`config.toml` + `metrics.jsonl`) as a run of the reference schema:
+    its model, layout and batch, on the machine it ran on (the `cpu` preset unless `device` says
+    cuda), and the median step time after the first step."""
+    import json
+    import statistics
+
+    from fivefold.config import RunConfig, to_dict
+
+    p = Path(path)
+    for name in ("config.toml", "metrics.jsonl"):
+        if not (p / name).is_file():
+            raise FivefoldError(f"run directory {p}: no {name} (a `fivefold train` run directory has both)")
+    cfg = RunConfig.from_toml(p / "config.toml")
+    times = []
+    for line in (p / "metrics.jsonl").read_text().splitlines():
+        if line.strip():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                raise FivefoldError(f"run directory {p}: metrics.jsonl has a line that is not JSON") from None
+            if "step_time_s" in rec:
+                times.append(float(rec["step_time_s"]))
+    if len(times) < 2:
+        raise FivefoldError(f"run directory {p}: metrics.jsonl needs step_time_s on at least 2 steps")
+    m, lay, tr = to_dict(cfg.model), cfg.layout, cfg.train
+    world = lay.dp * lay.fsdp * lay.tp * lay.pp * lay.cp
+    if min(lay.dp, lay.fsdp) < 1:
+        raise FivefoldError(f"run directory {p}: config.toml [layout] is not resolved (dp/fsdp = -1)")
+    model = {k: m[k] for k in SHAPE_KEYS if m.get(k)}
+    model.update(seq_len=tr.seq_len, arch="fivefold Llama block (SwiGLU)")
+    return {
+        "id": p.name,
+        "source": f"run-directory/{p.name}",
+        "kind": "measured",
+        "flops_definition": "fivefold (non-causal)",
+        "hardware": {"gpu": "cpu" if tr.device != "cuda" else "H100", "gpus_per_node": world},
+        "model": model,
+        "layout": {
+            "gpus": world,
+            "dp": lay.dp,
+            "fsdp": lay.fsdp,
+            "tp": lay.tp,
+            "pp": lay.pp,
+            "cp": lay.cp,
+            "ep": lay.ep,
+            "zero_stage": lay.zero if lay.zero >= 0 else (3 if lay.fsdp > 1 else 0),
+            "sequence_parallel": lay.sp,
+            "recompute": lay.recompute,
+            "micro_batch": tr.micro_batch,
+            "global_batch": tr.global_batch or tr.micro_batch * lay.dp * lay.fsdp,
+            "pipeline_schedule": lay.pp_schedule,
+            "virtual_stages": lay.virtual_stages,
+            "torch_compile": False,
+        },
+        "measured": {"iteration_time_s": statistics.median(times[1:])},
+    }

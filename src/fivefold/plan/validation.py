@@ -56,6 +56,7 @@ class Knobs:
     attention_a100: float | None = None
     attention_hopper: float | None = None
     attention_other: float | None = None
+    memory_other: float | None = None  # streaming share of HBM/DRAM bandwidth, other devices only
     fp8_speedup: float | None = None
 
     def apply(self, hw: HardwareSpec) -> HardwareSpec:
@@ -63,6 +64,8 @@ class Knobs:
         mm = {"a100": self.matmul_a100, "hopper": self.matmul_hopper, "other": self.matmul_other}[family(hw)]
         if mm is not None:
             changes["matmul_efficiency"] = mm
+        if family(hw) == "other" and self.memory_other is not None:
+            changes["memory_efficiency"] = self.memory_other
         attn = {"a100": self.attention_a100, "hopper": self.attention_hopper, "other": self.attention_other}[
             family(hw)
         ]
@@ -79,10 +82,11 @@ class Knobs:
 KNOB_RANGES = {
     "matmul_a100": (0.4, 1.0),
     "matmul_hopper": (0.3, 1.0),
-    "matmul_other": (0.05, 1.0),
+    "matmul_other": (0.001, 1.0),
     "attention_a100": (0.2, 0.9),
     "attention_hopper": (0.15, 0.9),
-    "attention_other": (0.02, 0.9),
+    "attention_other": (0.001, 0.9),
+    "memory_other": (0.001, 1.0),
     "fp8_speedup": (1.0, 2.0),
 }
 
@@ -211,13 +215,26 @@ def loss(preds: list[Prediction]) -> float:
     return sum(abs(math.log(p.ratio)) for p in preds) / max(len(preds), 1)
 
 
-def fit(train: list[Case], start: Knobs = Knobs(), rounds: int = 1) -> Knobs:
+# Where the fit starts (mid-range physical values), so that its result does not depend on the presets
+START = Knobs(
+    matmul_a100=0.7,
+    matmul_hopper=0.6,
+    matmul_other=0.5,
+    attention_a100=0.4,
+    attention_hopper=0.3,
+    attention_other=0.3,
+    memory_other=0.7,
+    fp8_speedup=1.5,
+)
+
+
+def fit(train: list[Case], start: Knobs = START, rounds: int = 1) -> Knobs:
     """Coordinate descent, golden-section per knob in its physical range; knobs no training run
     depends on (no A100 run, no fp8 run) keep their preset value. Runs marked `uncertain` (derived
     shapes, unstated peak or network) are predicted but do not steer the fit."""
     train = [c for c in train if "uncertain" not in c.run] or train
     needed = {name: any(_depends(c, name) for c in train) for name in KNOB_RANGES}
-    knobs = start
+    knobs = Knobs(**{k: v for k, v in start.to_dict().items() if needed.get(k)})
     for _ in range(rounds):
         for name, (lo, hi) in KNOB_RANGES.items():
             if not needed[name]:
@@ -228,7 +245,8 @@ def fit(train: list[Case], start: Knobs = Knobs(), rounds: int = 1) -> Knobs:
                 k = dataclasses.replace(base, **{name: x})
                 return loss([predict(c, k) for c in subset])
 
-            knobs = dataclasses.replace(knobs, **{name: round(_golden(f, lo, hi), 3)})
+            best = math.exp(_golden(lambda u, f=f: f(math.exp(u)), math.log(lo), math.log(hi)))
+            knobs = dataclasses.replace(knobs, **{name: float(f"{best:.3g}")})
     return knobs
 
 
@@ -238,7 +256,8 @@ def _depends(case: Case, name: str) -> bool:
     return family(case.inputs.hw) == name.split("_")[1]
 
 
-def _golden(f: Callable[[float], float], lo: float, hi: float, tol: float = 0.01) -> float:
+def _golden(f: Callable[[float], float], lo: float, hi: float, tol: float = 0.015) -> float:
+    """Minimum of a unimodal f on [lo, hi] (the knobs are searched in log space: 1.5% steps)."""
     g = (math.sqrt(5) - 1) / 2
     a, b = lo, hi
     c, d = b - g * (b - a), a + g * (b - a)

@@ -121,9 +121,9 @@ def test_llama3_405b_table4() -> None:
         # a tuned Hopper stack: Hopper-native attention and tp collectives overlapped with the matmuls
         shape = TrainShape(seq_len=seq, global_batch=per_replica * dp, attention="flash3", tp_overlap=True)
         p = plan(model, hw, lay, shape)
-        # held out from the fit (the paper is not among the bundled runs): -13% and -18% at 8k tokens,
-        # -26% at 131k (under-predicted: the fitted efficiencies are a mean over slower stacks)
-        band = 0.20 if seq <= 8192 else 0.30
+        # held out from the fit (the paper is not among the bundled runs): +0% and -7% at 8k tokens,
+        # -20% at 131k (the fitted attention efficiency is a mean over slower stacks)
+        band = 0.10 if seq <= 8192 else 0.25
         assert p.mfu_causal == pytest.approx(published, rel=band), (gpus, seq, p.mfu_causal)
 
 

@@ -34,8 +34,8 @@ GPU_PRESETS = {
 # What the trainer behind a source does when a run does not say (facts about the frameworks):
 # NeMo / Megatron-core with Transformer Engine fuses its elementwise kernels and, in its performance
 # recipes, overlaps the tp collectives with the matmuls, on Hopper runs cuDNN's fused attention, and
-# reduces gradients in bf16 (Megatron-core's grad_reduce_in_fp32 defaults to off); torchtitan runs eager PyTorch unless
-# torch.compile is stated. Others: fused kernels, no tp overlap.
+# reduces gradients in bf16 (Megatron-core's grad_reduce_in_fp32 defaults to off); torchtitan runs
+# eager PyTorch unless torch.compile is stated. Others: fused kernels, no tp overlap.
 TRAINERS = {
     "NVIDIA/NeMo": {"fused": True, "tp_overlap": True, "attention": "flash3", "grad_bytes": 2},
     "NVIDIA/dgxc-benchmarking": {"fused": True, "tp_overlap": True, "attention": "flash3", "grad_bytes": 2},
@@ -258,7 +258,8 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     if "jax" in str(lt.get("framework", "")).lower():
         trainer = {"fused": True, "tp_overlap": False}  # XLA fuses elementwise ops
     attention = trainer.get("attention", "flash")
-    if attention == "flash3" and not any(k in str(run.get("hardware", {}).get("gpu", "")).upper() for k in ("H100", "H200", "H800")):
+    gpu_name = str(run.get("hardware", {}).get("gpu", "")).upper()
+    if attention == "flash3" and not any(k in gpu_name for k in ("H100", "H200", "H800")):
         attention = "flash"  # FlashAttention-3 class kernels are Hopper-only
     arch = str(mt.get("arch", "")).lower()
     gated = any(w in arch for w in ("swiglu", "geglu", "swi-glu"))

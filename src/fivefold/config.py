@@ -435,6 +435,8 @@ class TrainSpec:
     tokenizer: str = "bytes"  # bytes | path to an HF tokenizer.json
     log_every: int = 10
     device: str = "auto"  # auto | cpu | cuda
+    # saved-activation meter: a hook on every tensor autograd saves, so it is off unless asked for
+    measure_memory_every: int = 0  # 0: never; N: steps 1, N+1, 2N+1, ... (and the last)
 
     def validate(self) -> TrainSpec:
         if self.dtype not in DTYPES:
@@ -444,6 +446,11 @@ class TrainSpec:
                 raise FivefoldError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.global_batch < 0:
             raise FivefoldError("--global-batch must be >= 0")
+        if self.measure_memory_every < 0:
+            raise FivefoldError(
+                "--measure-memory-every must be >= 0 (0: off, 1: every step), "
+                f"got {self.measure_memory_every}"
+            )
         if not 0 <= self.min_lr_ratio <= 1:
             raise FivefoldError("min_lr_ratio must be in [0, 1]")
         return self

@@ -46,6 +46,11 @@ TRAIN_FLAGS: dict[str, tuple[type, str]] = {
     "data": (str, "stdlib (default), a text file or folder, .jsonl or a pre-tokenized .bin"),
     "tokenizer": (str, "bytes (default) or a tokenizer.json / HF directory"),
     "device": (str, "auto (default), cpu or cuda"),
+    "measure_memory_every": (
+        int,
+        "measure saved activations on steps 1, N+1, 2N+1, ... and the last (default 0: off, it hooks "
+        "every saved tensor)",
+    ),
 }
 _FIELD = {"warmup": "warmup_steps"}
 

@@ -322,7 +322,8 @@ def _train(
             x, y = x.to(device), y.to(device)
             _sync(device)
             t0 = time.perf_counter()
-            with _step_ledger(ledger), ActivationMeter() as acts:
+            acts = ActivationMeter() if _measures_memory(step, tspec) else None
+            with _step_ledger(ledger), acts or contextlib.nullcontext():
                 with tracer.span("forward_backward", step=step), autocast():
                     loss = runner.forward_backward(x, y)
                 with tracer.span("optimizer", cat="optimizer", step=step):
@@ -335,7 +336,8 @@ def _train(
             seconds = time.perf_counter() - t0
             memory = state_bytes(parts, None)  # gradients are still there until zero_grad
             memory["optimizer"] = sum(state_bytes([], opt)["optimizer"] for opt in optimizers)
-            memory["activations"] = acts.peak_bytes
+            if acts is not None:
+                memory["activations"] = acts.peak_bytes
             memory.update(device_memory(device))
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
@@ -367,6 +369,11 @@ def _train(
         metrics.close()
     _write_outputs(run_dir, rank, world, tracer, ledger, runner, spec.vocab, mfu.hardware)
     return result
+
+
+def _measures_memory(step: int, tspec: TrainSpec) -> bool:
+    every = tspec.measure_memory_every
+    return every > 0 and ((step - 1) % every == 0 or step == tspec.steps)
 
 
 def _sync(device: torch.device) -> None:

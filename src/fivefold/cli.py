@@ -48,13 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         top.parse_args(argv[:1])  # prints usage / --help / --version, or exits 2 on an unknown command
         return 0
     name, rest = argv[0], argv[1:]
-    try:
-        module = importlib.import_module(f"fivefold.commands.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name == f"fivefold.commands.{name}":
-            print(f"fivefold: error: the {name} command is not available in this build", file=sys.stderr)
-            return 2
-        raise
+    module = importlib.import_module(f"fivefold.commands.{name}")
     parser = argparse.ArgumentParser(prog=f"fivefold {name}", description=COMMANDS[name])
     module.add_arguments(parser)
     args = parser.parse_args(rest)

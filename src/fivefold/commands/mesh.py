@@ -11,8 +11,6 @@ from html import escape
 from fivefold.config import AXES, add_layout_arguments, layout_from_args
 from fivefold.errors import FivefoldError
 
-HELP = "show which ranks talk to which for a layout, inside or across nodes"
-
 # dims shown in the picture and accepted by --axis
 PICTURE_DIMS = AXES + ("ep", "expert_fsdp", "fsdp_cp", "batch", "dp_fsdp_cp")
 PALETTE = [

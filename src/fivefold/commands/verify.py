@@ -20,7 +20,6 @@ from typing import Any
 from fivefold.config import Layout, TrainSpec, add_layout_arguments, layout_from_args, load_model
 from fivefold.errors import FivefoldError
 
-HELP = "run a layout and the single-process reference; compare them and the plan"
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
 

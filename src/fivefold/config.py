@@ -633,7 +633,7 @@ def _qwen3_moe_spec(cfg: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
-    """The layout flags of DESIGN.md; identical in plan, mesh, train and verify."""
+    """The layout flags (docs/architecture.md); identical in plan, mesh, train and verify."""
     g = parser.add_argument_group("layout")
     for axis, text in (
         ("dp", "replicated data-parallel degree (-1: fill the world)"),

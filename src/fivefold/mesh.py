@@ -175,7 +175,7 @@ def _axis_groups(world: int, stride: int, size: int) -> list[list[int]]:
 
 
 def comm_words(name: str, layout: Layout) -> str:
-    """What the dim's collectives are, in the seed's words."""
+    """What the dim's collectives are, in words (docs/mesh.md)."""
     if name == "dp":
         if layout.fsdp > 1:  # HSDP: FSDP shards inside a replica, DP all-reduces across
             return "all-reduce (grads, across replicas)"

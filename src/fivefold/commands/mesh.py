@@ -101,7 +101,7 @@ def _write_svg(info, axis: str, path: str) -> None:
 
 
 def render_table(info) -> str:
-    """The seed's table: Dim, Factor, Groups, Links, Comm; world axes innermost first, then EP."""
+    """The mesh table: Dim, Factor, Groups, Links, Comm; world axes innermost first, then EP."""
     from fivefold.mesh import LINK_WORDS
 
     names = list(info.layout.order_list)

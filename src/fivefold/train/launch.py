@@ -12,30 +12,22 @@ traceback (exit code 1). The launcher's own log chatter is silenced.
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import sys
 import tempfile
 import traceback
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed.launcher.api import elastic_launch
 
 from fivefold.config import RunConfig
 from fivefold.errors import FivefoldError
+from fivefold.parallel.spawn import local_launch_config, quiet_launcher
 from fivefold.train.loop import train
-
-_QUIET_LOGGERS = (
-    "torch.distributed.elastic",
-    "torch.distributed.launcher",
-    "torch.distributed.run",
-    "torch.multiprocessing",
-)
 
 
 @dataclass(frozen=True)
@@ -99,24 +91,10 @@ def launch(nproc: int, job: TrainJob) -> int:
             "use --device cpu for gloo ranks on the CPU"
         )
     error_dir = Path(tempfile.mkdtemp(prefix="fivefold-ranks-"))
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"fivefold-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        rdzv_configs={"timeout": 120},
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-    )
-    levels = {name: logging.getLogger(name).level for name in _QUIET_LOGGERS}
-    for name in _QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.CRITICAL)
     keep_errors = False
     try:
-        elastic_launch(config, _rank_entry)(job, str(error_dir))
+        with quiet_launcher():
+            elastic_launch(local_launch_config(nproc), _rank_entry)(job, str(error_dir))
         return 0
     except ChildFailedError as exc:
         failure = _first_failure(error_dir)
@@ -134,7 +112,5 @@ def launch(nproc: int, job: TrainJob) -> int:
         print(f"fivefold train: rank {rank} failed: {message}", file=sys.stderr)
         return 1
     finally:
-        for name, level in levels.items():
-            logging.getLogger(name).setLevel(level)
         if not keep_errors:
             shutil.rmtree(error_dir, ignore_errors=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fivefold.cli import main
+from fivefold.cli import FIRST_STEPS, main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 CHEAP = {"plan", "mesh", "explore", "presets"}
@@ -51,3 +51,15 @@ def test_readme_command_succeeds(argv, tmp_path, capsys):
         assert main([*argv, "--json"]) == 0
         plan = json.loads(capsys.readouterr().out)
         assert plan["fits"], f"the README's example does not fit: {' '.join(argv)}"
+
+
+@pytest.mark.parametrize("example", [e for _, e in FIRST_STEPS if e.split()[1] in CHEAP])
+def test_first_steps_printed_by_bare_fivefold_succeed(example, tmp_path, capsys):
+    argv = shlex.split(example.split("(")[0])[1:]
+    if "--out" in argv:
+        argv[argv.index("--out") + 1] = str(tmp_path / "page.html")
+    assert main(argv) == 0, capsys.readouterr().err
+    if argv[0] == "plan":
+        capsys.readouterr()
+        assert main([*argv, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["fits"], example

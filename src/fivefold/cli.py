@@ -26,12 +26,29 @@ COMMANDS: dict[str, str] = {
 }
 
 
+# what a newcomer does first, in order, with one example each
+FIRST_STEPS = (
+    (
+        "plan a layout",
+        "fivefold plan --model llama3-8b --hardware h100-80gb --gpus 8 --fsdp 8 --seq-len 8192 "
+        "--global-batch 32",
+    ),
+    ("see who talks to whom", "fivefold mesh --gpus 16 --gpus-per-node 8 --tp 4 --fsdp 2 --pp 2"),
+    ("train on this machine", "fivefold demo   (or: fivefold train --nproc 4 --fsdp 2 --tp 2 --model tiny)"),
+    ("check it is right", "fivefold verify --model tiny --nproc 4 --fsdp 2 --tp 2 --steps 3"),
+    ("look at it", "fivefold explore --model llama3-8b --gpus 8 --tp 2 --out explore.html"),
+)
+
+
 def _top_parser() -> argparse.ArgumentParser:
+    steps = "\n".join(f"  {what:<24} {example}" for what, example in FIRST_STEPS)
+    commands = "\n".join(f"  {k:<10} {v}" for k, v in COMMANDS.items())
     parser = argparse.ArgumentParser(
         prog="fivefold",
         description="What do you split, and what does it cost to stitch back together?",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="commands:\n" + "\n".join(f"  {k:<10} {v}" for k, v in COMMANDS.items()),
+        epilog=f"first steps:\n{steps}\n\ncommands:\n{commands}\n\n"
+        "`fivefold COMMAND --help` lists a command's flags and their defaults.",
     )
     parser.add_argument("--version", action="version", version=f"fivefold {__version__}")
     parser.add_argument("command", nargs="?", choices=list(COMMANDS), metavar="COMMAND")

@@ -40,6 +40,24 @@ FIRST_STEPS = (
 )
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """Help that shows each flag's default, unless the text already says it or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or default is None
+            or default is False
+            or default == argparse.SUPPRESS
+            or not action.option_strings
+            or isinstance(action, argparse._HelpAction | argparse._VersionAction)
+        ):
+            return text
+        return f"{text} (default {default})" if text else f"(default {default})"
+
+
 def _top_parser() -> argparse.ArgumentParser:
     steps = "\n".join(f"  {what:<24} {example}" for what, example in FIRST_STEPS)
     commands = "\n".join(f"  {k:<10} {v}" for k, v in COMMANDS.items())
@@ -66,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     module = importlib.import_module(f"fivefold.commands.{name}")
-    parser = argparse.ArgumentParser(prog=f"fivefold {name}", description=COMMANDS[name])
+    parser = argparse.ArgumentParser(
+        prog=f"fivefold {name}", description=COMMANDS[name], formatter_class=DefaultsShown
+    )
     module.add_arguments(parser)
     args = parser.parse_args(rest)
     try:

@@ -39,7 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default=None, choices=("fp32", "bf16"), help="compute dtype (default: the weights' own)"
     )
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where to run (auto: cuda if present)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

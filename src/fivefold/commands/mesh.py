@@ -37,7 +37,7 @@ ANSI = [33, 208, 160, 73, 70, 178, 133, 211, 94, 145, 36, 166, 61, 162, 64, 136]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=int, required=True, help="world size")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    add_layout_arguments(parser)
+    add_layout_arguments(parser, factors_only=True)
     parser.add_argument(
         "--axis",
         default=None,

@@ -15,7 +15,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (training)")
     parser.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    parser.add_argument("--mode", choices=("train", "inference"), default="train")
+    parser.add_argument(
+        "--mode",
+        choices=("train", "inference"),
+        default="train",
+        help="plan a training step or serving (prefill + decode)",
+    )
     parser.add_argument("--search", action="store_true", help="rank every valid layout that fits")
     parser.add_argument("--top", type=int, default=5, help="layouts to show with --search")
     parser.add_argument(

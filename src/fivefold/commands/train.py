@@ -68,7 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE.toml",
         help="run config with [model] (a table or a preset name), [train], [layout]",
     )
-    parser.add_argument("--dtype", default=None, choices=("fp32", "bf16"))
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=("fp32", "bf16"),
+        help="compute dtype; bf16 keeps fp32 master weights and reductions (default fp32)",
+    )
     parser.add_argument("--nproc", type=int, default=1, help="local ranks to start (default 1)")
     parser.add_argument("--run-dir", default=None, help="run directory (default runs/<model>-<time>)")
     parser.add_argument(

@@ -28,8 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="model preset or file (default tiny)")
     parser.add_argument("--nproc", type=int, default=2, help="local gloo ranks (default 2)")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--seq-len", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and batches")
+    parser.add_argument("--seq-len", type=int, default=16, help="tokens per sequence")
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per forward")
     parser.add_argument(
         "--accumulation",
@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="micro-batches per data-parallel rank (default 1, or --microbatches with --pp)",
     )
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
     parser.add_argument("--grad-clip", type=float, default=0.3, help="global-norm clip (0: off)")
     parser.add_argument(
         "--ledger-step", type=int, default=-1, help="step whose communication is shown (default: the last)"

@@ -180,3 +180,19 @@ def test_cli_table_json_svg_and_errors(tmp_path):
     bad = _cli("--gpus", "8", "--gpus-per-node", "4", "--tp", "3")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "nearest valid layouts" in bad.stderr
+
+
+def test_mesh_text_scales_to_16384_gpus_with_aligned_columns(capsys):
+    from fivefold.cli import main
+
+    argv = ["mesh", "--gpus", "16384", "--tp", "8", "--pp", "16", "--cp", "2", "--fsdp", "-1", "--no-color"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) < 80  # the per-axis table and a bounded grid, not one line per node
+    grid = [line for line in out if line.startswith("node ")]
+    assert len(grid) == 256 // 8 and len({len(line) for line in grid}) == 1  # aligned
+    assert main([*argv, "--ranks", "16376-16383"]) == 0
+    tail = [line for line in capsys.readouterr().out.splitlines() if line.startswith("node ")]
+    assert len(tail) == 1 and tail[0].split()[1] == "2047" and "16383:" in tail[0]
+    assert main([*argv, "--ranks", "5-16384"]) == 2
+    assert "--ranks must be A-B" in capsys.readouterr().err

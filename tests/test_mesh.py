@@ -196,3 +196,11 @@ def test_mesh_text_scales_to_16384_gpus_with_aligned_columns(capsys):
     assert len(tail) == 1 and tail[0].split()[1] == "2047" and "16383:" in tail[0]
     assert main([*argv, "--ranks", "5-16384"]) == 2
     assert "--ranks must be A-B" in capsys.readouterr().err
+
+
+def test_mesh_fills_the_world_with_dp_like_plan(capsys):
+    from fivefold.cli import main
+
+    assert main(["mesh", "--gpus", "16", "--tp", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["layout"]["dp"] == 8 and data["layout"]["tp"] == 2

@@ -74,7 +74,10 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from fivefold.mesh import build_mesh
 
-    info = build_mesh(layout_from_args(args), args.gpus, args.gpus_per_node)
+    layout = layout_from_args(args)
+    if args.dp is None and args.fsdp is None:
+        layout.dp = -1  # as in plan and explore: the data-parallel degree fills what the other axes leave
+    info = build_mesh(layout, args.gpus, args.gpus_per_node)
     if args.json:
         print(json.dumps(info.to_json()))
         if args.svg:

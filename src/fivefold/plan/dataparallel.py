@@ -11,9 +11,24 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fivefold.config import HardwareSpec, Layout
+from fivefold.layout_math import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    BROADCAST,
+    REDUCE_SCATTER,
+    is_expert,
+    numel,
+    padded,
+    param_shapes,
+    replica_axis,
+    tp_local_shape,
+)
 from fivefold.plan.comm import collective_time, worst_link
 from fivefold.plan.memory import shard_group
+from fivefold.plan.runshape import Chunk, RunShape, Traffic
 from fivefold.plan.spec import TrainShape
+
+GRAD_BYTES = 4  # fp32 gradients and master weights, whatever the compute dtype
 
 
 def data_parallel_traffic(
@@ -103,3 +118,98 @@ def data_parallel_traffic(
                 kinds.get("dp", "inter"),
                 t_b,
             )
+
+
+# ---- the exact traffic of one step on one rank, as the comm ledger records it
+#
+# Units are those fivefold.parallel.data wraps: the embedding, each block, the final norm + head
+# (a tied embedding and head share the first unit). FSDP gathers a unit's parameters in the
+# compute dtype (padded to a multiple of the shard group) and reduce-scatters its fp32 gradients
+# once a step; HSDP all-reduces the reduced shard over dp; `replicate` (tensor-parallel replicas)
+# all-reduces each unit's gradients; DDP all-reduces every gradient in one bucket (a model under
+# 25 MB); plain pipeline replicas all-reduce gradient by gradient; ZeRO-1 broadcasts each updated
+# parameter from its owner. Experts sharded over ep are left to fivefold.plan.expert.
+
+
+def units(run: RunShape, chunk: Chunk) -> list[list[str]]:
+    """Parameter names of each FSDP/replicate unit of a chunk (experts under ep left out)."""
+    spec = run.spec
+    names = param_shapes(spec)
+    keep = (lambda n: not is_expert(n)) if run.layout.ep > 1 else (lambda n: True)
+    out: list[list[str]] = []
+    head = (
+        (["model.norm.weight"] + (["lm_head.weight"] if "lm_head.weight" in names else []))
+        if chunk.last
+        else []
+    )
+    if chunk.first:
+        out.append(["model.embed_tokens.weight"] + (head if spec.tie_embeddings else []))
+    for i in chunk.layers:
+        prefix = f"model.layers.{i}."
+        out.append([n for n in names if n.startswith(prefix) and keep(n)])
+    if head and not (spec.tie_embeddings and chunk.first):
+        out.append(head)
+    return out
+
+
+def chunk_grads(run: RunShape, chunk: Chunk) -> list[int]:
+    """Elements of each (tensor-parallel local) parameter of a chunk."""
+    shapes = param_shapes(run.spec)
+    return [
+        numel(tp_local_shape(n, shapes[n], run.spec, run.layout.tp))
+        for unit in units(run, chunk)
+        for n in unit
+    ]
+
+
+def data_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
+    lay, spec = run.layout, run.spec
+    out = Traffic()
+    shapes = param_shapes(spec)
+    gather_bytes = run.act_bytes  # FSDP's mixed precision gathers in the compute dtype
+    if lay.fsdp > 1:
+        n = lay.fsdp * lay.cp
+        axis = replica_axis(lay, ("fsdp", "cp"))
+        gathers = fsdp_gathers(run)
+        for chunk in chunks:
+            for unit in units(run, chunk):
+                full = sum(padded(tp_local_shape(p, shapes[p], spec, lay.tp), n) for p in unit)
+                out.add(axis, ALL_GATHER, gathers, full * gather_bytes)
+                out.add(axis, REDUCE_SCATTER, 1, full * GRAD_BYTES)
+                out.add("dp", ALL_REDUCE, 1 if lay.dp > 1 else 0, full // n * GRAD_BYTES)
+        return out
+    replicas = lay.dp * lay.cp
+    if replicas == 1:
+        return out
+    axis = replica_axis(lay, ("dp", "fsdp", "cp"))
+    if lay.pp > 1 and lay.tp == 1:  # plain pipeline replicas: one all_reduce per gradient (dp only)
+        for chunk in chunks:
+            for size in chunk_grads(run, chunk):
+                out.add("dp", ALL_REDUCE, 1, size * GRAD_BYTES)
+    elif lay.tp > 1:  # `replicate`: each unit's gradients at once
+        for chunk in chunks:
+            for unit in units(run, chunk):
+                size = sum(numel(tp_local_shape(p, shapes[p], spec, lay.tp)) for p in unit)
+                out.add(axis, ALL_REDUCE, 1, size * GRAD_BYTES)
+    else:  # DDP: every gradient in one bucket
+        size = sum(size for chunk in chunks for size in chunk_grads(run, chunk))
+        out.add(axis, ALL_REDUCE, 1, size * GRAD_BYTES)
+    if lay.zero == 1 and lay.dp > 1:  # ZeroRedundancyOptimizer: every parameter from its owner
+        for chunk in chunks:
+            for size in chunk_grads(run, chunk):
+                out.add("dp", BROADCAST, 1, size * GRAD_BYTES)
+    return out
+
+
+def fsdp_gathers(run: RunShape) -> int:
+    """All-gathers per unit per step: each micro-batch's forward, and its backward under ZeRO-3."""
+    return run.microbatches * (2 if run.layout.zero == 3 else 1)
+
+
+def loss_traffic(run: RunShape) -> Traffic:
+    """The reported loss: the global mean, all-reduced over the ranks holding different data."""
+    lay = run.layout
+    out = Traffic()
+    dims = ("dp", "fsdp", "cp") if lay.cp > 1 and lay.pp == 1 else ("dp", "fsdp")
+    out.add(replica_axis(lay, dims), ALL_REDUCE, 1, 4)
+    return out

@@ -74,6 +74,9 @@ def _candidate(rng: random.Random, world: int) -> Case:
         lay["ep"] = rng.choice([e for e in (2, 4) if (fsdp * lay.get("cp", 1)) % e == 0] or [1])
     lay["recompute"] = rng.choice(("none", "selective", "full"))
     accumulation = rng.choice((1, 2))
+    ddp = lay.get("tp", 1) == 1 and fsdp == 1 and dp * lay.get("cp", 1) > 1
+    if ddp:  # DDP rebuilds its buckets (two broadcasts) in the first forward after a backward:
+        accumulation = 2  # with 2 micro-batches that is in step 0, not in the measured step 1
     if lay.get("pp", 1) > 1:
         sched = rng.choice(SCHEDULES)
         v = 2 if sched not in ("gpipe", "1f1b") else 1

@@ -28,26 +28,34 @@ def context_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
     cp = lay.cp
     if cp == 1:
         return out
-    m, mb, d, dt = run.microbatches, run.micro_batch, spec.head_dim, run.act_bytes
+    m, mb, d = run.microbatches, run.micro_batch, spec.head_dim
+    mm, rope = run.act_bytes, run.stream_bytes  # v and outputs; q, k after rotary (fp32 under autocast)
     local = run.seq_len // cp
     heads, kv = spec.heads // lay.tp, local_kv_heads(run)
     layers = sum(len(c.layers) for c in chunks)
-    forwards = 1 + (lay.recompute != "none")  # the core's forward runs again under any recompute
+    again = lay.recompute != "none"  # the core's forward runs again under any recompute
     calls = m * layers
     if lay.cp_impl == "ring":
         block = 2 * mb * kv * local * d
         for op in (SEND, RECV):
-            out.add("cp", op, calls * (cp - 1) * (forwards + 1), block * dt)
+            out.add("cp", op, calls * (cp - 1) * (2 + again), block * rope)  # K,V stacked: promoted
             out.add("cp", op, calls * cp, block * 4)  # the fp32 gradient buffer
     elif lay.cp_impl == "allgather":
-        gathered = mb * kv * run.seq_len * d * dt
-        out.add("cp", ALL_GATHER, calls * 2 * forwards, gathered)
-        out.add("cp", REDUCE_SCATTER, calls * 2, gathered)
+        gathered = mb * kv * run.seq_len * d
+        out.add("cp", ALL_GATHER, calls * (1 + again), gathered * rope)
+        out.add("cp", ALL_GATHER, calls * (1 + again), gathered * mm)
+        out.add("cp", REDUCE_SCATTER, calls, gathered * rope)
+        out.add("cp", REDUCE_SCATTER, calls, gathered * mm)
     else:
         kv_sent = kv if kv % cp == 0 else heads
-        q_bytes, kv_bytes = mb * heads * local * d * dt, mb * kv_sent * local * d * dt
-        out.add("cp", ALL_TO_ALL, calls * 2 * (forwards + 1), q_bytes)  # q and the output
-        out.add("cp", ALL_TO_ALL, calls * 2 * (forwards + 1), kv_bytes)  # k and v
+        q, k = mb * heads * local * d, mb * kv_sent * local * d
+        # forward q, k, v there and the output back, backward the reverse; recompute runs q, k, v
+        # again, and the output too under full recompute (its result is then saved)
+        out_again = lay.recompute == "full"
+        out.add("cp", ALL_TO_ALL, calls * (2 + again), q * rope)
+        out.add("cp", ALL_TO_ALL, calls * (2 + again), k * rope)
+        out.add("cp", ALL_TO_ALL, calls * (2 + again), k * mm)
+        out.add("cp", ALL_TO_ALL, calls * (2 + out_again), q * mm)
     moe = sum(spec.is_moe_layer(i) for c in chunks for i in c.layers)
     if moe and spec.aux_loss_coef > 0:
         stats = mb * 2 * spec.experts * 4

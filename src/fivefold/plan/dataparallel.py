@@ -202,7 +202,13 @@ def data_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
 
 
 def fsdp_gathers(run: RunShape) -> int:
-    """All-gathers per unit per step: each micro-batch's forward, and its backward under ZeRO-3."""
+    """All-gathers per unit per step: each micro-batch's forward, and its backward under ZeRO-3.
+
+    In a pipeline torch's stages keep the gathered parameters from the first forward to the last
+    backward under ZeRO-2 (no reshard after the backward of any but the last micro-batch): one.
+    """
+    if run.layout.pp > 1 and run.layout.zero == 2:
+        return 1
     return run.microbatches * (2 if run.layout.zero == 3 else 1)
 
 

@@ -39,9 +39,18 @@ class RunShape:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def autocast(self) -> bool:
+        """bf16 by autocast over fp32 weights; FSDP and `replicate` (tp with replicas) cast the
+        weights themselves (their mixed-precision policy)."""
+        lay = self.layout
+        replicate = lay.fsdp == 1 and lay.tp > 1 and lay.dp * lay.cp > 1
+        return self.dtype == "bf16" and lay.fsdp == 1 and not replicate
+
+    @property
     def stream_bytes(self) -> int:
-        """Bytes per element of the residual stream: autocast (bf16 without FSDP) keeps it fp32."""
-        return 4 if self.dtype == "bf16" and self.layout.fsdp == 1 else self.act_bytes
+        """Bytes per element of the residual stream (and rotary q, k): fp32 under autocast, whose
+        bf16 matmul outputs are added to fp32 embeddings."""
+        return 4 if self.autocast else self.act_bytes
 
     @property
     def tokens(self) -> int:

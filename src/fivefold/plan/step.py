@@ -71,7 +71,8 @@ def clip_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
                 groups = tuple(a for a, on in ((fsdp_axis, fsdp_axis is not None), ("tp", tp_split)) if on)
                 shardings.add(groups)
         if lay.ep > 1 and any(spec.is_moe_layer(i) for i in chunk.layers):
-            shardings.add(("ep",))
+            # experts are sharded on the ep mesh; when ep spans all of fsdp×cp that is FSDP's group
+            shardings.add((fsdp_axis,) if lay.ep == lay.fsdp * lay.cp else ("ep",))
     out = Traffic()
     for groups in shardings:
         for axis in groups:

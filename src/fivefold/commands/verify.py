@@ -324,13 +324,11 @@ def _print_table(
         extras.append(f"{layout.pp_schedule} m={layout.microbatches}")
     if layout.recompute != "none":
         extras.append(f"recompute {layout.recompute}")
-    print(
-        f"verify {model} on {nproc} ranks: {axes or 'one replica'} ({', '.join(extras)}); step {step} measured"
-    )
+    what = f"{axes or 'one replica'} ({', '.join(extras)})"
+    print(f"verify {model} on {nproc} ranks: {what}; step {step} measured")
     width = max(len(r.name) for r in table)
     print(f"  {'judgment':<9} {'row':<{width}}  {'measured':>24}  {'planned':>24}  {'rel diff':>9}  result")
     for r in table:
         result = "-" if r.ok is None else ("PASS" if r.ok else "FAIL")
-        print(
-            f"  {r.judgment:<9} {r.name:<{width}}  {r.measured:>24}  {r.planned:>24}  {r.diff:>9.2e}  {result}"
-        )
+        values = f"{r.measured:>24}  {r.planned:>24}  {r.diff:>9.2e}"
+        print(f"  {r.judgment:<9} {r.name:<{width}}  {values}  {result}")

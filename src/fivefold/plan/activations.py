@@ -22,28 +22,58 @@ from fivefold.config import Layout, ModelSpec
 from fivefold.plan.runshape import Chunk, RunShape
 
 
+def _linear_inputs(run: RunShape, t: int, h: int, consumers: int) -> float:
+    """A norm's output as its projections save it: one fp32 (or FSDP bf16) tensor they share, or
+    under autocast one bf16 cast per projection (autocast caches weight casts, not inputs)."""
+    return consumers * t * h * 2 if run.autocast else t * h * run.act_bytes
+
+
+def _weights(run: RunShape, elements: float) -> float:
+    """Autocast's bf16 copies of fp32 weights, saved for the input gradient."""
+    return 2 * elements if run.autocast else 0.0
+
+
 def layer_saved(run: RunShape, moe: bool) -> float:
     spec, lay = run.spec, run.layout
     t, tp, h, d = run.tokens, lay.tp, spec.hidden, spec.head_dim
     n = t // tp if lay.sp else t
     st, mm = run.stream_bytes, run.act_bytes
-    if lay.recompute == "full":
+    if lay.recompute == "full":  # the block's input, kept by the checkpoint
         return n * h * st
     heads = spec.heads // tp
     kv = spec.kv_heads // tp if tp <= spec.kv_heads else 1
-    norm = 2 * n * h * st + 4 * n + t * h * st
-    core = t * heads * d * st + t * kv * d * st + t * kv * d * mm + t * heads * d * mm + 4 * t * heads
+    kv_rows = spec.kv_heads if tp > spec.kv_heads else kv  # replicated projections stay whole
+    fp32_norm = 4 * n + 4 * n * h  # reciprocal RMS and the normalised fp32 tensor
+    if not run.autocast and mm == 2:  # bf16 weights: the fp32 copy of the input and a bf16 output
+        fp32_norm += 4 * n * h + 2 * n * h
+    mlp_consumers = (1 + 2 * (spec.experts > 0)) if moe else 2
+    norms = 2 * fp32_norm + _linear_inputs(run, t, h, 3) + _linear_inputs(run, t, h, mlp_consumers)
+    stream = n * h * st * (2 if run.autocast or mm == 2 else 1)  # residual between the halves (+ output)
+    q, k = t * heads * d, t * kv * d
+    qk = (q + k) * (2 if run.autocast else st)  # rotary q, k as the core saves them
+    core = qk + k * mm + q * mm + 4 * t * heads  # + v, the output, the log-sum-exp
     if lay.recompute == "selective":
-        core = t * heads * d * st + t * kv * d * st + t * kv * d * mm
-    attn = core + t * heads * d * mm
+        core -= 4 * t * heads
+    attn = core + (0 if run.autocast else q * mm)  # the output's copy into o_proj
+    attn += _weights(run, (2 * spec.heads * d) * h / tp + 2 * kv_rows * d * h)
     if moe:
-        k, fe = spec.experts_per_token, spec.expert_ffn_hidden
-        mlp = 4 * k * t * fe * mm + 2 * k * t * h * st + 4 * t * spec.experts
-        if spec.shared_experts:
-            mlp += 4 * t * fe * spec.shared_experts * mm
+        mlp = _moe_saved(run, t if not lay.sp else n * tp)
     else:
-        mlp = 4 * t * spec.ffn_hidden // tp * mm
-    return 2 * norm + attn + mlp
+        f = spec.ffn_hidden // tp
+        mlp = 4 * t * f * mm + _weights(run, 3 * f * h)
+    return norms + stream + attn + mlp
+
+
+def _moe_saved(run: RunShape, t: int) -> float:
+    """Router, sorted rows, each expert's SwiGLU on its rows, the weighted combine, shared expert."""
+    spec = run.spec
+    h, e, k, fe, mm = spec.hidden, spec.experts, spec.experts_per_token, spec.expert_ffn_hidden, run.act_bytes
+    rows = k * t
+    router = 4 * t * e + 8 * rows + 4 * t + 4 * rows
+    sort = 8 * rows + 4 * rows * h + 8 * rows + 4 * rows
+    experts = 4 * rows * fe * mm + 2 * 4 * rows * h
+    shared = 4 * t * fe * spec.shared_experts * mm
+    return router + sort + experts + shared + 4 * run.micro_batch * e
 
 
 def micro_batch_saved(run: RunShape, chunk: Chunk) -> float:
@@ -51,12 +81,12 @@ def micro_batch_saved(run: RunShape, chunk: Chunk) -> float:
     t, h = run.tokens, spec.hidden
     n = t // lay.tp if lay.sp else t
     total = sum(layer_saved(run, spec.is_moe_layer(i)) for i in chunk.layers)
-    total += 2 * t * spec.head_dim * run.stream_bytes  # cos, sin
+    total += 2 * t * spec.head_dim * (4 if run.autocast else run.act_bytes)  # cos, sin
     if chunk.first:
-        total += 8 * t  # token ids
-    if chunk.last:
-        total += 2 * n * h * run.stream_bytes + 4 * n + t * h * run.stream_bytes  # final norm
-        total += t * spec.vocab // lay.tp * (run.act_bytes + 4) + 8 * t + 4  # logits, log-softmax
+        total += 8 * t + n * h * run.stream_bytes  # token ids, the first block's input
+    if chunk.last:  # final norm, the head's input (and autocast's weight copy), fp32 log-softmax
+        total += 4 * n + 4 * n * h + _linear_inputs(run, t, h, 1) + _weights(run, spec.vocab * h / lay.tp)
+        total += 4 * t * spec.vocab // lay.tp + 8 * t + 4
     return total
 
 

@@ -73,16 +73,16 @@ def data_parallel_traffic(
     if z <= 1:
         for payload, group, link in ((dense, n, shard_link), (experts, n_exp, shard_link)):
             if z == 0:
-                once(shard_axis, "all-reduce", g * payload, group, link, t_b)
+                once(shard_axis, ALL_REDUCE, g * payload, group, link, t_b)
             else:
-                once(shard_axis, "reduce-scatter", g * payload, group, link, t_b)
-                once(shard_axis, "all-gather", p * payload, group, link, t_f)
+                once(shard_axis, REDUCE_SCATTER, g * payload, group, link, t_b)
+                once(shard_axis, ALL_GATHER, p * payload, group, link, t_f)
     else:  # FSDP: gathers hide behind the micro-batch's forward, backward gathers and reduce-scatters
         # behind its backward (prefetching one layer ahead)
         bwd_gathers = 1 if z == 3 else 0
         shards = [(pl, grp) for pl, grp in ((dense, n), (experts, n_exp)) if grp > 1 and pl > 0]
-        t_ag = {grp: collective_time(hw, "all-gather", p * pl, grp, shard_link)[1] for pl, grp in shards}
-        t_rs = {grp: collective_time(hw, "reduce-scatter", g * pl, grp, shard_link)[1] for pl, grp in shards}
+        t_ag = {grp: collective_time(hw, ALL_GATHER, p * pl, grp, shard_link)[1] for pl, grp in shards}
+        t_rs = {grp: collective_time(hw, REDUCE_SCATTER, g * pl, grp, shard_link)[1] for pl, grp in shards}
         busy_f = sum(t_ag.values())
         busy_b = bwd_gathers * busy_f + sum(t_rs.values())
         exposed_f = max(busy_f - t_f, 0.0)
@@ -91,7 +91,7 @@ def data_parallel_traffic(
             ag_exposed = t_ag[group] / busy_f * exposed_f + bwd_gathers * t_ag[group] / busy_b * exposed_b
             add(
                 shard_axis,
-                "all-gather",
+                ALL_GATHER,
                 p * payload,
                 group,
                 shard_link,
@@ -101,7 +101,7 @@ def data_parallel_traffic(
             )
             add(
                 shard_axis,
-                "reduce-scatter",
+                REDUCE_SCATTER,
                 g * payload,
                 group,
                 shard_link,
@@ -112,7 +112,7 @@ def data_parallel_traffic(
         if layout.dp > 1 and layout.fsdp > 1:  # HSDP: replicas all-reduce their shard once a step
             once(
                 "dp",
-                "all-reduce",
+                ALL_REDUCE,
                 g * (dense / n + experts / n_exp),
                 layout.dp,
                 kinds.get("dp", "inter"),

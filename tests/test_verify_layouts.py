@@ -31,9 +31,19 @@ STEPS, LEDGER_STEP = 2, 1
 
 
 def activations_judged(case: layout_draw.Case) -> bool:
-    """Layout classes whose saved activations the planner's count does not meet within 10 % yet
-    (see the hand-off table): their activation row is shown but not asserted."""
-    return False
+    """False for the classes whose saved activations `fivefold.plan.activations` does not meet within
+    10 % yet; their activation row is shown but not asserted. Left out: pipelines (the in-flight
+    count per schedule), expert parallelism (the dispatch's saved rows), bf16 weights under
+    FSDP/`replicate` without full recompute, and MoE under autocast."""
+    lay = case.resolved()
+    bf16_weights = case.dtype == "bf16" and (lay.fsdp > 1 or (lay.tp > 1 and lay.dp * lay.cp > 1))
+    autocast = case.dtype == "bf16" and not bf16_weights
+    return not (
+        lay.pp > 1
+        or lay.ep > 1
+        or (bf16_weights and lay.recompute != "full")
+        or (case.model == "tiny-moe" and autocast)
+    )
 
 
 def _run_cases(rank: int, world: int, cases: list[layout_draw.Case]) -> list[dict]:
@@ -103,6 +113,12 @@ def test_the_draw_covers_every_axis_and_option() -> None:
     assert {lay.recompute for lay in lays} == {"none", "selective", "full"}
     assert {c.dtype for c in CASES} == {"fp32", "bf16"} and {c.model for c in CASES} == {"tiny", "tiny-moe"}
     assert any(lay.sp for lay in lays)
+    assert {lay.cp_impl for lay in lays if lay.cp > 1} == {"ring", "allgather", "ulysses"}
+    assert len({lay.pp_schedule for lay in lays if lay.pp > 1}) >= 5
+    assert any(lay.zero == 1 and lay.dp > 1 for lay in lays) and any(
+        lay.dp > 1 and lay.fsdp > 1 for lay in lays
+    )
+    assert sum(activations_judged(c) for c in CASES) >= 10
 
 
 @pytest.mark.slow

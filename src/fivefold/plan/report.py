@@ -98,7 +98,7 @@ def step_lower_bound(
     stages = stage_names(layout)
     times = []
     for which in stages:
-        n_dense, n_moe = stage_counts(model, layout.pp, which)
+        n_dense, n_moe = stage_counts(model, layout.pp, which, layout)
         mix = [(n_dense, lt[False])] + ([(n_moe, lt[True])] if n_moe else [])
         f = sum(c * x.fwd for c, x in mix)
         b = sum(c * x.bwd for c, x in mix)
@@ -179,7 +179,7 @@ def _plan(
     def stage_costs(which: str) -> tuple[float, float, float, float, list[tuple], tuple[float, float]]:
         """(t_f, t_b, compute, exposed comm) of one micro-batch through a stage, its collectives as
         (axis, op, payload, group, link, calls, exposed seconds, overlap), and one layer's (fwd, bwd)."""
-        n_dense, n_moe = stage_counts(model, layout.pp, which)
+        n_dense, n_moe = stage_counts(model, layout.pp, which, layout)
         n = n_dense + n_moe
         mix = [(n_dense, lt[False])] + ([(n_moe, lt[True])] if n_moe else [])
         f = sum(c * x.fwd for c, x in mix)
@@ -347,8 +347,6 @@ def _plan(
     notes = []
     if layout.pp > 1 and layout.pp_schedule == "interleaved-1f1b" and m % layout.pp:
         notes.append(f"interleaved 1F1B wants micro-batches ({m}) divisible by pp ({layout.pp})")
-    if layout.pp_split:
-        notes.append(f"--pp-split {layout.pp_split} is not modelled: the planner splits layers evenly")
     if (model.layers % (layout.pp * v)) != 0:
         notes.append(f"{model.layers} layers do not split evenly into pp×virtual = {layout.pp * v} chunks")
     return Plan(

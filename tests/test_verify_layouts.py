@@ -154,3 +154,33 @@ def test_a_planner_without_zero3_backward_gathers_fails() -> None:
     table = judged(case, forgetful)
     failed = [r for r in table if r.ok is False]
     assert failed and failed[0].judgment == "comm" and "all_gather" in failed[0].name
+
+
+@pytest.mark.slow
+def test_report_table(capsys) -> None:
+    """Per drawn layout: largest relative difference planned vs measured over all ranks, for
+    communication bytes, state bytes and saved activations, and the planner's time per rank."""
+    from fivefold.commands.verify import judge
+
+    lines = [f"{'layout':<112} {'comm':>8} {'state':>8} {'acts':>8} {'plan ms':>8}"]
+    for case in CASES:
+        table = judge(
+            load_model(case.model),
+            case.resolved(),
+            dataclasses.replace(case.train(), steps=STEPS),
+            case.accumulation,
+            measurement(case),
+            None,
+        )
+        comm = max((r.diff for r in table if r.judgment == "comm" and r.ok is not None), default=0.0)
+        state = max(
+            r.diff
+            for r in table
+            if r.judgment == "memory" and r.name.split()[0] in ("params", "grads", "optimizer")
+        )
+        acts = next(r.diff for r in table if r.name.startswith("saved activations"))
+        ms = next(r.planned for r in table if r.name == "planner time per rank")
+        lines.append(f"{case.name:<112} {comm:>8.2e} {state:>8.2e} {acts:>8.3f} {ms:>8}")
+        assert comm == 0.0 and state == 0.0
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))

@@ -183,7 +183,38 @@ def stage_split(spec: ModelSpec, layout: Layout, seq_len: int) -> list[int]:
     chunks = layout.pp * layout.virtual_stages
     if layout.pp_split:
         return parse_split(layout.pp_split, spec.layers, chunks)
-    return balanced_split(stage_costs(spec, seq_len), chunks)
+    key = (_spec_key(spec), chunks, seq_len)
+    if key not in _SPLITS:  # the planner asks for the same split for many layouts
+        _SPLITS[key] = balanced_split(stage_costs(spec, seq_len), chunks)
+    return list(_SPLITS[key])
+
+
+_SPLITS: dict[tuple, list[int]] = {}
+_SHAPES: dict[tuple, dict[str, tuple[int, ...]]] = {}
+
+
+def _spec_key(spec: ModelSpec) -> tuple:
+    """The fields that decide a model's shapes and costs (ModelSpec itself is not hashable)."""
+    return tuple(
+        getattr(spec, f)
+        for f in (
+            "name",
+            "layers",
+            "hidden",
+            "heads",
+            "kv_heads",
+            "head_dim",
+            "ffn_hidden",
+            "vocab",
+            "experts",
+        )
+    ) + (
+        spec.experts_per_token,
+        spec.expert_ffn_hidden,
+        spec.shared_experts,
+        spec.moe_layers,
+        spec.tie_embeddings,
+    )
 
 
 def stage_to_rank(stage: int, pp: int, schedule: str) -> int:
@@ -202,7 +233,32 @@ def rank_stages(rank: int, pp: int, virtual_stages: int, schedule: str) -> list[
 
 
 def param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """The single-process model's parameter shapes by name (fivefold.model.transformer's names)."""
+    """The single-process model's parameter shapes by name (fivefold.model.transformer's names).
+
+    Cached per model shape: callers must not modify the returned dict.
+    """
+    key = _spec_key(spec)
+    if key not in _SHAPES:
+        _SHAPES[key] = _param_shapes(spec)
+    return _SHAPES[key]
+
+
+_BY_LAYER: dict[tuple, dict[int, list[str]]] = {}
+
+
+def names_by_layer(spec: ModelSpec) -> dict[int, list[str]]:
+    """Parameter names of each transformer layer, in the model's order (cached; do not modify)."""
+    key = _spec_key(spec)
+    if key not in _BY_LAYER:
+        out: dict[int, list[str]] = {i: [] for i in range(spec.layers)}
+        for name in param_shapes(spec):
+            if name.startswith("model.layers."):
+                out[int(name.split(".")[2])].append(name)
+        _BY_LAYER[key] = out
+    return _BY_LAYER[key]
+
+
+def _param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     h, d, f, v = spec.hidden, spec.head_dim, spec.ffn_hidden, spec.vocab
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
     for i in range(spec.layers):

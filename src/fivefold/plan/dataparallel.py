@@ -17,6 +17,7 @@ from fivefold.layout_math import (
     BROADCAST,
     REDUCE_SCATTER,
     is_expert,
+    names_by_layer,
     numel,
     padded,
     param_shapes,
@@ -144,9 +145,9 @@ def units(run: RunShape, chunk: Chunk) -> list[list[str]]:
     )
     if chunk.first:
         out.append(["model.embed_tokens.weight"] + (head if spec.tie_embeddings else []))
+    by_layer = names_by_layer(spec)
     for i in chunk.layers:
-        prefix = f"model.layers.{i}."
-        out.append([n for n in names if n.startswith(prefix) and keep(n)])
+        out.append([n for n in by_layer[i] if keep(n)])
     if head and not (spec.tie_embeddings and chunk.first):
         out.append(head)
     return out

@@ -9,7 +9,7 @@ gives this dp rank (largest first, each to the least-loaded rank, decay group th
 
 from __future__ import annotations
 
-from fivefold.layout_math import chunk_rows, is_expert, numel, param_shapes, tp_local_shape
+from fivefold.layout_math import chunk_rows, is_expert, names_by_layer, numel, param_shapes, tp_local_shape
 from fivefold.plan.dataparallel import units
 from fivefold.plan.runshape import Chunk, RunShape
 
@@ -22,9 +22,8 @@ def local_shapes(run: RunShape, chunk: Chunk, coords: dict[str, int]) -> dict[st
     shapes = param_shapes(spec)
     names = [n for unit in units(run, chunk) for n in unit]
     if lay.ep > 1:
-        names += [
-            n for i in chunk.layers for n in shapes if n.startswith(f"model.layers.{i}.") and is_expert(n)
-        ]
+        by_layer = names_by_layer(spec)
+        names += [n for i in chunk.layers for n in by_layer[i] if is_expert(n)]
     out = {}
     for name in names:
         local = tp_local_shape(name, shapes[name], spec, lay.tp)

@@ -34,7 +34,7 @@ def _reference_groups(sizes: dict[str, int], order: list[str], varying: tuple[st
 
 
 def test_seed_example_hsdp_with_tp():
-    # 8 GPUs, 2 nodes of 4, TP 2, FSDP 2, DP 2 (the seed's "Show as data" table)
+    # 8 GPUs, 2 nodes of 4, TP 2, FSDP 2, DP 2 (the mesh table of docs/mesh.md)
     m = build_mesh(Layout(tp=2, fsdp=2, dp=2), 8, 4)
     assert m.dims["tp"].groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert m.dims["fsdp"].groups == [[0, 2], [1, 3], [4, 6], [5, 7]]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from fivefold.config import AXES, Layout
+from fivefold.config import AXES, Layout, complete_order
 from fivefold.errors import FivefoldError, divisors
 
 DERIVED_DIMS = ("ep", "expert_fsdp", "fsdp_cp", "batch", "dp_fsdp_cp")
@@ -175,7 +175,7 @@ def _axis_groups(world: int, stride: int, size: int) -> list[list[int]]:
 
 
 def comm_words(name: str, layout: Layout) -> str:
-    """What the dim's collectives are, in the seed's words."""
+    """What the dim's collectives are, in words (docs/mesh.md)."""
     if name == "dp":
         if layout.fsdp > 1:  # HSDP: FSDP shards inside a replica, DP all-reduces across
             return "all-reduce (grads, across replicas)"
@@ -203,6 +203,7 @@ def resolve_layout(layout: Layout, world: int) -> Layout:
     """`Layout.resolve`, with the nearest valid layouts added to its message."""
     if world <= 0:
         raise FivefoldError(f"--gpus must be positive, got {world}")
+    complete_order(layout.order)  # a bad --order is not cured by other factors: no suggestions
     try:
         return layout.resolve(world)
     except FivefoldError as exc:

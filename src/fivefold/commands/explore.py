@@ -6,7 +6,6 @@ import argparse
 
 from fivefold.config import add_layout_arguments
 
-HELP = "write an interactive HTML page of mesh, plan and run"
 _LAYOUT_FLAGS = (
     "dp",
     "fsdp",

@@ -17,8 +17,6 @@ from typing import Any
 
 from fivefold.errors import FivefoldError
 
-HELP = "sample text from a run directory or an HF checkpoint"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(

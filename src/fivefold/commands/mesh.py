@@ -11,8 +11,6 @@ from html import escape
 from fivefold.config import AXES, add_layout_arguments, layout_from_args
 from fivefold.errors import FivefoldError
 
-HELP = "show which ranks talk to which for a layout, inside or across nodes"
-
 # dims shown in the picture and accepted by --axis
 PICTURE_DIMS = AXES + ("ep", "expert_fsdp", "fsdp_cp", "batch", "dp_fsdp_cp")
 PALETTE = [
@@ -103,7 +101,7 @@ def _write_svg(info, axis: str, path: str) -> None:
 
 
 def render_table(info) -> str:
-    """The seed's table: Dim, Factor, Groups, Links, Comm; world axes innermost first, then EP."""
+    """The mesh table: Dim, Factor, Groups, Links, Comm; world axes innermost first, then EP."""
     from fivefold.mesh import LINK_WORDS
 
     names = list(info.layout.order_list)

@@ -6,8 +6,6 @@ import argparse
 
 from fivefold.config import add_layout_arguments
 
-HELP = "predict memory, communication, bubble, step time and MFU; search layouts"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model preset, MODEL.toml or HF config.json")

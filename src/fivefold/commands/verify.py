@@ -40,7 +40,6 @@ from fivefold.config import (
 )
 from fivefold.errors import FivefoldError
 
-HELP = "run a layout and the single-process reference; judge numerics, communication and memory"
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
 BF16_LOSS_RTOL = 2e-2

@@ -1,6 +1,6 @@
 """Collective costs: bytes on the wire per rank and time, from a latency + bandwidth model per link.
 
-Ring algorithms (Patarasuk & Yuan 2009; the seed's ring all-reduce theorem): for a payload of B
+Ring algorithms (Patarasuk & Yuan 2009; the ring all-reduce bound in docs/planner.md): for a payload of B
 bytes over n ranks, an all-reduce sends 2(n-1)/n·B per rank in 2(n-1) steps; all-gather and
 reduce-scatter send (n-1)/n·B in n-1 steps (B is the full, gathered size); an all-to-all sends
 (n-1)/n·B; a point-to-point send is B in one step. Time = steps·α + wire / (β·link_efficiency),

@@ -27,6 +27,13 @@ class Case:
     accumulation: int
 
     @property
+    def steps(self) -> int:
+        """DDP rebuilds its buckets (two broadcasts) in step 1's forward: measure step 2 there."""
+        lay = self.resolved()
+        ddp = lay.pp == 1 and lay.tp == 1 and lay.fsdp == 1 and lay.dp * lay.cp > 1
+        return 3 if ddp else 2
+
+    @property
     def name(self) -> str:
         lay = ",".join(f"{k}={v}" for k, v in self.layout.items())
         return f"w{self.world}-{self.model}-{self.dtype}-{lay}"
@@ -46,7 +53,7 @@ class Case:
             seed=7,
             dtype=self.dtype,
             global_batch=rows,
-            steps=2,
+            steps=self.steps,
         )
 
 
@@ -79,9 +86,6 @@ def _candidate(rng: random.Random, world: int) -> Case:
         lay["ep"] = rng.choice([e for e in (2, 4) if (fsdp * lay.get("cp", 1)) % e == 0] or [1])
     lay["recompute"] = rng.choice(("none", "selective", "full"))
     accumulation = rng.choice((1, 2))
-    ddp = lay.get("tp", 1) == 1 and fsdp == 1 and dp * lay.get("cp", 1) > 1
-    if ddp:  # DDP rebuilds its buckets (two broadcasts) in the first forward after a backward:
-        accumulation = 2  # with 2 micro-batches that is in step 0, not in the measured step 1
     if lay.get("pp", 1) > 1:
         sched = rng.choice(SCHEDULES)
         v = 2 if sched not in ("gpipe", "1f1b") else 1

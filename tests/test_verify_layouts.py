@@ -3,7 +3,7 @@
 The draw (tests/layout_draw.py) covers dp, fsdp (ZeRO 2/3), HSDP, DDP + ZeRO-1, tp with and without
 sp, cp with each impl, ep, pp with every schedule, recompute none/selective/full, dense and MoE,
 fp32 and bf16, on 2, 4 and 8 ranks. One spawned gloo group per world size runs all its cases; each
-measures its step 1 (forward, backward, clipping, optimizer) on every rank. For every case:
+measures its last step (forward, backward, clipping, optimizer) on every rank. For every case:
   * numerics: losses and updated parameters against the single process (verify's tolerances);
   * communication: every (axis, op) on every rank, calls and bytes equal to `fivefold.plan.step`;
   * memory: params, grads and optimizer bytes equal to the plan; saved activations within 10 %.
@@ -12,7 +12,6 @@ Then a planner that forgets ZeRO-3's backward all-gather must make the judgment 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import warnings
@@ -27,7 +26,6 @@ from fivefold.config import load_model
 SEED = 10
 WORLDS = (2, 2, 4, 4, 8)  # the draw cycles through these: fewer 8-rank groups on a small machine
 CASES = layout_draw.draw(SEED, 30, WORLDS)
-STEPS, LEDGER_STEP = 2, 1
 
 
 def activations_judged(case: layout_draw.Case) -> bool:
@@ -58,9 +56,8 @@ def _run_cases(rank: int, world: int, cases: list[layout_draw.Case]) -> list[dic
         start = time.perf_counter()
         layout, train = case.resolved(), case.train()
         mesh = build_runtime_mesh(layout)
-        result = measure_layout(
-            load_model(case.model), train, layout, train.global_batch, STEPS, mesh, LEDGER_STEP
-        )
+        spec = load_model(case.model)
+        result = measure_layout(spec, train, layout, train.global_batch, case.steps, mesh, case.steps - 1)
         result["coords"] = placement(mesh)
         result["seconds"] = time.perf_counter() - start
         out.append(result)
@@ -89,19 +86,20 @@ def measurement(case: layout_draw.Case) -> list[dict]:
 def reference(case: layout_draw.Case):
     from fivefold.parallel.compare import run_reference
 
-    train = dataclasses.replace(case.train(), steps=STEPS)
-    key = (case.model, train.global_batch)
+    train = case.train()
+    key = (case.model, train.global_batch, case.steps)
     if key not in _references:
-        _references[key] = run_reference(load_model(case.model), train, train.global_batch, STEPS)
+        _references[key] = run_reference(load_model(case.model), train, train.global_batch, case.steps)
     return _references[key]
 
 
 def judged(case: layout_draw.Case, planner=None):
     from fivefold.commands.verify import judge
 
-    train = dataclasses.replace(case.train(), steps=STEPS)
     spec = load_model(case.model)
-    return judge(spec, case.resolved(), train, case.accumulation, measurement(case), reference(case), planner)
+    return judge(
+        spec, case.resolved(), case.train(), case.accumulation, measurement(case), reference(case), planner
+    )
 
 
 def test_the_draw_covers_every_axis_and_option() -> None:
@@ -136,6 +134,10 @@ def test_verify_judgments_pass(case: layout_draw.Case) -> None:
     assert any(r.judgment == "comm" for r in table) and any(r.name.startswith("params") for r in table)
 
 
+def key_axis(layout) -> str:
+    return "fsdp" if layout.cp == 1 else "fsdp_cp"
+
+
 @pytest.mark.slow
 def test_a_planner_without_zero3_backward_gathers_fails() -> None:
     from fivefold.layout_math import ALL_GATHER
@@ -146,14 +148,16 @@ def test_a_planner_without_zero3_backward_gathers_fails() -> None:
 
     def forgetful(*args, **kwargs):
         plan = plan_step(*args, **kwargs)
-        key = (("fsdp" if layout.cp == 1 else "fsdp_cp"), ALL_GATHER)
+        key = (key_axis(layout), ALL_GATHER)
         calls, nbytes = plan.comm[key]
         plan.comm[key] = (calls // 2, nbytes // 2)  # the forward's gathers only
         return plan
 
-    table = judged(case, forgetful)
-    failed = [r for r in table if r.ok is False]
-    assert failed and failed[0].judgment == "comm" and "all_gather" in failed[0].name
+    assert all(r.ok is not False for r in judged(case) if r.judgment == "comm")
+    failed = [r for r in judged(case, forgetful) if r.ok is False]
+    assert [r.name.split(" (")[0] for r in failed if r.judgment == "comm"] == [
+        f"{key_axis(layout)} all_gather"
+    ]
 
 
 @pytest.mark.slow
@@ -167,7 +171,7 @@ def test_report_table(capsys) -> None:
         table = judge(
             load_model(case.model),
             case.resolved(),
-            dataclasses.replace(case.train(), steps=STEPS),
+            case.train(),
             case.accumulation,
             measurement(case),
             None,

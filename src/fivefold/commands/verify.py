@@ -9,14 +9,16 @@ the saved-activation bytes of its forward + backward, the state bytes held. Thre
 table, a PASS/FAIL per row:
 
   1. numerics: losses within 1e-5 relative, updated parameters within 1e-5 absolute of the single
-     process (fp32; bf16 runs: 2e-2 and half of what AdamW can move a weight in the run);
+     process (fp32; bf16 runs, coarsely: losses within 2e-2, parameters within 2·lr·steps);
   2. communication: for every (axis, op) of the step, on every rank, measured calls and bytes equal
      the planner's (`fivefold.plan.step`) exactly; expert all-to-alls are planned from the rows
      the run actually routed to each rank (the imbalance max/mean is reported);
   3. memory per rank: parameters, gradients and optimizer state equal the plan exactly; saved
      activations within 10 %; the process's peak memory is shown.
 
-Exit 0 when every row passes; exit 1 naming the first row that failed.
+Exit 0 when every row passes; exit 1 naming the first row that failed. DDP rebuilds its buckets
+(two small broadcasts) in the first forward after the first synchronised backward: measure a
+later step than step 1 for layouts that use it (the default, the last of 5, is).
 """
 
 from __future__ import annotations
@@ -209,9 +211,10 @@ def _numerics(train: TrainSpec, per_rank: list[dict], reference: Any) -> list[Ro
     ours = RunResult(per_rank[0]["losses"], per_rank[0]["grad_norms"], params)
     bf16 = train.dtype == "bf16"
     loss_rtol = BF16_LOSS_RTOL if bf16 else LOSS_RTOL
-    # bf16 rounds every matmul: an AdamW step moves a weight by about lr, so half of the run's total
-    # movement is the bound that still catches a wrong shard or a lost gradient
-    param_atol = 0.5 * train.lr * train.steps if bf16 else PARAM_ATOL
+    # bf16 against the fp32 reference is a coarse check: AdamW moves a weight by at most about lr a
+    # step whatever its gradient, and bf16 rounding can flip the sign of a small gradient, so two
+    # healthy runs may differ by up to 2·lr per step; beyond that something else is wrong
+    param_atol = 2 * train.lr * train.steps if bf16 else PARAM_ATOL
     cmp = compare(reference, ours, loss_rtol, param_atol)
     same = all(r["losses"] == per_rank[0]["losses"] for r in per_rank)
     rows = []

@@ -43,18 +43,21 @@ def layer_saved(run: RunShape, moe: bool) -> float:
     heads = spec.heads // tp
     kv = spec.kv_heads // tp if tp <= spec.kv_heads else 1
     kv_rows = spec.kv_heads if tp > spec.kv_heads else kv  # replicated projections stay whole
-    fp32_norm = 4 * n + 4 * n * h  # reciprocal RMS and the normalised fp32 tensor
-    if not run.autocast and mm == 2:  # bf16 weights: the fp32 copy of the input and a bf16 output
-        fp32_norm += 4 * n * h + 2 * n * h
+    bf16_weights = mm == 2 and not run.autocast  # FSDP / `replicate` cast the weights to bf16
+    # a norm keeps the fp32 reciprocal RMS and normalised tensor; with bf16 weights also the fp32
+    # copy of its input and the bf16 normalised tensor its weight multiplies
+    fp32_norm = 4 * n + 4 * n * h + (2 * n * h if bf16_weights else 0)
     mlp_consumers = (1 + 2 * (spec.experts > 0)) if moe else 2
     norms = 2 * fp32_norm + _linear_inputs(run, t, h, 3) + _linear_inputs(run, t, h, mlp_consumers)
-    stream = n * h * st * (2 if run.autocast or mm == 2 else 1)  # residual between the halves (+ output)
+    # the residual between the halves (and, under autocast, the block's output) in the stream dtype;
+    # with bf16 weights the norms' fp32 input copies are what is kept
+    stream = 0 if bf16_weights else n * h * st * (2 if run.autocast else 1)
     q, k = t * heads * d, t * kv * d
     qk = (q + k) * (2 if run.autocast else st)  # rotary q, k as the core saves them
     core = qk + k * mm + q * mm + 4 * t * heads  # + v, the output, the log-sum-exp
     if lay.recompute == "selective":
         core -= 4 * t * heads
-    attn = core + (0 if run.autocast else q * mm)  # the output's copy into o_proj
+    attn = core + (0 if run.autocast or bf16_weights else q * mm)  # the output's copy into o_proj
     attn += _weights(run, (2 * spec.heads * d) * h / tp + 2 * kv_rows * d * h)
     if moe:
         mlp = _moe_saved(run, t if not lay.sp else n * tp)
@@ -65,15 +68,25 @@ def layer_saved(run: RunShape, moe: bool) -> float:
 
 
 def _moe_saved(run: RunShape, t: int) -> float:
-    """Router, sorted rows, each expert's SwiGLU on its rows, the weighted combine, shared expert."""
+    """Router, sorted rows, each expert's SwiGLU on its rows, the weighted combine, shared expert.
+
+    Under autocast each expert's weights are cast per call (slices of one tensor: not cached) and
+    its rows cast for gate and up; the combine's weighting promotes to fp32."""
     spec = run.spec
     h, e, k, fe, mm = spec.hidden, spec.experts, spec.experts_per_token, spec.expert_ffn_hidden, run.act_bytes
+    fs = fe * spec.shared_experts
     rows = k * t
-    router = 4 * t * e + 8 * rows + 4 * t + 4 * rows
+    router = 4 * t * e + 8 * rows + 4 * t + 4 * rows + _weights(run, e * h)
+    aux = 4 * run.micro_batch * e
+    if run.autocast:
+        sort = 8 * rows + 8 * rows + 4 * rows
+        experts = 2 * 3 * fe * h * e + 2 * rows * h * 2 + 4 * rows * fe * 2 + rows * h * 2 + rows * h * 4
+        shared = 2 * 3 * fs * h + 4 * t * fs * 2
+        return router + sort + experts + shared + aux
     sort = 8 * rows + 4 * rows * h + 8 * rows + 4 * rows
     experts = 4 * rows * fe * mm + 2 * 4 * rows * h
-    shared = 4 * t * fe * spec.shared_experts * mm
-    return router + sort + experts + shared + 4 * run.micro_batch * e
+    shared = 4 * t * fs * mm
+    return router + sort + experts + shared + aux
 
 
 def micro_batch_saved(run: RunShape, chunk: Chunk) -> float:
@@ -81,11 +94,13 @@ def micro_batch_saved(run: RunShape, chunk: Chunk) -> float:
     t, h = run.tokens, spec.hidden
     n = t // lay.tp if lay.sp else t
     total = sum(layer_saved(run, spec.is_moe_layer(i)) for i in chunk.layers)
+    bf16_weights = run.act_bytes == 2 and not run.autocast
     total += 2 * t * spec.head_dim * (4 if run.autocast else run.act_bytes)  # cos, sin
-    if chunk.first:
-        total += 8 * t + n * h * run.stream_bytes  # token ids, the first block's input
+    if chunk.first:  # token ids, the first block's input (with bf16 weights its norm's fp32 copy)
+        total += 8 * t + (0 if bf16_weights else n * h * run.stream_bytes)
     if chunk.last:  # final norm, the head's input (and autocast's weight copy), fp32 log-softmax
-        total += 4 * n + 4 * n * h + _linear_inputs(run, t, h, 1) + _weights(run, spec.vocab * h / lay.tp)
+        total += 4 * n + 4 * n * h + (2 * n * h if bf16_weights else 0)
+        total += _linear_inputs(run, t, h, 1) + _weights(run, spec.vocab * h / lay.tp)
         total += 4 * t * spec.vocab // lay.tp + 8 * t + 4
     return total
 

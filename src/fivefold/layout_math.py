@@ -71,9 +71,9 @@ def wire_bytes(op: str, payload: float, n: int) -> float:
 def replica_axis(layout: Layout, dims: tuple[str, ...]) -> str | None:
     """The ledger's name for a flattened group over `dims`: the one split axis, or the flat name."""
     names = {("dp", "fsdp"): "batch", ("fsdp", "cp"): "fsdp_cp", ("dp", "fsdp", "cp"): "dp_fsdp_cp"}
-    if dims == ("dp", "fsdp", "cp") and layout.dp == 1:  # the same ranks as fsdp×cp, named first
-        dims = ("fsdp", "cp")
     split = [a for a in dims if getattr(layout, a) > 1]
+    if dims == ("dp", "fsdp", "cp") and split == ["fsdp", "cp"]:  # the fsdp×cp ranks, named first
+        return names[("fsdp", "cp")]
     if not split:
         return None
     if len(split) == 1 and not (dims == ("fsdp", "cp") and split[0] == "cp"):

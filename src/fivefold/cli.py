@@ -17,7 +17,7 @@ COMMANDS: dict[str, str] = {
     "plan": "predict memory, communication, bubble, step time and MFU; search layouts",
     "mesh": "show which ranks talk to which for a layout, inside or across nodes",
     "train": "train a transformer on a layout (CPU/gloo or GPU/NCCL)",
-    "verify": "run a layout and the single-process reference; compare them and the plan",
+    "verify": "run a layout; judge numerics, traffic and memory against the single process and the plan",
     "generate": "sample text from a run directory or an HF checkpoint",
     "report": "draw a run's loss curve, ledger and pipeline timeline",
     "explore": "write an interactive HTML page of mesh, plan and run",

@@ -148,6 +148,8 @@ def _pictures(wanted: list[tuple[str, int, int, int]], layouts: list[dict[str, A
             break
         spent += size
         pic = pipeline_picture(sched, p, m, v)
+        if "error" in pic:
+            continue
         pic.pop("ops", None)  # the lab draws the raster; op detail only for the listed layouts
         out[key] = pic
     return out

@@ -21,7 +21,10 @@ def pipeline_picture(schedule: str, pp: int, microbatches: int, virtual_stages: 
     """The replayed timeline of one step: per rank its ops (or raster) and the idle share."""
     from fivefold.parallel.bubble import simulated_bubble  # imports torch's schedules: only when drawn
 
-    sim = simulated_bubble(schedule, pp, microbatches, virtual_stages, COST_MODEL)
+    try:
+        sim = simulated_bubble(schedule, pp, microbatches, virtual_stages, COST_MODEL)
+    except ValueError as exc:  # torch refuses the table (e.g. V schedules want m >= 2p): say so
+        return {"schedule": schedule, "p": pp, "m": microbatches, "error": str(exc)}
     total = sum(len(row) for row in sim.timeline)
     makespan = sim.makespan
     picture: dict[str, Any] = {

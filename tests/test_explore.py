@@ -304,4 +304,4 @@ def test_cli_writes_the_page(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     data = _embedded(out.read_text())
-    assert data["layouts"][0]["mesh"]["world"] == 16 and data["lab"] is None
+    assert data["layouts"][0]["mesh"]["world"] == 16 and data["labs"] == []

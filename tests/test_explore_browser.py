@@ -91,7 +91,9 @@ def lab_page(browser, tmp_path_factory):
     run = write_run(tmp / "run", axis=HOSTILE)
     model, hw = load_model("llama3-8b"), load_hardware("h100-80gb")
     layout = resolve_layout(Layout(tp=2, pp=2, dp=-1, sp=True, zero=1, pp_schedule="zero-bubble"), 16)
-    html = build_page(model, hw, 16, TrainShape(seq_len=2048, global_batch=64), layout, run_dir=run, top=2)
+    also = [(load_hardware("a100-80gb"), 8, 8)]
+    shape = TrainShape(seq_len=2048, global_batch=64)
+    html = build_page(model, hw, 16, shape, layout, run_dir=run, top=2, lab_also=also)
     page = _open(browser, html, tmp / "page.html")
     yield page
     assert page.errors == [], page.errors  # no console errors, no request leaving the file
@@ -253,6 +255,22 @@ def test_lab_numbers_are_the_planners_and_follow_the_controls(lab_page) -> None:
     text = lab_page.inner_text("#labMessage")
     assert "invalid" in text and "does not divide 16 GPUs" in text, text
     assert lab_page.query_selector("#labResult canvas") is None
+
+
+def test_lab_switches_cluster(lab_page) -> None:
+    lab_page.click('#tabs button[data-view="lab"]')
+    lab_page.select_option("[data-control=hardware]", "a100-80gb")
+    assert lab_page.input_value("[data-control=gpus]") == "8"
+    if lab_page.query_selector("[data-role=nearest]"):
+        lab_page.click("[data-role=nearest]")
+    want = assert_result_matches_plan(lab_page, "#labResult")
+    assert (want["hardware"], want["gpus"]) == ("a100-80gb", 8)
+    assert lab_page.get_attribute("#labResult canvas[data-role=grid]", "data-ranks") == "8"
+    lab_page.select_option("[data-control=hardware]", "h100-80gb")
+    assert lab_page.input_value("[data-control=gpus]") == "16"
+    if lab_page.query_selector("[data-role=nearest]"):
+        lab_page.click("[data-role=nearest]")
+    assert assert_result_matches_plan(lab_page, "#labResult")["gpus"] == 16
 
 
 def test_pipeline_figure_is_the_drawings(lab_page) -> None:

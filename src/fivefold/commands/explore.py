@@ -38,6 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=5, help="also show the search's best N layouts (0: none)")
     parser.add_argument("--out", default="explore.html", help="where to write the page")
     parser.add_argument(
+        "--lab-also",
+        action="append",
+        default=[],
+        metavar="HW:GPUS[:GPUS_PER_NODE]",
+        help="also put this cluster in the layout lab (repeatable), e.g. h200:1024",
+    )
+    parser.add_argument(
         "--no-lab",
         action="store_true",
         help="leave out the layout lab (the planner's result for every layout the search considers)",
@@ -88,8 +95,18 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.is_dir():
         raise FivefoldError(f"--out {out} is a directory: give the path of the page to write")
+    also = [_cluster(text, load_hardware) for text in args.lab_also]
     html = build_page(
-        model, hw, gpus, shape, resolved, args.gpus_per_node, args.run, args.top, lab=not args.no_lab
+        model,
+        hw,
+        gpus,
+        shape,
+        resolved,
+        args.gpus_per_node,
+        args.run,
+        args.top,
+        lab=not args.no_lab,
+        lab_also=also,
     )
     tmp = out.with_suffix(out.suffix + ".tmp")
     try:
@@ -102,3 +119,16 @@ def run(args: argparse.Namespace) -> int:
         raise FivefoldError(f"--out {out}: cannot write the page there ({exc.strerror or exc})") from None
     print(f"wrote {out} ({len(html) / 1e3:.0f} kB): open it in a browser")
     return 0
+
+
+def _cluster(text: str, load_hardware):  # noqa: ANN001 - the loader is passed to keep imports lazy
+    """'h200:1024' or 'h200:1024:8' -> (hardware, GPUs, GPUs per node)."""
+    from fivefold.errors import FivefoldError
+
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or not all(p.strip().isdigit() and int(p) > 0 for p in parts[1:]):
+        raise FivefoldError(
+            f"--lab-also {text!r}: expected HW:GPUS or HW:GPUS:GPUS_PER_NODE with positive integers"
+        )
+    hw = load_hardware(parts[0])
+    return hw, int(parts[1]), int(parts[2]) if len(parts) == 3 else hw.gpus_per_node

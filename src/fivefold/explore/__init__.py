@@ -81,6 +81,7 @@ def build_page(
     run_dir: str | Path | None = None,
     top: int = 5,
     lab: bool = True,
+    lab_also: list[tuple[HardwareSpec, int, int]] = (),  # type: ignore[assignment]
 ) -> str:
     """The HTML page as a string."""
     gpn = gpus_per_node or hw.gpus_per_node
@@ -102,9 +103,14 @@ def build_page(
         raise FivefoldError("nothing to show: give a layout or let the search run (--top > 0)")
     if bars:
         layouts[0]["trace"] = bars
-    table = lab_table(model, hw, gpus, shape, gpn, [layout] if layout is not None else []) if lab else None
-    if table is not None:
-        table["pictures"] = _pictures(table.pop("pipelines"), layouts)
+    labs = []
+    if lab:  # the page's own cluster first, then any others asked for
+        labs.append(lab_table(model, hw, gpus, shape, gpn, [layout] if layout is not None else []))
+        labs[0]["pictures"] = _pictures(labs[0].pop("pipelines"), layouts)
+        for other_hw, other_gpus, other_gpn in lab_also:
+            table = lab_table(model, other_hw, other_gpus, shape, other_gpn)
+            table["pictures"] = _pictures(table.pop("pipelines"), [])
+            labs.append(table)
     data = {
         "title": f"{model.name} on {gpus} × {hw.name}",
         "subtitle": f"{model.num_params() / 1e9:.2f}B parameters · sequence {shape.seq_len} · global batch "
@@ -119,7 +125,7 @@ def build_page(
         },
         "layouts": layouts,
         "explanation": explanation,
-        "lab": table,
+        "labs": labs,
         "strategies": strategy_cards(model, hw, shape.seq_len, gpn),
         "inference": _inference_rows(model, hw, gpus, gpn, shape.seq_len),
         "run": run,

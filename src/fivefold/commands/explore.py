@@ -6,7 +6,6 @@ import argparse
 
 from fivefold.config import add_layout_arguments
 
-HELP = "write an interactive HTML page of mesh, plan and run"
 _LAYOUT_FLAGS = (
     "dp",
     "fsdp",
@@ -30,13 +29,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hardware", default=None, help="hardware preset or HW.toml (default: h100-80gb, or cpu for a run)"
     )
     parser.add_argument("--gpus", type=int, default=None, help="world size (default: the run's)")
-    parser.add_argument("--gpus-per-node", type=int, default=None)
-    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=None, help="GPUs per node (default: the hardware's)"
+    )
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 4096)")
     parser.add_argument("--global-batch", type=int, default=None, help="sequences per step")
     parser.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default 1)")
     parser.add_argument("--run", default=None, help="a run directory: its config, loss, ledger and timeline")
     parser.add_argument("--top", type=int, default=5, help="also show the search's best N layouts (0: none)")
     parser.add_argument("--out", default="explore.html", help="where to write the page")
+    parser.add_argument(
+        "--lab-also",
+        action="append",
+        default=[],
+        metavar="HW:GPUS[:GPUS_PER_NODE]",
+        help="also put this cluster in the layout lab (repeatable), e.g. h200:1024",
+    )
+    parser.add_argument(
+        "--no-lab",
+        action="store_true",
+        help="leave out the layout lab (the planner's result for every layout the search considers)",
+    )
     add_layout_arguments(parser)
 
 
@@ -64,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
     hw = load_hardware(args.hardware or ("cpu" if base and not args.model else "h100-80gb"))
     layout = layout_from_args(args, base.layout if base else None)
     given = base is not None or any(getattr(args, f) is not None for f in _LAYOUT_FLAGS)
+    for flag in ("gpus", "gpus_per_node", "seq_len", "global_batch", "micro_batch"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise FivefoldError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
     gpus = args.gpus or (base.layout.world if base else None)
     if not gpus:
         raise FivefoldError("give --gpus N (the world size)")
@@ -76,11 +93,43 @@ def run(args: argparse.Namespace) -> int:
     if given and args.dp is None and args.fsdp is None and not base:
         layout.dp = -1
     resolved = resolve_layout(layout, gpus) if given else None
-    html = build_page(model, hw, gpus, shape, resolved, args.gpus_per_node, args.run, args.top)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():
+        raise FivefoldError(f"--out {out} is a directory: give the path of the page to write")
+    also = [_cluster(text, load_hardware) for text in args.lab_also]
+    html = build_page(
+        model,
+        hw,
+        gpus,
+        shape,
+        resolved,
+        args.gpus_per_node,
+        args.run,
+        args.top,
+        lab=not args.no_lab,
+        lab_also=also,
+    )
     tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(html)
-    tmp.replace(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(html)
+        tmp.replace(out)
+    except OSError as exc:
+        if tmp.exists():
+            tmp.unlink()
+        raise FivefoldError(f"--out {out}: cannot write the page there ({exc.strerror or exc})") from None
     print(f"wrote {out} ({len(html) / 1e3:.0f} kB): open it in a browser")
     return 0
+
+
+def _cluster(text: str, load_hardware):  # noqa: ANN001 - the loader is passed to keep imports lazy
+    """'h200:1024' or 'h200:1024:8' -> (hardware, GPUs, GPUs per node)."""
+    from fivefold.errors import FivefoldError
+
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or not all(p.strip().isdigit() and int(p) > 0 for p in parts[1:]):
+        raise FivefoldError(
+            f"--lab-also {text!r}: expected HW:GPUS or HW:GPUS:GPUS_PER_NODE with positive integers"
+        )
+    hw = load_hardware(parts[0])
+    return hw, int(parts[1]), int(parts[2]) if len(parts) == 3 else hw.gpus_per_node

@@ -1,9 +1,10 @@
-"""`explore`: one self-contained HTML page that shows a layout as pictures.
+"""`explore`: one self-contained HTML page to play with layouts, driven by the planner.
 
-It embeds the contract JSON of `mesh` and `plan` for the asked layout and the search's best few
-(switchable on the page), and, given a run directory, its loss curve, ledger and measured
-timeline. Pure Python: reads the run's JSON files, never imports torch. The page has no external
-scripts, fonts or requests, so it opens from disk anywhere.
+Views: the strategy picker (what each strategy cuts and what it costs for this model), the
+layout lab (a factor per axis; every number is the planner's, precomputed for every layout the
+search considers), the search's best layouts with its explanation, inference, a run directory
+(loss and held-out loss, the measured ledger beside the plan, the measured timeline) and a
+cheat sheet. The page has no external scripts, fonts or requests, so it opens from disk anywhere.
 """
 
 from __future__ import annotations
@@ -15,121 +16,59 @@ from typing import Any
 
 from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError
+from fivefold.explore.lab import lab_key, lab_table
+from fivefold.explore.meshview import mesh_view
+from fivefold.explore.run import read_run, trace_bars
+from fivefold.explore.strategy import strategy_cards
+from fivefold.explore.timeline import pipeline_picture
 from fivefold.mesh import build_mesh, describe
 from fivefold.plan import Plan, TrainShape, plan
 from fivefold.plan.search import layout_flags, search
 
-MAX_RANKS_SHOWN = 512  # the grid shows the first nodes of bigger worlds
-MAX_TRACE_EVENTS = 4000
+# the lab's pipeline pictures are replays (torch's schedule tables): embed those of up to
+# PICTURE_ACTIONS stage×micro-batch×chunk actions each, smallest first, up to PICTURES_TOTAL in all
+PICTURE_ACTIONS = 2048
+PICTURES_TOTAL = 60_000
 
-
-def mesh_view(layout: Layout, world: int, gpus_per_node: int) -> dict[str, Any]:
-    """The mesh reduced to what the page draws: per dim, each shown rank's group index."""
-    shown = min(world, MAX_RANKS_SHOWN)
-    info = build_mesh(layout, world, gpus_per_node)
-    dims, group_index = [], {}
-    for dim in info.dims.values():
-        index = [0] * world
-        for g, members in enumerate(dim.groups):
-            for r in members:
-                index[r] = g
-        group_index[dim.name] = index[:shown]
-        dims.append(
-            {
-                "name": dim.name,
-                "size": dim.size,
-                "link": dim.link,
-                "comm": dim.comm,
-                "groups_count": len(dim.groups),
-            }
-        )
-    return {
-        "world": world,
-        "gpus_per_node": gpus_per_node,
-        "dims": dims,
-        "group_index": group_index,
-        "group_index_shown": shown,
-        "coords": [r.coords for r in info.ranks[:shown]],
-        "reading": describe(info),
-    }
+__all__ = ["build_page", "read_run", "trace_bars"]
 
 
 def layout_entry(label: str, result: Plan) -> dict[str, Any]:
-    mesh = mesh_view(result.layout, result.gpus, result.gpus_per_node)
-    return {
+    lay = result.layout
+    entry = {
         "label": label,
-        "flags": layout_flags(result.layout),
+        "flags": layout_flags(lay),
+        "key": lab_key(lay, result.shape.micro_batch),
         "plan": result.to_json(),
-        "mesh": mesh,
-        "reading": mesh["reading"],
+        "mesh": mesh_view(lay, result.gpus_per_node),
+        "reading": describe(build_mesh(lay, result.gpus, result.gpus_per_node))
+        if result.gpus <= 4096
+        else "",
     }
+    if lay.pp > 1:
+        entry["pipeline"] = pipeline_picture(lay.pp_schedule, lay.pp, result.microbatches, lay.virtual_stages)
+    return entry
 
 
-def read_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Metrics, ledger summary and the last step's timeline of a run directory."""
-    run = Path(run_dir)
-    if not run.is_dir():
-        raise FivefoldError(f"run directory not found: {run}")
-    metrics_path = run / "metrics.jsonl"
-    if not metrics_path.exists():
-        raise FivefoldError(f"{run} is not a run directory: metrics.jsonl is missing")
-    metrics = []
-    for line in metrics_path.read_text().splitlines():
-        if line.strip():
+def _inference_rows(model: ModelSpec, hw: HardwareSpec, gpus: int, gpn: int, context: int) -> list[dict]:
+    """Serving layouts (tp inside a node × pp, the rest replicas) planned by `plan --mode inference`."""
+    from fivefold.mesh import resolve_layout
+    from fivefold.plan.inference import InferenceShape, inference_plan
+
+    rows = []
+    shape = InferenceShape(batch=8, context=context, prompt=context)
+    for tp in (1, 2, 4, 8, 16):
+        for pp in (1, 2, 4, 8, 16):
+            if tp > gpn or gpus % (tp * pp) or model.heads % tp:
+                continue
             try:
-                metrics.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise FivefoldError(f"{metrics_path}: a line is not JSON: {line[:60]!r}") from None
-    ledger: list[dict[str, Any]] = []
-    if (run / "ledger.json").exists():
-        data = json.loads((run / "ledger.json").read_text())
-        ledger = data.get("summary", []) if isinstance(data, dict) else []
-    bars: list[dict[str, Any]] = []
-    if (run / "trace.json").exists():
-        bars = trace_bars(json.loads((run / "trace.json").read_text()))
-    return {"metrics": metrics, "ledger": ledger}, bars
-
-
-def trace_bars(trace: Any) -> list[dict[str, Any]]:
-    """Complete ('X') events of the last traced step as bars: rank, op letter, start and length (ms)."""
-    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-    events = [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and "dur" in e]
-    steps = [e.get("args", {}).get("step") for e in events if e.get("args", {}).get("step") is not None]
-    if steps:
-        last = max(steps)
-        events = [e for e in events if e.get("args", {}).get("step") == last]
-    # prefer the fine-grained pipeline events when a run recorded them
-    fine = [e for e in events if str(e.get("cat", "")).startswith("pipeline")]
-    events = (fine or events)[:MAX_TRACE_EVENTS]
-    if not events:
-        return []
-    t0 = min(float(e["ts"]) for e in events)
-    ranks = sorted({int(e.get("pid", 0)) for e in events})
-    row = {r: i for i, r in enumerate(ranks)}
-    bars = []
-    for e in events:
-        name = str(e.get("name", "?"))
-        lower = name.lower()
-        op = (
-            "F"
-            if lower.startswith(("f", "forward"))
-            else "B"
-            if lower.startswith(("b", "backward"))
-            else "W"
-            if lower.startswith(("w", "weight"))
-            else name
-        )
-        bar = {
-            "s": row[int(e.get("pid", 0))],
-            "op": op,
-            "start": (float(e["ts"]) - t0) / 1e3,
-            "dur": float(e["dur"]) / 1e3,
-        }
-        mb = e.get("args", {}).get("microbatch")
-        if mb is not None:
-            bar["i"] = mb
-        bars.append(bar)
-    return bars
+                lay = resolve_layout(Layout(tp=tp, pp=pp, fsdp=gpus // (tp * pp), dp=1), gpus)
+                p = inference_plan(model, hw, lay, shape, gpn).to_json()
+            except FivefoldError:
+                continue
+            p["flags"] = f"--mode inference --tp {tp} --pp {pp} --batch {shape.batch} --context {context}"
+            rows.append(p)
+    return rows
 
 
 def build_page(
@@ -141,14 +80,19 @@ def build_page(
     gpus_per_node: int | None = None,
     run_dir: str | Path | None = None,
     top: int = 5,
+    lab: bool = True,
+    lab_also: list[tuple[HardwareSpec, int, int]] = (),  # type: ignore[assignment]
 ) -> str:
     """The HTML page as a string."""
     gpn = gpus_per_node or hw.gpus_per_node
+    run, bars = read_run(run_dir) if run_dir else (None, [])
     layouts = []
     if layout is not None:
         layouts.append(layout_entry("your layout", plan(model, hw, layout, shape, gpn)))
+    explanation: list[str] = []
     if top > 0:
         found = search(model, hw, gpus, shape, gpn, top=top)
+        explanation = found.explanation
         for i, p in enumerate(found.plans):
             layouts.append(
                 layout_entry(
@@ -157,17 +101,61 @@ def build_page(
             )
     if not layouts:
         raise FivefoldError("nothing to show: give a layout or let the search run (--top > 0)")
-    run, bars = read_run(run_dir) if run_dir else (None, [])
     if bars:
         layouts[0]["trace"] = bars
+    labs = []
+    if lab:  # the page's own cluster first, then any others asked for
+        labs.append(lab_table(model, hw, gpus, shape, gpn, [layout] if layout is not None else []))
+        labs[0]["pictures"] = _pictures(labs[0].pop("pipelines"), layouts)
+        for other_hw, other_gpus, other_gpn in lab_also:
+            table = lab_table(model, other_hw, other_gpus, shape, other_gpn)
+            table["pictures"] = _pictures(table.pop("pipelines"), [])
+            labs.append(table)
     data = {
         "title": f"{model.name} on {gpus} × {hw.name}",
         "subtitle": f"{model.num_params() / 1e9:.2f}B parameters · sequence {shape.seq_len} · global batch "
         f"{shape.global_batch} sequences · {gpn} GPUs per node",
+        "model": {"name": model.name, "moe": model.is_moe, "experts": model.experts, "layers": model.layers},
+        "cluster": {
+            "hardware": hw.name,
+            "gpus": gpus,
+            "gpus_per_node": gpn,
+            "seq_len": shape.seq_len,
+            "global_batch": shape.global_batch,
+        },
         "layouts": layouts,
+        "explanation": explanation,
+        "labs": labs,
+        "strategies": strategy_cards(model, hw, shape.seq_len, gpn),
+        "inference": _inference_rows(model, hw, gpus, gpn, shape.seq_len),
         "run": run,
     }
     template = (resources.files("fivefold.explore") / "page.html").read_text()
-    # '</' inside embedded JSON would end the script element early
-    blob = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+    # no '<' in the embedded JSON at all: '</script>' or '<!--' in a run's strings cannot end it early
+    blob = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")
     return template.replace("/*FIVEFOLD_DATA*/", blob)
+
+
+def _pictures(wanted: list[tuple[str, int, int, int]], layouts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Replayed pipeline pictures for the lab, keyed schedule.p.m.v, smallest first within a budget;
+    the layouts' own pictures are always included."""
+    out: dict[str, Any] = {}
+    for entry in layouts:
+        pic = entry.get("pipeline")
+        if pic:
+            out[f"{pic['schedule']}.{pic['p']}.{pic['m']}.{entry['plan']['layout']['virtual_stages']}"] = pic
+    spent = 0
+    for sched, p, m, v in sorted(wanted, key=lambda w: (w[1] * w[2] * w[3], w)):
+        key = f"{sched}.{p}.{m}.{v}"
+        size = p * m * v
+        if key in out:
+            continue
+        if size > PICTURE_ACTIONS or spent + size > PICTURES_TOTAL:
+            break
+        spent += size
+        pic = pipeline_picture(sched, p, m, v)
+        if "error" in pic:
+            continue
+        pic.pop("ops", None)  # the lab draws the raster; op detail only for the listed layouts
+        out[key] = pic
+    return out

@@ -1,0 +1,181 @@
+"""The Layout lab's table: the planner's own result for every layout the search considers.
+
+The page has no cost model of its own: for a model and cluster it carries `plan(...)` for each
+layout `plan.search.candidates` yields, with every micro-batch size and recompute choice the
+search tries, keyed by the lab's controls. A combination outside that set is named as such,
+with the planner's own message where the planner rejects it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+from fivefold.config import HardwareSpec, Layout, ModelSpec
+from fivefold.errors import FivefoldError
+from fivefold.explore.meshview import mesh_view
+from fivefold.plan import Plan, TrainShape, plan
+from fivefold.plan.result import capacity
+from fivefold.plan.search import RECOMPUTE_ORDER, candidates
+
+MICRO_BATCHES = (1, 2, 4, 8)
+FACTORS = ("dp", "fsdp", "tp", "pp", "cp", "ep")
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers", "total")
+SHOWN = 4  # significant digits on the page
+ENTRY_FIELDS = (
+    "fits",
+    "microbatches",
+    "step_time_s",
+    "mfu",
+    "bubble_fraction",
+    "tokens_per_s",
+    "memory",
+    "stage",
+    "comm",
+)
+NUMERIC_ROW_FIELDS = ("bytes", "wire_bytes", "time_s", "exposed_s")
+ROW_FIELDS = ("axis", "op", "link", "bytes", "wire_bytes", "time_s", "exposed_s", "count", "group", "overlap")
+
+
+def lab_key(layout: Layout, micro_batch: int) -> str:
+    """The lab's controls as one string: factors, zero, recompute, schedule.v, micro-batch."""
+    factors = ".".join(str(getattr(layout, a)) for a in FACTORS)
+    sched = f"{layout.pp_schedule}.{layout.virtual_stages}" if layout.pp > 1 else "-.1"
+    return f"{factors}|{layout.zero}|{layout.recompute}|{sched}|{micro_batch}"
+
+
+def axes_key(layout: Layout) -> str:
+    return ".".join(str(getattr(layout, a)) for a in FACTORS) + f"|{layout.order}"
+
+
+class _Strings:
+    def __init__(self) -> None:
+        self.items: list[str] = []
+        self.index: dict[str, int] = {}
+
+    def add(self, text: str) -> int:
+        if text not in self.index:
+            self.index[text] = len(self.items)
+            self.items.append(text)
+        return self.index[text]
+
+
+class _Rows:
+    """Comm rows and strings are repeated across thousands of plans: store each once."""
+
+    def __init__(self, words: _Strings) -> None:
+        self.rows: list[list[Any]] = []
+        self.index: dict[tuple, int] = {}
+        self.words = words
+
+    def add(self, row: dict[str, Any]) -> int:
+        values = tuple(
+            shown(row[f])
+            if f in NUMERIC_ROW_FIELDS
+            else self.words.add(row[f])
+            if isinstance(row[f], str)
+            else row[f]
+            for f in ROW_FIELDS
+        )
+        if values not in self.index:
+            self.index[values] = len(self.rows)
+            self.rows.append(list(values))
+        return self.index[values]
+
+
+def shown(x: float) -> float:
+    """A number to the SHOWN significant digits the page prints (keeps the page small)."""
+    return float(f"{x:.{SHOWN}g}")
+
+
+def compact(p: Plan, rows: _Rows) -> list[Any]:
+    """The numbers the lab shows, as `plan --json` has them to the digits shown (ENTRY_FIELDS)."""
+    j = p.to_json()
+    return [
+        int(j["fits"]),
+        j["microbatches"],
+        shown(j["step_time_s"]),
+        shown(j["mfu"]),
+        shown(j["bubble_fraction"]),
+        shown(j["tokens_per_s"]),
+        [int(shown(j["memory"][k])) for k in MEMORY_PARTS],
+        j["memory"]["stage"],
+        [rows.add(c) for c in j["comm"]],
+    ]
+
+
+def lab_table(
+    model: ModelSpec,
+    hw: HardwareSpec,
+    gpus: int,
+    shape: TrainShape,
+    gpus_per_node: int,
+    extra: list[Layout] = (),  # type: ignore[assignment]
+) -> dict[str, Any]:
+    """Every considered layout × micro-batch × recompute, planned; plus their meshes by axes."""
+    words = _Strings()  # rows' strings are indices into it
+    rows = _Rows(words)
+    entries: dict[str, dict[str, list[Any]]] = {}  # factors -> rest of the key -> entry
+    rejected: dict[str, str] = {}
+    meshes: dict[str, dict[str, Any]] = {}
+    pipelines: set[tuple[str, int, int, int]] = set()
+    bases = list(candidates(model, hw, gpus, shape, gpus_per_node)) + list(extra)
+    for base in bases:
+        # the lightest variant first: when it does not fit, no other does, and only it is kept
+        # (the page says so) — most of a big cluster's candidates end here
+        variants = [(MICRO_BATCHES[0], RECOMPUTE_ORDER[-1])] + [
+            (b, rc) for b in MICRO_BATCHES for rc in RECOMPUTE_ORDER
+        ]
+        for i, (b, rc) in enumerate(variants):
+            sh = dataclasses.replace(shape, micro_batch=b)
+            lay = copy.copy(base)
+            lay.recompute = rc
+            key = lab_key(lay, b)
+            factors, rest = key.split("|", 1)
+            if rest in entries.get(factors, {}) or key in rejected:
+                continue
+            try:
+                p = plan(model, hw, lay, sh, gpus_per_node)
+            except FivefoldError as exc:
+                rejected[key] = str(exc)
+                continue
+            entries.setdefault(factors, {})[rest] = compact(p, rows)
+            if i == 0 and not p.fits:  # memory only grows with micro-batch and lighter recompute
+                break
+            if p.layout.pp > 1:
+                pipelines.add((lay.pp_schedule, lay.pp, p.microbatches, lay.virtual_stages))
+        ak = axes_key(base)
+        if ak not in meshes:
+            view = mesh_view(base, gpus_per_node)
+            meshes[ak] = [
+                [d["name"], d["size"], d["link"], words.add(d["comm"]), d["parts"]] for d in view["dims"]
+            ]
+    return {
+        "hardware": hw.name,
+        "capacity": int(capacity(hw)),
+        "gpus": gpus,
+        "gpus_per_node": gpus_per_node,
+        "order": bases[0].order if bases else "",
+        "memory_parts": list(MEMORY_PARTS),
+        "row_fields": list(ROW_FIELDS),
+        "rows": rows.rows,
+        "entry_fields": list(ENTRY_FIELDS),
+        "entries": entries,
+        "rejected": _dedupe_messages(rejected),
+        "meshes": meshes,
+        "words": words.items,
+        "pipelines": sorted(pipelines),
+    }
+
+
+def _dedupe_messages(rejected: dict[str, str]) -> dict[str, Any]:
+    texts: list[str] = []
+    index: dict[str, int] = {}
+    keys: dict[str, int] = {}
+    for key, text in rejected.items():
+        if text not in index:
+            index[text] = len(texts)
+            texts.append(text)
+        keys[key] = index[text]
+    return {"texts": texts, "keys": keys}

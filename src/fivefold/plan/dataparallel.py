@@ -102,7 +102,8 @@ def data_parallel_traffic(
             grp: collective_time(hw, ALL_GATHER, p * pl, grp, shard_link, per_node)[1] for pl, grp in shards
         }
         t_rs = {
-            grp: collective_time(hw, REDUCE_SCATTER, g * pl, grp, shard_link, per_node)[1] for pl, grp in shards
+            grp: collective_time(hw, REDUCE_SCATTER, g * pl, grp, shard_link, per_node)[1]
+            for pl, grp in shards
         }
         busy_f = sum(t_ag.values())
         busy_b = bwd_gathers * busy_f + sum(t_rs.values())

@@ -114,6 +114,9 @@ def expected_forward_backward(
             add("tp", "all_reduce", norms, spec.hidden * F32)
         else:
             add("tp", "all_reduce", accumulation * (2 + 4 * dense_layers + 2 * moe_layers), act)
+        # the loss on vocabulary shards (loss_parallel): max logit, sum of exponentials and the
+        # target logit, one fp32 value per token each, all-reduced inside DTensor's dispatch
+        add("tp", "all_reduce", 3 * accumulation, micro_batch * seq * F32)
         if tp > spec.kv_heads:  # replicated K/V projections: their partial weight gradients
             add("tp", "all_reduce", 2 * spec.layers, spec.kv_heads * spec.head_dim * spec.hidden * F32)
     unit_list = units(spec)

@@ -134,3 +134,16 @@ def test_layout_validation_names_valid_values():
         cfg.layout.resolve(3).check_model(cfg.model, 32)
     with pytest.raises(FivefoldError, match="must equal the world size 4"):
         cfg.layout.resolve(4)
+
+
+def test_order_takes_any_subset_and_appends_the_rest_in_the_default_order():
+    from fivefold.config import DEFAULT_ORDER, Layout, complete_order
+
+    assert complete_order("fsdp") == "fsdp,tp,cp,dp,pp"
+    assert complete_order("pp,dp") == "pp,dp,tp,cp,fsdp"
+    assert complete_order("") == DEFAULT_ORDER
+    lay = Layout(tp=2, fsdp=2, order="fsdp").resolve(4)
+    assert lay.order == "fsdp,tp,cp,dp,pp" and lay.order_list[0] == "fsdp"
+    for bad in ("tp,tp", "xx", "tp,cp,fsdp,dp,pp,ep"):
+        with pytest.raises(FivefoldError, match="--order"):
+            complete_order(bad)

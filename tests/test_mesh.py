@@ -34,7 +34,7 @@ def _reference_groups(sizes: dict[str, int], order: list[str], varying: tuple[st
 
 
 def test_seed_example_hsdp_with_tp():
-    # 8 GPUs, 2 nodes of 4, TP 2, FSDP 2, DP 2 (the seed's "Show as data" table)
+    # 8 GPUs, 2 nodes of 4, TP 2, FSDP 2, DP 2 (the mesh table of docs/mesh.md)
     m = build_mesh(Layout(tp=2, fsdp=2, dp=2), 8, 4)
     assert m.dims["tp"].groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert m.dims["fsdp"].groups == [[0, 2], [1, 3], [4, 6], [5, 7]]
@@ -180,3 +180,27 @@ def test_cli_table_json_svg_and_errors(tmp_path):
     bad = _cli("--gpus", "8", "--gpus-per-node", "4", "--tp", "3")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "nearest valid layouts" in bad.stderr
+
+
+def test_mesh_text_scales_to_16384_gpus_with_aligned_columns(capsys):
+    from fivefold.cli import main
+
+    argv = ["mesh", "--gpus", "16384", "--tp", "8", "--pp", "16", "--cp", "2", "--fsdp", "-1", "--no-color"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) < 80  # the per-axis table and a bounded grid, not one line per node
+    grid = [line for line in out if line.startswith("node ")]
+    assert len(grid) == 256 // 8 and len({len(line) for line in grid}) == 1  # aligned
+    assert main([*argv, "--ranks", "16376-16383"]) == 0
+    tail = [line for line in capsys.readouterr().out.splitlines() if line.startswith("node ")]
+    assert len(tail) == 1 and tail[0].split()[1] == "2047" and "16383:" in tail[0]
+    assert main([*argv, "--ranks", "5-16384"]) == 2
+    assert "--ranks must be A-B" in capsys.readouterr().err
+
+
+def test_mesh_fills_the_world_with_dp_like_plan(capsys):
+    from fivefold.cli import main
+
+    assert main(["mesh", "--gpus", "16", "--tp", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["layout"]["dp"] == 8 and data["layout"]["tp"] == 2

@@ -1,4 +1,4 @@
-"""Layout search: fits, ranks by step time, explains itself in the seed's order, and is fast."""
+"""Layout search: fits, ranks by step time, explains itself in the decision order, and is fast."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Planner time: FLOPs against Megatron's closed forms, the seed's bubble and ring theorems and
+"""Planner time: FLOPs against Megatron's closed forms, the bubble and ring theorems and
 exercises, and rankings that must follow the physics."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ COMMANDS: dict[str, str] = {
     "plan": "predict memory, communication, bubble, step time and MFU; search layouts",
     "mesh": "show which ranks talk to which for a layout, inside or across nodes",
     "train": "train a transformer on a layout (CPU/gloo or GPU/NCCL)",
-    "verify": "run a layout and the single-process reference; compare them and the plan",
+    "verify": "run a layout; judge numerics, traffic and memory against the single process and the plan",
     "generate": "sample text from a run directory or an HF checkpoint",
     "report": "draw a run's loss curve, ledger and pipeline timeline",
     "explore": "write an interactive HTML page of mesh, plan and run",
@@ -26,12 +26,47 @@ COMMANDS: dict[str, str] = {
 }
 
 
+# what a newcomer does first, in order, with one example each
+FIRST_STEPS = (
+    (
+        "plan a layout",
+        "fivefold plan --model llama3-8b --hardware h100-80gb --gpus 8 --fsdp 8 --seq-len 8192 "
+        "--global-batch 32",
+    ),
+    ("see who talks to whom", "fivefold mesh --gpus 16 --gpus-per-node 8 --tp 4 --fsdp 2 --pp 2"),
+    ("train on this machine", "fivefold demo   (or: fivefold train --nproc 4 --fsdp 2 --tp 2 --model tiny)"),
+    ("check it is right", "fivefold verify --model tiny --nproc 4 --fsdp 2 --tp 2 --steps 3"),
+    ("look at it", "fivefold explore --model llama3-8b --gpus 8 --tp 2 --out explore.html"),
+)
+
+
+class DefaultsShown(argparse.HelpFormatter):
+    """Help that shows each flag's default, unless the text already says it or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or default is None
+            or default is False
+            or default == argparse.SUPPRESS
+            or not action.option_strings
+            or isinstance(action, argparse._HelpAction | argparse._VersionAction)
+        ):
+            return text
+        return f"{text} (default {default})" if text else f"(default {default})"
+
+
 def _top_parser() -> argparse.ArgumentParser:
+    steps = "\n".join(f"  {what:<24} {example}" for what, example in FIRST_STEPS)
+    commands = "\n".join(f"  {k:<10} {v}" for k, v in COMMANDS.items())
     parser = argparse.ArgumentParser(
         prog="fivefold",
         description="What do you split, and what does it cost to stitch back together?",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="commands:\n" + "\n".join(f"  {k:<10} {v}" for k, v in COMMANDS.items()),
+        epilog=f"first steps:\n{steps}\n\ncommands:\n{commands}\n\n"
+        "`fivefold COMMAND --help` lists a command's flags and their defaults.",
     )
     parser.add_argument("--version", action="version", version=f"fivefold {__version__}")
     parser.add_argument("command", nargs="?", choices=list(COMMANDS), metavar="COMMAND")
@@ -48,14 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         top.parse_args(argv[:1])  # prints usage / --help / --version, or exits 2 on an unknown command
         return 0
     name, rest = argv[0], argv[1:]
-    try:
-        module = importlib.import_module(f"fivefold.commands.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name == f"fivefold.commands.{name}":
-            print(f"fivefold: error: the {name} command is not available in this build", file=sys.stderr)
-            return 2
-        raise
-    parser = argparse.ArgumentParser(prog=f"fivefold {name}", description=COMMANDS[name])
+    module = importlib.import_module(f"fivefold.commands.{name}")
+    parser = argparse.ArgumentParser(
+        prog=f"fivefold {name}", description=COMMANDS[name], formatter_class=DefaultsShown
+    )
     module.add_arguments(parser)
     args = parser.parse_args(rest)
     try:

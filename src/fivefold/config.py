@@ -269,6 +269,22 @@ class HardwareSpec:
 # layout
 
 
+def complete_order(order: str) -> str:
+    """`order` with the axes it leaves out appended in the default order: "cp,tp" -> "cp,tp,fsdp,dp,pp"."""
+    if not isinstance(order, str):
+        raise FivefoldError(f"--order must be comma-separated axes such as {DEFAULT_ORDER}, got {order!r}")
+    given = [a.strip() for a in order.split(",") if a.strip()]
+    unknown = [a for a in given if a not in AXES]
+    repeated = sorted({a for a in given if given.count(a) > 1})
+    if unknown or repeated:
+        what = f"unknown axis {', '.join(unknown)}" if unknown else f"{', '.join(repeated)} given twice"
+        raise FivefoldError(
+            f"--order lists axes innermost first, each at most once, from {','.join(AXES)} "
+            f"(the rest follow in the default order {DEFAULT_ORDER}); {what} in {order!r}"
+        )
+    return ",".join(given + [a for a in DEFAULT_ORDER.split(",") if a not in given])
+
+
 @dataclass
 class Layout:
     """How the world is split. `-1` on dp or fsdp takes whatever the other axes leave."""
@@ -295,7 +311,8 @@ class Layout:
 
     @property
     def order_list(self) -> list[str]:
-        return [a.strip() for a in self.order.split(",") if a.strip()]
+        """Every world axis, innermost first: the given order, then the rest in the default order."""
+        return complete_order(self.order).split(",")
 
     @property
     def data_parallel(self) -> int:
@@ -328,12 +345,7 @@ class Layout:
                 f"the world size {world}; e.g. set --fsdp -1 or --dp -1 to fill it, or use world "
                 f"{lay.world}"
             )
-        order = lay.order_list
-        if sorted(order) != sorted(AXES):
-            raise FivefoldError(
-                f"--order must list each of {','.join(AXES)} exactly once (innermost first), "
-                f"got {lay.order!r}; default {DEFAULT_ORDER}"
-            )
+        lay.order = complete_order(lay.order)
         if lay.zero == -1:
             lay.zero = 3 if lay.fsdp > 1 else 0
         if lay.zero not in (0, 1, 2, 3):
@@ -435,6 +447,8 @@ class TrainSpec:
     tokenizer: str = "bytes"  # bytes | path to an HF tokenizer.json
     log_every: int = 10
     device: str = "auto"  # auto | cpu | cuda
+    # saved-activation meter: a hook on every tensor autograd saves, so it is off unless asked for
+    measure_memory_every: int = 0  # 0: never; N: steps 1, N+1, 2N+1, ... (and the last)
 
     def validate(self) -> TrainSpec:
         if self.dtype not in DTYPES:
@@ -444,6 +458,11 @@ class TrainSpec:
                 raise FivefoldError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.global_batch < 0:
             raise FivefoldError("--global-batch must be >= 0")
+        if self.measure_memory_every < 0:
+            raise FivefoldError(
+                "--measure-memory-every must be >= 0 (0: off, 1: every step), "
+                f"got {self.measure_memory_every}"
+            )
         if not 0 <= self.min_lr_ratio <= 1:
             raise FivefoldError("min_lr_ratio must be in [0, 1]")
         return self
@@ -625,25 +644,34 @@ def _qwen3_moe_spec(cfg: dict[str, Any], name: str) -> dict[str, Any]:
 # CLI plumbing shared by every command
 
 
-def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
-    """The layout flags of DESIGN.md; identical in plan, mesh, train and verify."""
+def add_layout_arguments(parser: argparse.ArgumentParser, factors_only: bool = False) -> None:
+    """The layout flags, one definition for every command. `factors_only`: the axis sizes and their
+    order, for commands that only place ranks (`mesh`) and would ignore the rest."""
     g = parser.add_argument_group("layout")
     for axis, text in (
         ("dp", "replicated data-parallel degree (-1: fill the world)"),
         ("fsdp", "sharded data-parallel degree (-1: fill the world)"),
-        ("tp", "tensor-parallel degree"),
-        ("pp", "pipeline-parallel degree"),
-        ("cp", "context-parallel degree"),
-        ("ep", "expert-parallel degree (folded onto fsdp×cp ranks)"),
+        ("tp", "tensor-parallel degree (default 1)"),
+        ("pp", "pipeline-parallel degree (default 1)"),
+        ("cp", "context-parallel degree (default 1)"),
+        ("ep", "expert-parallel degree, folded onto fsdp×cp ranks (default 1)"),
     ):
         g.add_argument(f"--{axis}", type=int, default=None, help=text)
-    g.add_argument("--order", default=None, help=f"axes innermost first (default {DEFAULT_ORDER})")
+    g.add_argument(
+        "--order",
+        default=None,
+        help=f"axes innermost (adjacent ranks) first; any subset, the rest follow in the default order "
+        f"(default {DEFAULT_ORDER})",
+    )
+    if factors_only:
+        return
     g.add_argument(
         "--zero",
         type=int,
         default=None,
         choices=(0, 1, 2, 3),
-        help="ZeRO stage: 1 shards optimizer state, 2 also grads, 3 also params",
+        help="ZeRO stage: 1 shards optimizer state, 2 also grads, 3 also params "
+        "(default 3 with fsdp, else 0)",
     )
     g.add_argument(
         "--sp",
@@ -651,12 +679,33 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="sequence parallelism on top of tensor parallelism",
     )
-    g.add_argument("--pp-schedule", default=None, choices=PP_SCHEDULES)
-    g.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches per step")
-    g.add_argument("--virtual-stages", type=int, default=None, help="model chunks per pipeline rank")
+    g.add_argument(
+        "--pp-schedule",
+        default=None,
+        choices=PP_SCHEDULES,
+        help="pipeline schedule (default 1f1b); interleaved/zbv/dualpipev run several chunks per rank",
+    )
+    g.add_argument(
+        "--microbatches", type=int, default=None, help="pipeline micro-batches per step (default: pp)"
+    )
+    g.add_argument(
+        "--virtual-stages", type=int, default=None, help="model chunks per pipeline rank (default 1)"
+    )
     g.add_argument("--pp-split", default=None, help="manual layers per stage, e.g. 3,5,5,3")
-    g.add_argument("--cp-impl", default=None, choices=CP_IMPLS)
-    g.add_argument("--recompute", default=None, choices=RECOMPUTE)
+    g.add_argument(
+        "--cp-impl",
+        default=None,
+        choices=CP_IMPLS,
+        help="context-parallel attention: ring passes K/V blocks rank to rank, allgather gathers them, "
+        "ulysses trades sequence for heads with all-to-all (default ring)",
+    )
+    g.add_argument(
+        "--recompute",
+        default=None,
+        choices=RECOMPUTE,
+        help="activation recomputation: full re-runs each block in the backward, selective only the "
+        "attention core (default none)",
+    )
 
 
 def layout_from_args(args: argparse.Namespace, base: Layout | None = None) -> Layout:

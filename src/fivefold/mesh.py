@@ -24,9 +24,10 @@ No torch import here: plan, mesh and explore stay fast.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fivefold.config import AXES, Layout
+from fivefold.config import AXES, Layout, ModelSpec, complete_order
 from fivefold.errors import FivefoldError, divisors
 
 DERIVED_DIMS = ("ep", "expert_fsdp", "fsdp_cp", "batch", "dp_fsdp_cp")
@@ -175,7 +176,7 @@ def _axis_groups(world: int, stride: int, size: int) -> list[list[int]]:
 
 
 def comm_words(name: str, layout: Layout) -> str:
-    """What the dim's collectives are, in the seed's words."""
+    """What the dim's collectives are, in words (docs/mesh.md)."""
     if name == "dp":
         if layout.fsdp > 1:  # HSDP: FSDP shards inside a replica, DP all-reduces across
             return "all-reduce (grads, across replicas)"
@@ -199,14 +200,29 @@ def comm_words(name: str, layout: Layout) -> str:
     }[name]
 
 
-def resolve_layout(layout: Layout, world: int) -> Layout:
-    """`Layout.resolve`, with the nearest valid layouts added to its message."""
+def resolve_layout(
+    layout: Layout,
+    world: int,
+    gpus_per_node: int | None = None,
+    model: ModelSpec | None = None,
+    seq_len: int | None = None,
+) -> Layout:
+    """`Layout.resolve` (and, given a model, its shape checks), with the nearest valid layouts added to
+    an error's message: layouts this same check accepts, with tensor parallel inside a node."""
     if world <= 0:
         raise FivefoldError(f"--gpus must be positive, got {world}")
+    complete_order(layout.order)  # a bad --order is not cured by other factors: no suggestions
+
+    def check(lay: Layout) -> Layout:
+        lay = lay.resolve(world)
+        if model is not None:
+            lay.check_model(model, seq_len)
+        return lay
+
     try:
-        return layout.resolve(world)
+        return check(layout)
     except FivefoldError as exc:
-        near = nearest_layouts(layout, world)
+        near = nearest_layouts(layout, world, gpus_per_node=gpus_per_node, accept=check)
         if not near:
             raise
         raise FivefoldError(f"{exc}; nearest valid layouts: {' | '.join(near)}") from None
@@ -217,31 +233,55 @@ def _flags(values: dict[str, int]) -> str:
     return " ".join(shown) or "(all 1)"
 
 
-def nearest_layouts(layout: Layout, world: int, limit: int = 4) -> list[str]:
-    """Valid factorizations of `world` that change one factor of `layout` (or ep)."""
+def nearest_layouts(
+    layout: Layout,
+    world: int,
+    limit: int = 4,
+    gpus_per_node: int | None = None,
+    accept: Callable[[Layout], object] | None = None,
+) -> list[str]:
+    """Valid layouts of `world` closest to `layout`: one model-splitting axis (tp, pp, cp) moved to a
+    divisor of the world, or one data axis filling it, or ep re-fitted; every one passes `accept` (a
+    check that raises FivefoldError) and keeps tp within a node. Ranked by how far the factors moved."""
     base = {a: getattr(layout, a) for a in AXES + ("ep",)}
     if any(v == 0 or v < -1 for v in base.values()):
         return []
     fixed = {a: (1 if v == -1 else v) for a, v in base.items()}
-    candidates: list[tuple[int, dict[str, int]]] = []
-    for axis in AXES:
+    data_axis = "fsdp" if base["fsdp"] != 1 and base["dp"] == 1 else "dp"
+    trials: list[dict[str, int]] = []
+    for axis in AXES:  # one axis takes whatever the others leave
         rest = math.prod(fixed[a] for a in AXES if a != axis)
         if world % rest == 0:
-            trial = dict(fixed, **{axis: world // rest})
-            ep_room = trial["fsdp"] * trial["cp"]
-            ep_changed = ep_room % trial["ep"] != 0
-            if ep_changed:
-                trial["ep"] = max(d for d in divisors(ep_room) if d <= trial["ep"])
-            distance = abs(math.log2(trial[axis] / fixed[axis]))
-            candidates.append((ep_changed, distance, trial))
+            trials.append(dict(fixed, **{axis: world // rest}))
+    for axis in ("tp", "pp", "cp"):  # a model axis moves, the data axis fills the rest
+        for d in divisors(world):
+            rest = d * math.prod(fixed[a] for a in AXES if a not in (axis, data_axis))
+            if world % rest == 0:
+                trials.append(dict(fixed, **{axis: d, data_axis: world // rest}))
+    scored: list[tuple[float, str]] = []
+    for trial in trials:
+        room = trial["fsdp"] * trial["cp"]
+        if room % trial["ep"]:
+            trial["ep"] = max(d for d in divisors(room) if d <= trial["ep"])
+        if trial == fixed or (gpus_per_node and trial["tp"] > gpus_per_node):
+            continue
+        candidate = Layout(**{**layout.__dict__, **trial})
+        if accept is not None:
+            try:
+                accept(candidate)
+            except FivefoldError:
+                continue
+        else:
+            try:
+                candidate.resolve(world)
+            except FivefoldError:
+                continue
+        distance = sum(abs(math.log2(trial[a] / fixed[a])) for a in trial)
+        scored.append((distance, _flags(trial)))
     out: list[str] = []
-    for _, _, trial in sorted(candidates, key=lambda c: c[:2]):
-        text = _flags(trial)
-        if text not in out and trial != fixed:
+    for _, text in sorted(scored):
+        if text not in out:
             out.append(text)
-    if not out and math.prod(fixed[a] for a in AXES) == world:  # only ep is wrong
-        room = fixed["fsdp"] * fixed["cp"]
-        out = [_flags(dict(fixed, ep=d)) for d in sorted(divisors(room), key=lambda d: abs(d - fixed["ep"]))]
     return out[:limit]
 
 
@@ -249,7 +289,7 @@ def build_mesh(layout: Layout, world: int, gpus_per_node: int) -> MeshInfo:
     """Every rank's coordinates and every dim's groups and links (resolves -1, validates)."""
     if gpus_per_node <= 0:
         raise FivefoldError(f"--gpus-per-node must be positive, got {gpus_per_node}")
-    lay = resolve_layout(layout, world)
+    lay = resolve_layout(layout, world, gpus_per_node)
     stride = strides(lay)
     order = lay.order_list
     sizes = {a: getattr(lay, a) for a in AXES}

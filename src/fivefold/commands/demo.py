@@ -7,13 +7,21 @@ byte-level, so the loss starts near ln(256) = 5.55 nats and a working set-up end
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import time
 from dataclasses import replace
+from pathlib import Path
 
-from fivefold.config import RunConfig, TrainSpec, load_model
+import torch
 
-HELP = "set-up check: train the default model on the embedded corpus"
+from fivefold.commands.train import default_run_dir, start
+from fivefold.config import Layout, RunConfig, TrainSpec, load_model
+from fivefold.errors import FivefoldError
+from fivefold.train.launch import TrainJob
+from fivefold.train.loop import train
+
 DEMO_MODEL = "small"
 # 200 steps of 8×128 bytes take about 0.15 CPU-seconds each and end near 2 nats held-out (~60% below
 # ln 256); the loss is under the 3.33 bar from about step 30 on.
@@ -39,13 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
-    from pathlib import Path
-
-    import torch
-
-    from fivefold.commands.train import default_run_dir
-    from fivefold.train.loop import train
 
     started = time.perf_counter()
     if "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available():
@@ -81,10 +82,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_layout(args: argparse.Namespace, spec, tspec: TrainSpec, run_dir, started: float) -> int:
     """The demo on `--nproc` CPU ranks through `fivefold train`'s launcher, then the ledger table."""
-    import json
-
-    from fivefold.commands import train as train_command
-    from fivefold.errors import FivefoldError
 
     layout = {"fsdp": 2, "tp": 2} if args.nproc == 4 else {"fsdp": args.nproc}
     global_batch = tspec.global_batch or tspec.micro_batch
@@ -93,33 +90,17 @@ def _run_layout(args: argparse.Namespace, spec, tspec: TrainSpec, run_dir, start
             f"--nproc {args.nproc}: the demo's {global_batch} sequences per step do not split over "
             f"{layout['fsdp']} data-parallel ranks; use --nproc 1, 2, 4 or 8"
         )
-    parser = argparse.ArgumentParser()
-    train_command.add_arguments(parser)
-    flags = [
-        "--model",
-        DEMO_MODEL,
-        "--nproc",
-        str(args.nproc),
-        "--run-dir",
-        str(run_dir),
-        "--steps",
-        str(tspec.steps),
-        "--seed",
-        str(tspec.seed),
-        "--eval-every",
-        str(tspec.eval_every),
-        "--micro-batch",
-        str(global_batch // layout["fsdp"]),
-        "--device",
-        "cpu",
-    ]
-    flags += [f"--{axis}={size}" for axis, size in layout.items()]
-    flags += ["--no-progress"] if args.no_progress else []
+    config = RunConfig(
+        model=spec,
+        train=replace(tspec, micro_batch=global_batch // layout["fsdp"], device="cpu").validate(),
+        layout=Layout(**layout),
+    )
+    job = TrainJob(config, run_dir, progress=not args.no_progress)
     print(
         f"layout: {' × '.join(f'{a} {n}' for a, n in layout.items())} on {args.nproc} CPU ranks (gloo)",
         flush=True,
     )
-    code = train_command.run(parser.parse_args(flags))
+    code = start(job, args.nproc)
     if code:
         return code
     ln_vocab = math.log(spec.vocab)
@@ -139,8 +120,6 @@ def _run_layout(args: argparse.Namespace, spec, tspec: TrainSpec, run_dir, start
 
 def _print_ledger(path) -> None:
     """Rank 0's communication per training step (mean over the run) by axis and collective."""
-    import json
-
     if not path.exists():
         return
     rows = json.loads(path.read_text()).get("summary", [])

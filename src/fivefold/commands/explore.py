@@ -6,7 +6,6 @@ import argparse
 
 from fivefold.config import add_layout_arguments
 
-HELP = "write an interactive HTML page of mesh, plan and run"
 _LAYOUT_FLAGS = (
     "dp",
     "fsdp",
@@ -30,8 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hardware", default=None, help="hardware preset or HW.toml (default: h100-80gb, or cpu for a run)"
     )
     parser.add_argument("--gpus", type=int, default=None, help="world size (default: the run's)")
-    parser.add_argument("--gpus-per-node", type=int, default=None)
-    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=None, help="GPUs per node (default: the hardware's)"
+    )
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 4096)")
     parser.add_argument("--global-batch", type=int, default=None, help="sequences per step")
     parser.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default 1)")
     parser.add_argument("--run", default=None, help="a run directory: its config, loss, ledger and timeline")

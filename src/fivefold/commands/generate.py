@@ -17,8 +17,6 @@ from typing import Any
 
 from fivefold.errors import FivefoldError
 
-HELP = "sample text from a run directory or an HF checkpoint"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -41,7 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default=None, choices=("fp32", "bf16"), help="compute dtype (default: the weights' own)"
     )
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where to run (auto: cuda if present)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

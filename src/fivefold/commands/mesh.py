@@ -11,8 +11,6 @@ from html import escape
 from fivefold.config import AXES, add_layout_arguments, layout_from_args
 from fivefold.errors import FivefoldError
 
-HELP = "show which ranks talk to which for a layout, inside or across nodes"
-
 # dims shown in the picture and accepted by --axis
 PICTURE_DIMS = AXES + ("ep", "expert_fsdp", "fsdp_cp", "batch", "dp_fsdp_cp")
 PALETTE = [
@@ -36,15 +34,24 @@ PALETTE = [
 ANSI = [33, 208, 160, 73, 70, 178, 133, 211, 94, 145, 36, 166, 61, 162, 64, 136]  # 256-colour codes
 
 
+GRID_RANKS = 256  # the per-rank grid beyond this many ranks would not fit a terminal
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=int, required=True, help="world size")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    add_layout_arguments(parser)
+    add_layout_arguments(parser, factors_only=True)
     parser.add_argument(
         "--axis",
         default=None,
         choices=PICTURE_DIMS,
         help="dim whose groups the picture colours (default: the innermost of size > 1)",
+    )
+    parser.add_argument(
+        "--ranks",
+        default=None,
+        metavar="A-B",
+        help=f"ranks the per-rank grid shows (default: the first {GRID_RANKS})",
     )
     parser.add_argument("--svg", default=None, metavar="FILE", help="also write the picture as an SVG file")
     parser.add_argument("--json", action="store_true", help="print only the mesh's JSON object")
@@ -67,13 +74,17 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from fivefold.mesh import build_mesh
 
-    info = build_mesh(layout_from_args(args), args.gpus, args.gpus_per_node)
+    layout = layout_from_args(args)
+    if args.dp is None and args.fsdp is None:
+        layout.dp = -1  # as in plan and explore: the data-parallel degree fills what the other axes leave
+    info = build_mesh(layout, args.gpus, args.gpus_per_node)
     if args.json:
         print(json.dumps(info.to_json()))
         if args.svg:
             _write_svg(info, _pick_axis(info, args.axis), args.svg)
         return 0
     axis = _pick_axis(info, args.axis)
+    ranks = parse_ranks(args.ranks, info.world)  # checked before anything is printed
     color = sys.stdout.isatty() if args.color is None else args.color
     print(render_table(info))
     print()
@@ -81,7 +92,7 @@ def _run(args: argparse.Namespace) -> int:
 
     print(describe(info))
     print()
-    print(render_grid(info, axis, color))
+    print(render_grid(info, axis, color, ranks))
     if args.svg:
         _write_svg(info, axis, args.svg)
         print(f"\nwrote {args.svg}")
@@ -103,7 +114,7 @@ def _write_svg(info, axis: str, path: str) -> None:
 
 
 def render_table(info) -> str:
-    """The seed's table: Dim, Factor, Groups, Links, Comm; world axes innermost first, then EP."""
+    """The mesh table: Dim, Factor, Groups, Links, Comm; world axes innermost first, then EP."""
     from fivefold.mesh import LINK_WORDS
 
     names = list(info.layout.order_list)
@@ -128,25 +139,47 @@ def _group_index(info, axis: str) -> dict[int, int]:
     return {r: i for i, g in enumerate(info.dims[axis].groups) for r in g}
 
 
-def render_grid(info, axis: str, color: bool = False) -> str:
-    """Nodes × GPUs; each cell is `rank:group` of `axis`, coloured by group when `color`."""
+def parse_ranks(text: str | None, world: int) -> range:
+    """`--ranks A-B` (inclusive) as a range of ranks; default the first GRID_RANKS."""
+    if text is None:
+        return range(min(world, GRID_RANKS))
+    first, sep, last = text.partition("-")
+    try:
+        lo, hi = int(first), int(last if sep else first)
+    except ValueError:
+        lo, hi = -1, -1
+    if not 0 <= lo <= hi < world:
+        raise FivefoldError(f"--ranks must be A-B with 0 <= A <= B < {world} (the world size), got {text!r}")
+    return range(lo, hi + 1)
+
+
+def render_grid(info, axis: str, color: bool = False, ranks: range | None = None) -> str:
+    """Nodes × GPUs for the nodes holding `ranks`; each cell is `rank:group` of `axis`, coloured by group
+    when `color`. Columns stay aligned at any size."""
+    ranks = ranks if ranks is not None else range(info.world)
     index = _group_index(info, axis)
     d = info.dims[axis]
+    g = info.gpus_per_node
+    nodes = range(ranks.start // g, (ranks.stop - 1) // g + 1)
     head = f"{axis} groups ({d.size} ranks each, {len(d.groups)} groups); cell = rank:group"
-    width = max([len(f"{r}:{index[r]}") for r in range(info.world)] + [len(f"gpu{info.gpus_per_node - 1}")])
-    lines = [head, " " * 8 + " ".join(f"gpu{g}".rjust(width) for g in range(info.gpus_per_node))]
-    for node in range(info.nodes):
+    if len(ranks) < info.world:
+        head += f"; ranks {ranks.start}-{ranks.stop - 1} of {info.world} (--ranks A-B shows others)"
+    shown = [r for n in nodes for r in range(n * g, min((n + 1) * g, info.world))]
+    width = max([len(f"{r}:{index[r]}") for r in shown] + [len(f"gpu{g - 1}")])
+    label = len(f"node {nodes[-1]}") + 2
+    lines = [head, " " * label + " ".join(f"gpu{i}".rjust(width) for i in range(g))]
+    for node in nodes:
         cells = []
-        for local in range(info.gpus_per_node):
-            rank = node * info.gpus_per_node + local
-            if rank >= info.world:
+        for local in range(g):
+            rank = node * g + local
+            if rank >= info.world or rank not in ranks:
                 cells.append(" " * width)
                 continue
             text = f"{rank}:{index[rank]}".rjust(width)
             if color:
                 text = f"\x1b[38;5;{ANSI[index[rank] % len(ANSI)]}m{text}\x1b[0m"
             cells.append(text)
-        lines.append(f"node {node}".ljust(8) + " ".join(cells))
+        lines.append(f"node {node}".ljust(label) + " ".join(cells))
     return "\n".join(lines)
 
 

@@ -6,8 +6,6 @@ import argparse
 
 from fivefold.config import add_layout_arguments
 
-HELP = "predict memory, communication, bubble, step time and MFU; search layouts"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model preset, MODEL.toml or HF config.json")
@@ -17,7 +15,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (training)")
     parser.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    parser.add_argument("--mode", choices=("train", "inference"), default="train")
+    parser.add_argument(
+        "--mode",
+        choices=("train", "inference"),
+        default="train",
+        help="plan a training step or serving (prefill + decode)",
+    )
     parser.add_argument("--search", action="store_true", help="rank every valid layout that fits")
     parser.add_argument("--top", type=int, default=5, help="layouts to show with --search")
     parser.add_argument(
@@ -99,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         layout.dp = -1  # the data-parallel degree fills whatever the other axes leave
     if args.virtual_stages and args.virtual_stages > 1 and args.pp_schedule is None:
         layout.pp_schedule = "interleaved-1f1b"
-    layout = resolve_layout(layout, args.gpus)
+    layout = resolve_layout(layout, args.gpus, gpn, model, args.seq_len)
     if args.microbatches:
         m = shape.microbatches(layout)
         if args.microbatches != m:
@@ -128,7 +131,7 @@ def _inference(args: argparse.Namespace, model, hw, gpn: int) -> int:
     layout = layout_from_args(args)
     if args.fsdp is None:  # serving replicas sit on the fsdp axis so that ep can fold onto them
         layout.fsdp, layout.dp = (layout.dp if args.dp is not None else -1), 1
-    layout = resolve_layout(layout, args.gpus)
+    layout = resolve_layout(layout, args.gpus, gpn, model, args.seq_len)
     shape = InferenceShape(batch=args.batch, context=context, prompt=args.prompt or context)
     p = inference_plan(model, hw, layout, shape, gpn)
     print(json.dumps(p.to_json()) if args.json else view.inference_text(p))

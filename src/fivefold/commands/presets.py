@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-HELP = "list model and hardware presets"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")

@@ -15,8 +15,6 @@ from typing import Any
 
 from fivefold.errors import FivefoldError
 
-HELP = "draw a run's loss curve, ledger and pipeline timeline"
-
 COLORS = {
     "F": "#4e79a7",
     "B": "#59a14f",

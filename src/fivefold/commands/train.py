@@ -29,8 +29,8 @@ from fivefold.config import (
     read_toml,
 )
 from fivefold.errors import FivefoldError
-
-HELP = "train a transformer on a layout (CPU/gloo or GPU/NCCL)"
+from fivefold.train.launch import TrainJob, launch, run_job
+from fivefold.train.loop import runtime_layout
 
 # flag -> TrainSpec field (flags use dashes, the spec underscores)
 TRAIN_FLAGS: dict[str, tuple[type, str]] = {
@@ -46,6 +46,11 @@ TRAIN_FLAGS: dict[str, tuple[type, str]] = {
     "data": (str, "stdlib (default), a text file or folder, .jsonl or a pre-tokenized .bin"),
     "tokenizer": (str, "bytes (default) or a tokenizer.json / HF directory"),
     "device": (str, "auto (default), cpu or cuda"),
+    "measure_memory_every": (
+        int,
+        "measure saved activations on steps 1, N+1, 2N+1, ... and the last (default 0: off, it hooks "
+        "every saved tensor)",
+    ),
 }
 _FIELD = {"warmup": "warmup_steps"}
 
@@ -63,7 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE.toml",
         help="run config with [model] (a table or a preset name), [train], [layout]",
     )
-    parser.add_argument("--dtype", default=None, choices=("fp32", "bf16"))
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=("fp32", "bf16"),
+        help="compute dtype; bf16 keeps fp32 master weights and reductions (default fp32)",
+    )
     parser.add_argument("--nproc", type=int, default=1, help="local ranks to start (default 1)")
     parser.add_argument("--run-dir", default=None, help="run directory (default runs/<model>-<time>)")
     parser.add_argument(
@@ -135,26 +145,14 @@ def run(args: argparse.Namespace) -> int:
             args.config = str(saved)
             cfg = build_run_config(args)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg.model.name)
-    if args.nproc > 1 and not _launched():
-        from fivefold.train.launch import launch
-        from fivefold.train.loop import runtime_layout
+    job = TrainJob(cfg, run_dir, resume=args.resume, progress=not args.no_progress)
+    return start(job, 1 if _launched() else args.nproc)
 
+
+def start(job: TrainJob, nproc: int) -> int:
+    """Train `job` here (one process, or one rank under torchrun) or on `nproc` local ranks."""
+    if nproc > 1:
         # an impossible layout is reported here, before any process starts
-        runtime_layout(cfg.layout, args.nproc, cfg.model, cfg.train.seq_len)
-
-        args.run_dir = str(run_dir)
-        return launch(args.nproc, args)
-    return run_rank(args, cfg, run_dir)
-
-
-def run_rank(args: argparse.Namespace, cfg: RunConfig | None = None, run_dir: Path | None = None) -> int:
-    """Train in this process: alone, or as one rank of a launched world."""
-    from fivefold.train.loop import train
-
-    cfg = cfg or build_run_config(args)
-    run_dir = run_dir or Path(args.run_dir)
-    result = train(cfg, run_dir, resume=args.resume, progress=not args.no_progress)
-    if result.trained and int(os.environ.get("RANK", "0")) == 0:
-        held = f"; held-out loss {result.held_out_loss:.4f}" if result.held_out_loss is not None else ""
-        print(f"run directory: {result.run_dir}{held}")
-    return 0
+        runtime_layout(job.config.layout, nproc, job.config.model, job.config.train.seq_len)
+        return launch(nproc, job)
+    return run_job(job)

@@ -1,49 +1,89 @@
-"""`fivefold verify`: run a layout and the single-process reference on the same weights and data.
+"""`fivefold verify`: run a layout, judge it against the single process and against its plan.
 
-    fivefold verify --model tiny --nproc 4 --fsdp 2 --tp 2 --sp --steps 5
+    fivefold verify --model tiny --nproc 4 --fsdp 2 --tp 2 --sp --steps 5 [--json]
 
-Both train `--steps` AdamW steps from the same seeded weights on the same random-token batches
-(each rank takes its data-parallel share); the table shows each step's loss on both sides, then
-the largest difference of the updated parameters (gathered from their shards) and the measured
-communication of one step per axis beside what `fivefold plan` predicts for it (shown, not judged:
-the planner counts activations in 16 bits). PASS when losses agree within 1e-5 relative and
-parameters within 1e-5 absolute (fp32, lr 1e-3, AdamW eps 1e-6 — see docs/parallel.md); exit 1
-on FAIL.
+Both the layout and the single-process reference train `--steps` AdamW steps from the same seeded
+weights on the same random-token batches (each rank takes its data-parallel share). One step
+(`--ledger-step`, default the last) is measured on every rank: every collective in the comm ledger,
+the saved-activation bytes of its forward + backward, the state bytes held. Three judgments, one
+table, a PASS/FAIL per row:
+
+  1. numerics: losses within 1e-5 relative, updated parameters within 1e-5 absolute of the single
+     process (fp32; bf16 runs, coarsely: losses within 2e-2, parameters within 2·lr·steps);
+  2. communication: for every (axis, op) of the step, on every rank, measured calls and bytes equal
+     the planner's (`fivefold.plan.step`) exactly; expert all-to-alls are planned from the rows
+     the run actually routed to each rank (the imbalance max/mean is reported);
+  3. memory per rank: parameters, gradients and optimizer state equal the plan exactly; saved
+     activations within 10 %; the process's peak memory is shown.
+
+Exit 0 when every row passes; exit 1 naming the first row that failed. DDP rebuilds its buckets
+(two small broadcasts) in the first forward after the first synchronised backward: measure a
+later step than step 1 for layouts that use it (the default, the last of 5, is).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from fivefold.config import Layout, TrainSpec, add_layout_arguments, layout_from_args, load_model
+from fivefold.config import (
+    DTYPES,
+    Layout,
+    ModelSpec,
+    TrainSpec,
+    add_layout_arguments,
+    layout_from_args,
+    load_model,
+)
 from fivefold.errors import FivefoldError
 
-HELP = "run a layout and the single-process reference; compare them and the plan"
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
+BF16_LOSS_RTOL = 2e-2
+ACTIVATION_RTOL = 0.10
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="model preset or file (default tiny)")
     parser.add_argument("--nproc", type=int, default=2, help="local gloo ranks (default 2)")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--seq-len", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and batches")
+    parser.add_argument("--seq-len", type=int, default=16, help="tokens per sequence")
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per forward")
+    parser.add_argument("--dtype", default="fp32", choices=DTYPES, help="compute dtype (default fp32)")
     parser.add_argument(
         "--accumulation",
         type=int,
         default=0,
         help="micro-batches per data-parallel rank (default 1, or --microbatches with --pp)",
     )
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
     parser.add_argument("--grad-clip", type=float, default=0.3, help="global-norm clip (0: off)")
     parser.add_argument(
-        "--ledger-step", type=int, default=-1, help="step whose communication is shown (default: the last)"
+        "--ledger-step", type=int, default=-1, help="step that is measured (default: the last)"
     )
+    parser.add_argument("--json", action="store_true", help="print the judgment as JSON")
     add_layout_arguments(parser)
+
+
+@dataclass
+class Row:
+    """One judged line of the table."""
+
+    judgment: str  # numerics | comm | memory
+    name: str
+    measured: str
+    planned: str
+    diff: float  # relative difference (0 when equal)
+    ok: bool | None  # None: shown, not judged
+
+    def to_json(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         eps=1e-6,
         grad_clip=args.grad_clip,
         steps=args.steps,
+        dtype=args.dtype,
     ).validate()
     layout.check_model(spec, train.seq_len)
     from fivefold.train.loop import check_runtime_axes
@@ -73,108 +114,223 @@ def run(args: argparse.Namespace) -> int:
     rows = train.micro_batch * layout.dp * layout.fsdp * accumulation
     train = dataclasses.replace(train, global_batch=rows)
     ledger_step = args.ledger_step if args.ledger_step >= 0 else args.steps - 1
+    if ledger_step >= args.steps:
+        raise FivefoldError(f"--ledger-step must be below --steps {args.steps}, got {ledger_step}")
 
-    from fivefold.parallel.compare import RunResult, compare, run_reference
+    from fivefold.parallel.compare import run_reference
     from fivefold.parallel.spawn import spawn_ranks
 
     per_rank = spawn_ranks(_rank_body, args.nproc, spec, train, layout, rows, args.steps, ledger_step)
-    params: dict[str, Any] = {}
-    for r in per_rank:  # pipeline stages each bring their own layers
-        params.update(r["params"])
-    ours = RunResult(per_rank[0]["losses"], per_rank[0]["grad_norms"], params)
     reference = run_reference(spec, train, rows, args.steps)
-    missing = sorted(set(reference.params) - set(params))
-    if missing:
-        raise FivefoldError(
-            f"the layout run returned no values for {len(missing)} parameters, e.g. {missing[0]}"
-        )
-    result = compare(reference, ours, LOSS_RTOL, PARAM_ATOL)
-    same_everywhere = all(r["losses"] == per_rank[0]["losses"] for r in per_rank)
-    _print_report(
-        spec.name,
-        layout,
-        args.nproc,
-        reference,
-        ours,
-        result,
-        per_rank[0]["ledger"],
-        ledger_step,
-        same_everywhere,
-        _planned_bytes(spec, layout, train, rows),
-    )
-    ok = result.ok and same_everywhere
-    print("PASS" if ok else "FAIL")
-    return 0 if ok else 1
+    table = judge(spec, layout, train, accumulation, per_rank, reference)
+    failed = next((r for r in table if r.ok is False), None)
+    if args.json:
+        print(json.dumps({"ok": failed is None, "rows": [r.to_json() for r in table]}, indent=1))
+    else:
+        _print_table(spec.name, layout, args.nproc, train, ledger_step, table)
+        print("PASS" if failed is None else f"FAIL: {failed.judgment} {failed.name}")
+    return 0 if failed is None else 1
 
 
 def _rank_body(
     rank: int, world: int, spec, train: TrainSpec, layout: Layout, rows: int, steps: int, ledger_step: int
 ) -> dict:
-    from fivefold.parallel.compare import ledger_step_hook, run_layout
+    from fivefold.parallel.compare import measure_layout
     from fivefold.parallel.device_mesh import build_runtime_mesh
-    from fivefold.parallel.ledger import CommLedger
 
     mesh = build_runtime_mesh(layout)
-    ledger = CommLedger(mesh)
-
-    hook = ledger_step_hook(ledger, ledger_step, split_optimizer=False)
-    result, _, _ = run_layout(spec, train, layout, rows, steps, mesh, hook)
-    return {
-        "losses": result.losses,
-        "grad_norms": result.grad_norms,
-        "params": result.params,
-        "ledger": ledger.summary(),
-    }
+    out = measure_layout(spec, train, layout, rows, steps, mesh, ledger_step)
+    out["coords"] = placement(mesh)
+    return out
 
 
-def _planned_bytes(spec, layout: Layout, train: TrainSpec, rows: int) -> dict[tuple[str, str], float]:
-    """What `fivefold plan` predicts per step, by (axis, op), for fp32 weights and gradients."""
-    from fivefold.config import load_hardware
-    from fivefold.plan import TrainShape, plan
-
-    try:
-        shape = TrainShape(
-            seq_len=train.seq_len,
-            global_batch=rows,
-            micro_batch=train.micro_batch,
-            param_bytes=4,
-            grad_bytes=4,
-            optimizer_bytes=8,
-        )
-        predicted = plan(spec, load_hardware("cpu"), layout, shape, gpus_per_node=layout.world)
-    except FivefoldError:
-        return {}
-    return {(c.axis, c.op.replace("-", "_")): c.bytes for c in predicted.comm}
+def placement(mesh: Any) -> dict[str, int]:
+    """This rank's coordinate on every axis the planner places a rank by."""
+    return {a: mesh.coord(a) for a in ("dp", "fsdp", "cp", "tp", "pp", "ep", "fsdp_cp", "batch")}
 
 
-def _print_report(
-    model: str,
+Planner = Callable[..., Any]
+
+
+def judge(
+    spec: ModelSpec,
     layout: Layout,
-    nproc: int,
-    reference,
-    ours,
-    result,
-    ledger: list[dict],
-    ledger_step: int,
-    same_everywhere: bool,
-    planned: dict[tuple[str, str], float],
-) -> None:
-    split = [a for a in ("dp", "fsdp", "tp", "pp", "cp") if getattr(layout, a) > 1]
-    axes = " × ".join(f"{a}{getattr(layout, a)}" for a in split)
-    extras = [f"zero {layout.zero}"] + (["sp"] if layout.sp else [])
-    print(f"verify {model} on {nproc} ranks: {axes or 'one replica'} ({', '.join(extras)})")
-    print(f"{'step':>4}  {'reference loss':>15}  {'layout loss':>15}  {'rel diff':>9}")
-    for i, (a, b, rel) in enumerate(zip(reference.losses, ours.losses, result.loss_rel)):
-        print(f"{i:>4}  {a:>15.8f}  {b:>15.8f}  {rel:>9.2e}")
-    print(
-        f"updated parameters: max abs diff {result.max_abs:.3e} ({result.worst_param}), "
-        f"max rel diff {result.max_rel:.3e}; tolerances: loss {LOSS_RTOL:g} rel, params {PARAM_ATOL:g} abs"
+    train: TrainSpec,
+    accumulation: int,
+    per_rank: list[dict],
+    reference: Any | None,
+    planner: Planner | None = None,
+) -> list[Row]:
+    """The table: numerics against `reference` (skipped when None), then communication and memory
+    of every rank against `planner` (default `fivefold.plan.step.plan_step`)."""
+    from fivefold.plan.activations import planned_activations
+    from fivefold.plan.step import plan_step
+
+    planner = planner or plan_step
+    table: list[Row] = []
+    if reference is not None:
+        table += _numerics(train, per_rank, reference)
+    started = time.perf_counter()
+    plans = [
+        planner(
+            spec,
+            layout,
+            train.micro_batch,
+            train.seq_len,
+            accumulation,
+            train.dtype,
+            r["coords"],
+            r.get("rows_received"),
+        )
+        for r in per_rank
+    ]
+    plan_ms = (time.perf_counter() - started) * 1e3 / len(per_rank)
+    table += _communication(layout, per_rank, plans)
+    acts = [
+        planned_activations(
+            spec, layout, train.micro_batch, train.seq_len, accumulation, train.dtype, r["coords"]
+        )
+        for r in per_rank
+    ]
+    table += _memory(per_rank, plans, acts)
+    table.append(Row("plan", "planner time per rank", "-", f"{plan_ms:.3f} ms", 0.0, None))
+    return table
+
+
+def _numerics(train: TrainSpec, per_rank: list[dict], reference: Any) -> list[Row]:
+    from fivefold.parallel.compare import RunResult, compare
+
+    params: dict[str, Any] = {}
+    for r in per_rank:  # pipeline stages each bring their own layers
+        params.update(r["params"])
+    missing = sorted(set(reference.params) - set(params))
+    if missing:
+        return [
+            Row("numerics", "parameters", f"{len(missing)} missing, e.g. {missing[0]}", "all", 1.0, False)
+        ]
+    ours = RunResult(per_rank[0]["losses"], per_rank[0]["grad_norms"], params)
+    bf16 = train.dtype == "bf16"
+    loss_rtol = BF16_LOSS_RTOL if bf16 else LOSS_RTOL
+    # bf16 against the fp32 reference is a coarse check: AdamW moves a weight by at most about lr a
+    # step whatever its gradient, and bf16 rounding can flip the sign of a small gradient, so two
+    # healthy runs may differ by up to 2·lr per step; beyond that something else is wrong
+    param_atol = 2 * train.lr * train.steps if bf16 else PARAM_ATOL
+    cmp = compare(reference, ours, loss_rtol, param_atol)
+    same = all(r["losses"] == per_rank[0]["losses"] for r in per_rank)
+    rows = []
+    for i, (a, b, rel) in enumerate(zip(reference.losses, ours.losses, cmp.loss_rel)):
+        rows.append(Row("numerics", f"loss step {i}", f"{b:.8f}", f"{a:.8f}", rel, rel <= loss_rtol))
+    rows.append(Row("numerics", "loss equal on every rank", str(same), "True", 0.0, same))
+    rows.append(
+        Row(
+            "numerics",
+            f"updated parameters (max abs diff, {cmp.worst_param or '-'})",
+            f"{cmp.max_abs:.3e}",
+            f"<= {param_atol:g}",
+            cmp.max_rel,
+            cmp.max_abs <= param_atol,
+        )
     )
-    if not same_everywhere:
-        print("the reported loss differs between ranks")
-    print(f"communication of step {ledger_step} on rank 0: measured (ledger) and predicted (fivefold plan)")
-    print(f"  {'axis':<10} {'op':<15} {'count':>6} {'bytes':>12} {'plan bytes':>12}")
-    for row in ledger:
-        plan_bytes = planned.get((row["axis"], row["op"]))
-        shown = f"{plan_bytes:>12,.0f}" if plan_bytes is not None else f"{'-':>12}"
-        print(f"  {row['axis']:<10} {row['op']:<15} {row['count']:>6.0f} {row['bytes']:>12,.0f} {shown}")
+    return rows
+
+
+def _rel(measured: float, planned: float) -> float:
+    if measured == planned:
+        return 0.0
+    return abs(measured - planned) / max(abs(planned), abs(measured), 1.0)
+
+
+def _communication(layout: Layout, per_rank: list[dict], plans: list[Any]) -> list[Row]:
+    """One row per (axis, op): rank 0's numbers shown, every rank judged (the first one off named)."""
+    keys: list[tuple[str, str]] = []
+    for r, p in zip(per_rank, plans):
+        for row in r["ledger"]:
+            if (row["axis"], row["op"]) not in keys:
+                keys.append((row["axis"], row["op"]))
+        keys += [k for k in p.comm if k not in keys]
+    rows = []
+    for key in keys:
+        worst, off = 0.0, None
+        for rank, (r, p) in enumerate(zip(per_rank, plans)):
+            got = _measured(r, key)
+            want = p.comm.get(key, (0, 0))
+            diff = max(_rel(got[0], want[0]), _rel(got[1], want[1]))
+            if diff > worst or (off is None and got != want):
+                worst = max(worst, diff)
+                off = off if off is not None else (rank if got != want else None)
+        got0, want0 = _measured(per_rank[0], key), plans[0].comm.get(key, (0, 0))
+        name = f"{key[0]} {key[1]}" + (f" (rank {off} differs)" if off is not None else "")
+        rows.append(
+            Row(
+                "comm",
+                name,
+                f"{got0[0]} calls, {got0[1]:,} B",
+                f"{want0[0]} calls, {want0[1]:,} B",
+                worst,
+                off is None,
+            )
+        )
+    if layout.ep > 1:
+        got = [r.get("rows_received", 0) for r in per_rank]
+        mean = sum(got) / len(got)
+        imbalance = max(got) / mean if mean else 1.0
+        rows.append(
+            Row("comm", "ep routing imbalance (rows received, max/mean)", f"{imbalance:.3f}", "-", 0.0, None)
+        )
+    return rows
+
+
+def _measured(r: dict, key: tuple[str, str]) -> tuple[int, int]:
+    for row in r["ledger"]:
+        if (row["axis"], row["op"]) == key:
+            return int(row["count"]), int(row["bytes"])
+    return 0, 0
+
+
+def _memory(per_rank: list[dict], plans: list[Any], acts: list[float]) -> list[Row]:
+    rows = []
+    for part in ("params", "grads", "optimizer"):
+        off = next(
+            (i for i, (r, p) in enumerate(zip(per_rank, plans)) if r["state"][part] != p.state[part]), None
+        )
+        worst = max(_rel(r["state"][part], p.state[part]) for r, p in zip(per_rank, plans))
+        name = f"{part} bytes per rank" + (f" (rank {off} differs)" if off is not None else "")
+        got, want = per_rank[0]["state"][part], plans[0].state[part]
+        rows.append(Row("memory", name, f"{got:,}", f"{want:,}", worst, off is None))
+    diffs = [_rel(r["activations"], a) for r, a in zip(per_rank, acts)]
+    worst_rank = max(range(len(diffs)), key=lambda i: diffs[i])
+    rows.append(
+        Row(
+            "memory",
+            f"saved activations, peak (worst: rank {worst_rank})",
+            f"{per_rank[worst_rank]['activations']:,}",
+            f"{int(acts[worst_rank]):,}",
+            diffs[worst_rank],
+            diffs[worst_rank] <= ACTIVATION_RTOL,
+        )
+    )
+    peak = max(r["process_peak"] for r in per_rank)
+    rows.append(Row("memory", "process peak memory (max over ranks)", f"{peak:,}", "-", 0.0, None))
+    return rows
+
+
+def _print_table(
+    model: str, layout: Layout, nproc: int, train: TrainSpec, step: int, table: list[Row]
+) -> None:
+    split = [a for a in ("dp", "fsdp", "tp", "pp", "cp", "ep") if getattr(layout, a) > 1]
+    axes = " × ".join(f"{a}{getattr(layout, a)}" for a in split)
+    extras = [f"zero {layout.zero}", train.dtype] + (["sp"] if layout.sp else [])
+    if layout.cp > 1:
+        extras.append(f"cp {layout.cp_impl}")
+    if layout.pp > 1:
+        extras.append(f"{layout.pp_schedule} m={layout.microbatches}")
+    if layout.recompute != "none":
+        extras.append(f"recompute {layout.recompute}")
+    what = f"{axes or 'one replica'} ({', '.join(extras)})"
+    print(f"verify {model} on {nproc} ranks: {what}; step {step} measured")
+    width = max(len(r.name) for r in table)
+    print(f"  {'judgment':<9} {'row':<{width}}  {'measured':>24}  {'planned':>24}  {'rel diff':>9}  result")
+    for r in table:
+        result = "-" if r.ok is None else ("PASS" if r.ok else "FAIL")
+        values = f"{r.measured:>24}  {r.planned:>24}  {r.diff:>9.2e}"
+        print(f"  {r.judgment:<9} {r.name:<{width}}  {values}  {result}")

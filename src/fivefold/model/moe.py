@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.config import ModelSpec
+from fivefold.model.mlp import SwiGLU
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -89,8 +90,6 @@ class GroupedExperts(nn.Module):
 class MoE(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        from fivefold.model.transformer import SwiGLU  # shared with the dense block
-
         self.num_experts = spec.experts
         self.top_k = spec.experts_per_token
         self.aux_loss_coef = spec.aux_loss_coef

@@ -19,18 +19,8 @@ from torch import nn
 
 from fivefold.config import ModelSpec
 from fivefold.model.attention import Attention, KVCache, RMSNorm, RotaryEmbedding
+from fivefold.model.mlp import SwiGLU
 from fivefold.model.moe import MoE
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, ffn_hidden: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, ffn_hidden, bias=False)
-        self.up_proj = nn.Linear(hidden, ffn_hidden, bias=False)
-        self.down_proj = nn.Linear(ffn_hidden, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):

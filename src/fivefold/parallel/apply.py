@@ -18,7 +18,11 @@ from torch import nn
 from fivefold.config import Layout, TrainSpec
 from fivefold.errors import FivefoldError
 from fivefold.model.transformer import materialize
+from fivefold.parallel.context import apply_context_parallel
 from fivefold.parallel.data import apply_ddp, apply_fsdp, apply_replicate
+from fivefold.parallel.expert import apply_expert_parallel, check_expert_layout, reduce_after_backward
+from fivefold.parallel.recompute import apply_recompute
+from fivefold.parallel.runner import ParallelRunner
 from fivefold.parallel.tensor import apply_tensor_parallel
 
 
@@ -58,15 +62,11 @@ def parallelize_chunk(module: nn.Module, runtime_mesh: Any, layout: Layout, trai
         apply_tensor_parallel(module, runtime_mesh.get("tp"), spec, layout.sp)
     expert_params = None
     if layout.ep > 1:  # experts sharded over ep, left out of the model's FSDP
-        from fivefold.parallel.expert import apply_expert_parallel
-
         expert_params = set(apply_expert_parallel(module, runtime_mesh))
     if layout.cp > 1:  # tp shards the heads, cp the sequence: the cp core sees this rank's heads
-        from fivefold.parallel.context import apply_context_parallel
-
         apply_context_parallel(module, runtime_mesh.group("cp"), layout.cp, layout.cp_impl)
     if layout.recompute != "none":
-        _apply_recompute(module, layout.recompute)
+        apply_recompute(module, layout.recompute)
     device = torch.device(runtime_mesh.device_mesh.device_type)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
@@ -86,35 +86,18 @@ def parallelize_chunk(module: nn.Module, runtime_mesh: Any, layout: Layout, trai
     return module
 
 
-def _apply_recompute(module: nn.Module, mode: str) -> None:
-    try:
-        from fivefold.parallel.recompute import apply_recompute
-    except ImportError:
-        raise FivefoldError(
-            f"--recompute {mode} is not available in this build (fivefold.parallel.recompute is missing); "
-            "use --recompute none"
-        ) from None
-    apply_recompute(module, mode)
-
-
 def build_runner(model: nn.Module, runtime_mesh: Any, layout: Layout, train: TrainSpec):
     """A StepRunner for any layout; `model` is built on meta (or materialised identically on every rank)."""
     layout.check_model(model.spec, train.seq_len)
     check_layout(layout)
     if layout.ep > 1:
-        from fivefold.parallel.expert import check_expert_layout
-
         check_expert_layout(layout)
     if layout.pp > 1:
         from fivefold.parallel.pipeline import build_pipeline_runner
 
         return build_pipeline_runner(model, runtime_mesh, layout, train)
-    from fivefold.parallel.runner import ParallelRunner
-
     wrapped = parallelize_chunk(model, runtime_mesh, layout, train)
     runner = ParallelRunner(model, wrapped, runtime_mesh, layout, train)
     if layout.ep > 1:
-        from fivefold.parallel.expert import reduce_after_backward
-
         reduce_after_backward(runner)
     return runner

@@ -88,20 +88,40 @@ def run_layout(
 ) -> tuple[RunResult, Any, torch.optim.Optimizer]:
     """This rank's side of the same run under `layout` (already resolved).
 
-    Returns (result, runner, optimizer); `step_hook(step, phase)` is called at "begin",
-    "backward" (after forward_backward) and "end" (after the optimizer step) of each step.
+    Returns (result, runner, optimizer of the first model part); `step_hook(step, phase)` is called
+    at "begin", "backward" (after forward_backward) and "end" (after the optimizer step) of each step.
     """
+    runner, optimizers = build_layout(spec, train, layout, runtime_mesh)
+    result = train_steps(spec, train, rows, steps, runtime_mesh, runner, optimizers, step_hook)
+    return result, runner, optimizers[0]
+
+
+def build_layout(
+    spec: ModelSpec, train: TrainSpec, layout: Layout, runtime_mesh: Any
+) -> tuple[Any, list[torch.optim.Optimizer]]:
+    """The runner of `layout` and one optimizer per local model part (pipeline chunks have several)."""
     from fivefold.parallel.apply import build_runner
 
-    model = build_model(spec, "meta")
-    runner = build_runner(model, runtime_mesh, layout, train)
-    part = runner.model_parts[0]
-    opt = runner.build_optimizer(part)
+    runner = build_runner(build_model(spec, "meta"), runtime_mesh, layout, train)
+    return runner, [runner.build_optimizer(part) for part in runner.model_parts]
+
+
+def train_steps(
+    spec: ModelSpec,
+    train: TrainSpec,
+    rows: int,
+    steps: int,
+    runtime_mesh: Any,
+    runner: Any,
+    optimizers: list[torch.optim.Optimizer],
+    step_hook: Any = None,
+) -> RunResult:
     coord, ranks = runtime_mesh.coord("batch"), runtime_mesh.size("batch")
     result = RunResult([], [])
     for step in range(steps):
         x, y = global_batch(spec, train, rows, step)
-        opt.zero_grad(set_to_none=True)
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
         if step_hook is not None:
             step_hook(step, "begin")
         loss = runner.forward_backward(rows_of(x, coord, ranks), rows_of(y, coord, ranks))
@@ -109,11 +129,13 @@ def run_layout(
         if step_hook is not None:
             step_hook(step, "backward")
         result.grad_norms.append(float(runner.clip_grad_norm(train.grad_clip)))
-        opt.step()
+        for opt in optimizers:
+            opt.step()
         if step_hook is not None:
             step_hook(step, "end")
-    result.params = gather_params(part)
-    return result, runner, opt
+    for part in runner.model_parts:
+        result.params.update(gather_params(part))
+    return result
 
 
 def gather_params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -154,3 +176,68 @@ def with_accumulation(train: TrainSpec, accumulation: int, data_ranks: int) -> t
     """(train spec, global rows) for `accumulation` micro-batches per data-parallel rank."""
     rows = train.micro_batch * data_ranks * accumulation
     return dataclasses.replace(train, global_batch=rows), rows
+
+
+def measure_layout(
+    spec: ModelSpec,
+    train: TrainSpec,
+    layout: Layout,
+    rows: int,
+    steps: int,
+    runtime_mesh: Any,
+    ledger_step: int,
+) -> dict[str, Any]:
+    """This rank's run of `layout` with step `ledger_step` measured: every collective of the whole
+    step (forward, backward, clipping, optimizer) in the comm ledger, the peak of saved-activation
+    bytes of its forward + backward, the state bytes held after it, and the rows its experts got.
+    """
+    from fivefold.parallel.ledger import CommLedger
+    from fivefold.train.memory import ActivationMeter, device_memory, state_bytes
+
+    runner, optimizers = build_layout(spec, train, layout, runtime_mesh)
+    ledger = CommLedger(runtime_mesh)
+    meter = ActivationMeter()
+    routed = {"before": 0, "after": 0}
+
+    def hook(at: int, phase: str) -> None:
+        if at != ledger_step:
+            return
+        if phase == "begin":
+            routed["before"] = _rows_received(runner)
+            ledger.__enter__()
+            meter.__enter__()
+        elif phase == "backward":
+            meter.__exit__(None, None, None)
+            routed["after"] = _rows_received(runner)
+        else:
+            ledger.__exit__(None, None, None)
+
+    result = train_steps(spec, train, rows, steps, runtime_mesh, runner, optimizers, hook)
+    ledger.close()
+    measured = ledger.per_step()
+    device = next(p for part in runner.model_parts for p in part.parameters()).device
+    state = {"params": 0, "grads": 0, "optimizer": 0}
+    for part, opt in zip(runner.model_parts, optimizers):
+        for key, value in state_bytes([part], opt).items():
+            state[key] += value
+    return {
+        "losses": result.losses,
+        "grad_norms": result.grad_norms,
+        "params": result.params,
+        "ledger": measured[0] if measured else [],
+        "state": state,
+        "activations": meter.peak_bytes,
+        "process_peak": max(device_memory(device).values()),
+        "rows_received": routed["after"] - routed["before"],
+    }
+
+
+def _rows_received(runner: Any) -> int:
+    """Rows the expert-parallel dispatch has handed this rank's experts so far."""
+    if runner is None:
+        return 0
+    from fivefold.model.moe import moe_layers
+
+    return sum(
+        getattr(moe.experts, "rows_received", 0) for part in runner.model_parts for moe in moe_layers(part)
+    )

@@ -24,10 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fivefold.config import AXES, Layout
 from fivefold.errors import FivefoldError
+from fivefold.layout_math import AXIS_PRIORITY  # when two dims share ranks, the first one is credited
 from fivefold.mesh import FLATTENED, MeshInfo, build_mesh
-
-# when two dims have the same ranks, a collective on that group is credited to the first one
-AXIS_PRIORITY = ("tp", "cp", "fsdp", "dp", "pp", "ep", "expert_fsdp", "fsdp_cp", "batch", "dp_fsdp_cp")
 
 
 @dataclass

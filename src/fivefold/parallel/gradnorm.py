@@ -17,6 +17,9 @@ def grad_norm_squared(params: list[torch.Tensor], device: torch.device) -> torch
     from torch.distributed.tensor import DTensor, Replicate
 
     by_groups: dict[tuple, torch.Tensor] = {}
+    # keyed by group name: DTensors of one sharding may carry distinct mesh objects (and group
+    # handles) for the same groups, which must still share one reduction
+    named: dict[str, dist.ProcessGroup] = {}
     for p in params:
         grad = p.grad
         if grad is None:
@@ -26,17 +29,17 @@ def grad_norm_squared(params: list[torch.Tensor], device: torch.device) -> torch
             if any(pl.is_partial() for pl in grad.placements):
                 grad = grad.redistribute(placements=[Replicate()] * len(grad.placements))
             mesh = grad.device_mesh
-            groups = tuple(
-                mesh.get_group(i)
-                for i, pl in enumerate(grad.placements)
-                if not isinstance(pl, Replicate) and mesh.size(i) > 1
-            )
+            for i, pl in enumerate(grad.placements):
+                if not isinstance(pl, Replicate) and mesh.size(i) > 1:
+                    group = mesh.get_group(i)
+                    named.setdefault(group.group_name, group)
+                    groups += (group.group_name,)
             grad = grad.to_local()
         square = grad.detach().double().pow(2).sum().to(device)
         by_groups[groups] = by_groups[groups] + square if groups in by_groups else square
     total = torch.zeros((), dtype=torch.float64, device=device)
     for groups, square in by_groups.items():
-        for group in groups:
-            dist.all_reduce(square, group=group)
+        for name in groups:
+            dist.all_reduce(square, group=named[name])
         total += square
     return total

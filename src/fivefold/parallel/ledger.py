@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fivefold.config import AXES
+from fivefold.layout_math import wire_bytes  # noqa: F401  (re-exported: the ring formulas)
 from fivefold.mesh import FLATTENED, MeshInfo
 from fivefold.parallel import comm_hooks
 from fivefold.parallel.device_mesh import AXIS_PRIORITY, RuntimeMesh
@@ -87,17 +88,6 @@ FUNCTIONAL_OPS = {
 }
 
 HOOKED_OPS = {"c10d": tuple(C10D_OPS), "_c10d_functional": tuple(FUNCTIONAL_OPS)}
-
-
-def wire_bytes(op: str, payload: float, n: int) -> float:
-    """Per-rank bytes on the wire for the ring algorithm of `op` over `n` ranks."""
-    if op in ("send", "recv"):
-        return float(payload)
-    if n <= 1 or op == "barrier":
-        return 0.0
-    if op == "all_reduce":
-        return 2.0 * (n - 1) / n * payload
-    return (n - 1) / n * payload
 
 
 def _nbytes(x: Any) -> int:

@@ -22,12 +22,24 @@ only this rank's pieces, composes them with the other axes and turns a schedule 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from fivefold.config import Layout, ModelSpec, TrainSpec
 from fivefold.errors import FivefoldError, divisors, suggest
+
+# the split and the placement are shared with the planner (torch-free); re-exported here
+from fivefold.layout_math import (  # noqa: F401
+    SINGLE_STAGE,
+    SPLIT_BACKWARD,
+    V_SHAPED,
+    StageCosts,
+    balanced_split,
+    parse_split,
+    rank_stages,
+    stage_costs,
+    stage_split,
+    stage_to_rank,
+)
 
 #: our schedule names -> torch.distributed.pipelining class names
 SCHEDULE_CLASSES = {
@@ -38,118 +50,6 @@ SCHEDULE_CLASSES = {
     "zbv": "ScheduleZBVZeroBubble",
     "dualpipev": "ScheduleDualPipeV",
 }
-SINGLE_STAGE = ("gpipe", "1f1b")  # one chunk per rank
-V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank, folded into a V
-SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")  # input- and weight-gradient passes apart
-
-
-# --------------------------------------------------------------------------------------------
-# costs and the split (pure Python: the planner and the tests use it without torch)
-
-
-@dataclass(frozen=True)
-class StageCosts:
-    """Forward FLOPs per token of each piece of the model."""
-
-    embedding: float
-    layers: tuple[float, ...]
-    head: float  # final norm + output head + loss
-
-    def chunk_cost(self, start: int, stop: int, first: bool, last: bool) -> float:
-        ends = (self.embedding if first else 0.0) + (self.head if last else 0.0)
-        return sum(self.layers[start:stop]) + ends
-
-
-def stage_costs(spec: ModelSpec, seq_len: int) -> StageCosts:
-    """Forward FLOPs per token: 2 per weight a token multiplies, attention scores and sums, the head."""
-    h = spec.hidden
-    attn_core = 2 * seq_len * spec.heads * 2 * spec.head_dim  # QK^T and PV
-    layers = tuple(
-        2.0 * spec.layer_params(i, active=True) + attn_core + 10.0 * h  # + norms, residuals, rope
-        for i in range(spec.layers)
-    )
-    # the embedding is a gather (h reads per token forward, h adds backward); the head is a
-    # vocab × hidden matmul plus softmax cross-entropy (~5 FLOPs per logit)
-    head = 2.0 * spec.vocab * h + 5.0 * spec.vocab + 4.0 * h
-    return StageCosts(embedding=2.0 * h, layers=layers, head=head)
-
-
-def parse_split(text: str, layers: int, chunks: int) -> list[int]:
-    """`--pp-split 3,5,5,3`: layers per chunk, in stage order."""
-    try:
-        counts = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
-    except ValueError:
-        raise FivefoldError(f"--pp-split takes layer counts like 2,2; got {text!r}") from None
-    if len(counts) != chunks:
-        raise FivefoldError(
-            f"--pp-split {text} names {len(counts)} chunks but pp × virtual_stages = {chunks}; "
-            f"give {chunks} layer counts"
-        )
-    if sum(counts) != layers:
-        raise FivefoldError(f"--pp-split {text} adds up to {sum(counts)} layers, the model has {layers}")
-    for i, c in enumerate(counts):
-        if c < 0 or (c == 0 and 0 < i < chunks - 1):
-            raise FivefoldError(
-                f"--pp-split {text}: chunk {i} has {c} layers; every middle chunk needs at least one "
-                "(the first and last may hold only the embedding or the head)"
-            )
-    return counts
-
-
-def balanced_split(costs: StageCosts, chunks: int) -> list[int]:
-    """Layers per chunk (each >= 1) minimising the most expensive chunk; ties: the most even counts.
-
-    Dynamic programming over (layers placed, chunks used): exact, and cheap for any real depth.
-    """
-    n = len(costs.layers)
-    if chunks > n:
-        raise FivefoldError(f"cannot split {n} layers into {chunks} chunks of at least one layer")
-    prefix = [0.0]
-    for c in costs.layers:
-        prefix.append(prefix[-1] + c)
-
-    def cost(i: int, j: int, k: int) -> float:  # layers i..j-1 as chunk k
-        return (
-            prefix[j]
-            - prefix[i]
-            + (costs.embedding if k == 0 else 0.0)
-            + (costs.head if k == chunks - 1 else 0.0)
-        )
-
-    ideal = n / chunks
-    inf = (math.inf, math.inf)
-    # best[k][j]: (max cost, spread) of placing the first j layers into k chunks
-    best = [[inf] * (n + 1) for _ in range(chunks + 1)]
-    cut = [[0] * (n + 1) for _ in range(chunks + 1)]
-    best[0][0] = (0.0, 0.0)
-    for k in range(1, chunks + 1):
-        for j in range(k, n - (chunks - k) + 1):
-            for i in range(k - 1, j):
-                prev = best[k - 1][i]
-                if prev == inf:
-                    continue
-                # round costs so float noise does not beat an even split
-                cand = (round(max(prev[0], cost(i, j, k - 1)), 6), prev[1] + (j - i - ideal) ** 2)
-                if cand < best[k][j]:
-                    best[k][j], cut[k][j] = cand, i
-    counts, j = [], n
-    for k in range(chunks, 0, -1):
-        i = cut[k][j]
-        counts.append(j - i)
-        j = i
-    return counts[::-1]
-
-
-def stage_to_rank(stage: int, pp: int, schedule: str) -> int:
-    """The pp rank that runs chunk `stage`."""
-    if schedule in V_SHAPED:
-        return stage if stage < pp else 2 * pp - 1 - stage
-    return stage % pp
-
-
-def rank_stages(rank: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
-    """The chunks pp rank `rank` runs, in increasing stage order."""
-    return [s for s in range(pp * virtual_stages) if stage_to_rank(s, pp, schedule) == rank]
 
 
 def check_pipeline(spec: ModelSpec, layout: Layout, train: TrainSpec | None = None) -> list[int]:
@@ -207,9 +107,7 @@ def check_pipeline(spec: ModelSpec, layout: Layout, train: TrainSpec | None = No
                 f"each data-parallel rank's batch of {local} sequences (micro_batch × accumulation) does not "
                 f"divide into --microbatches {m}; valid microbatches: {suggest(ok) or 'none'}"
             )
-    if layout.pp_split:
-        return parse_split(layout.pp_split, spec.layers, chunks)
-    return balanced_split(stage_costs(spec, train.seq_len if train else spec.max_seq_len), chunks)
+    return stage_split(spec, layout, train.seq_len if train else spec.max_seq_len)
 
 
 def _min_microbatches(pp: int, schedule: str) -> int:

@@ -7,15 +7,53 @@ naming the rank and the exception; the launcher's own log chatter is silenced.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fivefold.errors import FivefoldError
 
-_QUIET = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
+_QUIET = (
+    "torch.distributed.elastic",
+    "torch.distributed.launcher",
+    "torch.distributed.run",
+    "torch.multiprocessing",
+)
+
+
+def local_launch_config(nproc: int) -> Any:
+    """torch's elastic launcher for `nproc` ranks on this machine, as `torchrun --standalone` sets it up:
+    c10d rendezvous on an OS-chosen port, no restarts, fresh (spawned) interpreters."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"fivefold-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        rdzv_configs={"timeout": 120},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+
+
+@contextlib.contextmanager
+def quiet_launcher() -> Iterator[None]:
+    """Silence the launcher's own log chatter; failures are reported once, by the caller."""
+    levels = {name: logging.getLogger(name).level for name in _QUIET}
+    for name in _QUIET:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
 
 
 def _entry(fn: Callable[..., Any], args: tuple) -> Any:
@@ -43,33 +81,16 @@ def _entry(fn: Callable[..., Any], args: tuple) -> Any:
 def spawn_ranks(fn: Callable[..., Any], nproc: int, *args: Any) -> list[Any]:
     """`fn(rank, world, *args)` on `nproc` ranks (fn at module level: it is pickled); results by rank."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"fivefold-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        rdzv_configs={"timeout": 120},
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-    )
-    levels = {name: logging.getLogger(name).level for name in _QUIET}
-    for name in _QUIET:
-        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        returned = elastic_launch(config, _entry)(fn, args)
+        with quiet_launcher():
+            returned = elastic_launch(local_launch_config(nproc), _entry)(fn, args)
     except ChildFailedError as exc:
         rank, failure = next(iter(sorted(exc.failures.items())))
         message = str(failure.message or f"exit code {failure.exitcode}").strip().splitlines()
         raise RuntimeError(f"rank {rank} failed: {message[-1] if message else failure.exitcode}") from None
-    finally:
-        for name, level in levels.items():
-            logging.getLogger(name).setLevel(level)
     results = [returned[r] for r in range(nproc)]
     for status, value in results:
         if status == "bad-input":

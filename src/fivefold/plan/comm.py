@@ -1,6 +1,6 @@
 """Collective costs: bytes on the wire per rank and time, from a latency + bandwidth model per link.
 
-Ring algorithms (Patarasuk & Yuan 2009; the seed's ring all-reduce theorem): for a payload of B
+Ring algorithms (Patarasuk & Yuan 2009; the ring all-reduce bound in docs/planner.md): for a payload of B
 bytes over n ranks, an all-reduce sends 2(n-1)/n·B per rank in 2(n-1) steps; all-gather and
 reduce-scatter send (n-1)/n·B in n-1 steps (B is the full, gathered size); an all-to-all sends
 (n-1)/n·B; a point-to-point send is B in one step. Time = steps·α + wire / (β·link_efficiency),
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from fivefold.config import HardwareSpec, Layout
+from fivefold.layout_math import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, RECV, REDUCE_SCATTER, SEND
 from fivefold.mesh import axis_link_kinds
 
 DEFAULT_LINK_EFFICIENCY = 0.75  # share of the per-direction link bandwidth a large collective reaches
@@ -51,14 +52,19 @@ class Collective:
 
 
 def wire_factor(op: str, n: int) -> tuple[float, int]:
-    """(bytes sent per rank per payload byte, latency steps) of a ring collective over n ranks."""
+    """(bytes sent per rank per payload byte, latency steps) of a ring collective over n ranks.
+
+    `op` is one of the ledger's names (fivefold.layout_math); the older hyphenated spellings
+    ("all-reduce", "send-recv") are accepted too.
+    """
+    op = op.replace("-", "_")
     if n <= 1:
         return 0.0, 0
-    if op == "all-reduce":
+    if op == ALL_REDUCE:
         return 2 * (n - 1) / n, 2 * (n - 1)
-    if op in ("all-gather", "reduce-scatter", "all-to-all"):
+    if op in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL):
         return (n - 1) / n, n - 1
-    if op == "send-recv":
+    if op in (SEND, RECV, "send_recv"):
         return 1.0, 1
     raise ValueError(op)
 

@@ -11,9 +11,25 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fivefold.config import HardwareSpec, Layout
+from fivefold.layout_math import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    BROADCAST,
+    REDUCE_SCATTER,
+    is_expert,
+    names_by_layer,
+    numel,
+    padded,
+    param_shapes,
+    replica_axis,
+    tp_local_shape,
+)
 from fivefold.plan.comm import collective_time, worst_link
 from fivefold.plan.memory import shard_group
+from fivefold.plan.runshape import Chunk, RunShape, Traffic
 from fivefold.plan.spec import TrainShape
+
+GRAD_BYTES = 4  # fp32 gradients and master weights, whatever the compute dtype
 
 
 def data_parallel_traffic(
@@ -58,16 +74,16 @@ def data_parallel_traffic(
     if z <= 1:
         for payload, group, link in ((dense, n, shard_link), (experts, n_exp, shard_link)):
             if z == 0:
-                once(shard_axis, "all-reduce", g * payload, group, link, t_b)
+                once(shard_axis, ALL_REDUCE, g * payload, group, link, t_b)
             else:
-                once(shard_axis, "reduce-scatter", g * payload, group, link, t_b)
-                once(shard_axis, "all-gather", p * payload, group, link, t_f)
+                once(shard_axis, REDUCE_SCATTER, g * payload, group, link, t_b)
+                once(shard_axis, ALL_GATHER, p * payload, group, link, t_f)
     else:  # FSDP: gathers hide behind the micro-batch's forward, backward gathers and reduce-scatters
         # behind its backward (prefetching one layer ahead)
         bwd_gathers = 1 if z == 3 else 0
         shards = [(pl, grp) for pl, grp in ((dense, n), (experts, n_exp)) if grp > 1 and pl > 0]
-        t_ag = {grp: collective_time(hw, "all-gather", p * pl, grp, shard_link)[1] for pl, grp in shards}
-        t_rs = {grp: collective_time(hw, "reduce-scatter", g * pl, grp, shard_link)[1] for pl, grp in shards}
+        t_ag = {grp: collective_time(hw, ALL_GATHER, p * pl, grp, shard_link)[1] for pl, grp in shards}
+        t_rs = {grp: collective_time(hw, REDUCE_SCATTER, g * pl, grp, shard_link)[1] for pl, grp in shards}
         busy_f = sum(t_ag.values())
         busy_b = bwd_gathers * busy_f + sum(t_rs.values())
         exposed_f = max(busy_f - t_f, 0.0)
@@ -76,7 +92,7 @@ def data_parallel_traffic(
             ag_exposed = t_ag[group] / busy_f * exposed_f + bwd_gathers * t_ag[group] / busy_b * exposed_b
             add(
                 shard_axis,
-                "all-gather",
+                ALL_GATHER,
                 p * payload,
                 group,
                 shard_link,
@@ -86,7 +102,7 @@ def data_parallel_traffic(
             )
             add(
                 shard_axis,
-                "reduce-scatter",
+                REDUCE_SCATTER,
                 g * payload,
                 group,
                 shard_link,
@@ -97,9 +113,110 @@ def data_parallel_traffic(
         if layout.dp > 1 and layout.fsdp > 1:  # HSDP: replicas all-reduce their shard once a step
             once(
                 "dp",
-                "all-reduce",
+                ALL_REDUCE,
                 g * (dense / n + experts / n_exp),
                 layout.dp,
                 kinds.get("dp", "inter"),
                 t_b,
             )
+
+
+# ---- the exact traffic of one step on one rank, as the comm ledger records it
+#
+# Units are those fivefold.parallel.data wraps: the embedding, each block, the final norm + head
+# (a tied embedding and head share the first unit). FSDP gathers a unit's parameters in the
+# compute dtype (padded to a multiple of the shard group) and reduce-scatters its fp32 gradients
+# once a step; HSDP all-reduces the reduced shard over dp; `replicate` (tensor-parallel replicas)
+# all-reduces each unit's gradients; DDP all-reduces every gradient in one bucket (a model under
+# 25 MB); plain pipeline replicas all-reduce gradient by gradient; ZeRO-1 broadcasts each updated
+# parameter from its owner. Experts sharded over ep are left to fivefold.plan.expert.
+
+
+def units(run: RunShape, chunk: Chunk) -> list[list[str]]:
+    """Parameter names of each FSDP/replicate unit of a chunk (experts under ep left out)."""
+    spec = run.spec
+    names = param_shapes(spec)
+    keep = (lambda n: not is_expert(n)) if run.layout.ep > 1 else (lambda n: True)
+    out: list[list[str]] = []
+    head = (
+        (["model.norm.weight"] + (["lm_head.weight"] if "lm_head.weight" in names else []))
+        if chunk.last
+        else []
+    )
+    if chunk.first:
+        out.append(["model.embed_tokens.weight"] + (head if spec.tie_embeddings else []))
+    by_layer = names_by_layer(spec)
+    for i in chunk.layers:
+        out.append([n for n in by_layer[i] if keep(n)])
+    if head and not (spec.tie_embeddings and chunk.first):
+        out.append(head)
+    return out
+
+
+def chunk_grads(run: RunShape, chunk: Chunk) -> list[int]:
+    """Elements of each (tensor-parallel local) parameter of a chunk."""
+    shapes = param_shapes(run.spec)
+    return [
+        numel(tp_local_shape(n, shapes[n], run.spec, run.layout.tp))
+        for unit in units(run, chunk)
+        for n in unit
+    ]
+
+
+def data_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
+    lay, spec = run.layout, run.spec
+    out = Traffic()
+    shapes = param_shapes(spec)
+    gather_bytes = run.act_bytes  # FSDP's mixed precision gathers in the compute dtype
+    if lay.fsdp > 1:
+        n = lay.fsdp * lay.cp
+        axis = replica_axis(lay, ("fsdp", "cp"))
+        gathers = fsdp_gathers(run)
+        for chunk in chunks:
+            for unit in units(run, chunk):
+                full = sum(padded(tp_local_shape(p, shapes[p], spec, lay.tp), n) for p in unit)
+                out.add(axis, ALL_GATHER, gathers, full * gather_bytes)
+                out.add(axis, REDUCE_SCATTER, 1, full * GRAD_BYTES)
+                out.add("dp", ALL_REDUCE, 1 if lay.dp > 1 else 0, full // n * GRAD_BYTES)
+        return out
+    replicas = lay.dp * lay.cp
+    if replicas == 1:
+        return out
+    axis = replica_axis(lay, ("dp", "fsdp", "cp"))
+    if lay.pp > 1 and lay.tp == 1:  # plain pipeline replicas: one all_reduce per gradient (dp only)
+        for chunk in chunks:
+            for size in chunk_grads(run, chunk):
+                out.add("dp", ALL_REDUCE, 1, size * GRAD_BYTES)
+    elif lay.tp > 1:  # `replicate`: each unit's gradients at once
+        for chunk in chunks:
+            for unit in units(run, chunk):
+                size = sum(numel(tp_local_shape(p, shapes[p], spec, lay.tp)) for p in unit)
+                out.add(axis, ALL_REDUCE, 1, size * GRAD_BYTES)
+    else:  # DDP: every gradient in one bucket
+        size = sum(size for chunk in chunks for size in chunk_grads(run, chunk))
+        out.add(axis, ALL_REDUCE, 1, size * GRAD_BYTES)
+    if lay.zero == 1 and lay.dp > 1:  # ZeroRedundancyOptimizer: every parameter from its owner
+        for chunk in chunks:
+            for size in chunk_grads(run, chunk):
+                out.add("dp", BROADCAST, 1, size * GRAD_BYTES)
+    return out
+
+
+def fsdp_gathers(run: RunShape) -> int:
+    """All-gathers per unit per step: each micro-batch's forward, and its backward under ZeRO-3.
+
+    In a pipeline torch's stages keep the gathered parameters from the first forward to the last
+    backward under ZeRO-2 (no reshard after the backward of any but the last micro-batch): one.
+    """
+    if run.layout.pp > 1 and run.layout.zero == 2:
+        return 1
+    return run.microbatches * (2 if run.layout.zero == 3 else 1)
+
+
+def loss_traffic(run: RunShape) -> Traffic:
+    """The reported loss: the global mean, all-reduced over the ranks holding different data."""
+    lay = run.layout
+    out = Traffic()
+    dims = ("dp", "fsdp", "cp") if lay.cp > 1 and lay.pp == 1 else ("dp", "fsdp")
+    out.add(replica_axis(lay, dims), ALL_REDUCE, 1, 4)
+    return out

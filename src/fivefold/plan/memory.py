@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 from fivefold.config import Layout, ModelSpec
+from fivefold.layout_math import rank_stages, stage_split
 from fivefold.plan.pipeline import in_flight
 from fivefold.plan.spec import Arch, TrainShape, layer_shard
 
@@ -131,8 +132,16 @@ def holds_head(which: str) -> bool:
     return which in ("last", "only", BOTH_ENDS)
 
 
-def stage_counts(model: ModelSpec, pp: int, which: str) -> tuple[int, int]:
-    """(dense layers, MoE layers) on a stage; MoE layers are the model's last ones."""
+def stage_counts(
+    model: ModelSpec, pp: int, which: str, layout: Layout | None = None, seq_len: int = 0
+) -> tuple[int, int]:
+    """(dense layers, MoE layers) on a stage; MoE layers are the model's last ones.
+
+    Given the layout, the stage holds what the run gives it: the cost-balanced split (or
+    `--pp-split`) of fivefold.layout_math, all of the rank's chunks. Without it, ceil(L/pp) layers.
+    """
+    if layout is not None and pp > 1:
+        return _split_stage_counts(model, layout, which, seq_len or model.max_seq_len)
     per = math.ceil(model.layers / pp)
     if which == BOTH_ENDS:  # half a stage from the front, half from the back
         front = math.ceil(per / 2)
@@ -146,9 +155,34 @@ def stage_counts(model: ModelSpec, pp: int, which: str) -> tuple[int, int]:
     return per - n_moe, n_moe
 
 
+_SPLITS: dict[tuple, tuple[int, int]] = {}
+
+
+def _split_stage_counts(model: ModelSpec, layout: Layout, which: str, seq_len: int) -> tuple[int, int]:
+    shape = (
+        model.name,
+        model.layers,
+        model.hidden,
+        model.ffn_hidden,
+        model.vocab,
+        model.experts,
+        model.moe_layers,
+    )
+    key = (*shape, layout.pp, layout.virtual_stages, layout.pp_schedule, layout.pp_split, seq_len, which)
+    if key not in _SPLITS:
+        counts = stage_split(model, layout, seq_len)
+        starts = [sum(counts[:k]) for k in range(len(counts))]
+        rank = layout.pp - 1 if which == "last" else 0
+        chunks = rank_stages(rank, layout.pp, layout.virtual_stages, layout.pp_schedule)
+        layers = [i for c in chunks for i in range(starts[c], starts[c] + counts[c])]
+        n_moe = sum(model.is_moe_layer(i) for i in layers)
+        _SPLITS[key] = (len(layers) - n_moe, n_moe)
+    return _SPLITS[key]
+
+
 def stage_params(model: ModelSpec, arch: Arch, layout: Layout, which: str) -> tuple[float, float, float]:
     """(dense, expert, one-layer) parameters a rank of this stage holds after tp and ep."""
-    n_dense, n_moe = stage_counts(model, layout.pp, which)
+    n_dense, n_moe = stage_counts(model, layout.pp, which, layout)
     dense = experts = biggest = 0.0
     for count, moe in ((n_dense, False), (n_moe, True)):
         if count:
@@ -190,7 +224,16 @@ def memory(
 def cached_stage_params(
     model: ModelSpec, arch: Arch, layout: Layout, which: str, memo: dict
 ) -> tuple[float, float, float]:
-    key = ("params", layout.tp, layout.pp, layout.ep, which)
+    key = (
+        "params",
+        layout.tp,
+        layout.pp,
+        layout.ep,
+        layout.virtual_stages,
+        layout.pp_schedule,
+        layout.pp_split,
+        which,
+    )
     if key not in memo:
         memo[key] = stage_params(model, arch, layout, which)
     return memo[key]
@@ -205,7 +248,7 @@ def _stage_memory(
     z = layout.zero
     params, grads, optimizer = model_state(dense, experts, z, n, n_exp, shape)
 
-    n_dense, n_moe = stage_counts(model, layout.pp, which)
+    n_dense, n_moe = stage_counts(model, layout.pp, which, layout)
     rc = layout.recompute
 
     def act(moe: bool, recompute: str) -> float:

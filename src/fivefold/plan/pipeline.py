@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+from fivefold.plan.runshape import RunShape, Traffic
+
 
 def bubble_time(schedule: str, p: int, m: int, v: int, t_f: float, t_b: float) -> float:
     """Idle time per step on a stage, in the same unit as t_f and t_b."""
@@ -71,3 +73,31 @@ def p2p_on_critical_path(schedule: str, p: int, v: int) -> int:
     if p <= 1:
         return 0
     return 2 * (p - 1) * (v if schedule == "interleaved-1f1b" else 1)
+
+
+def pipeline_traffic(run: RunShape, pp_rank: int) -> Traffic:
+    """Stage-to-stage traffic of one step on one pp rank, and the loss hand-back.
+
+    Every boundary between chunks on different ranks carries each micro-batch's activation
+    [b, s/(tp with SP), h] forward and its gradient backward: this rank sends and receives one
+    tensor per micro-batch per boundary it touches. The mean loss is broadcast from the last
+    stage over pp (fp32).
+    """
+    from fivefold.layout_math import BROADCAST, RECV, SEND, stage_to_rank
+
+    lay = run.layout
+    out = Traffic()
+    if lay.pp == 1:
+        return out
+    tokens = run.tokens // (lay.tp if lay.sp else 1)
+    act = tokens * run.spec.hidden * run.stream_bytes
+    chunks = lay.pp * lay.virtual_stages
+    touched = 0
+    for s in range(chunks - 1):
+        here, there = stage_to_rank(s, lay.pp, lay.pp_schedule), stage_to_rank(s + 1, lay.pp, lay.pp_schedule)
+        if here != there and pp_rank in (here, there):
+            touched += 1
+    out.add("pp", SEND, run.microbatches * touched, act)
+    out.add("pp", RECV, run.microbatches * touched, act)
+    out.add("pp", BROADCAST, 1, 4)
+    return out

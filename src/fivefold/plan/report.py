@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError
 from fivefold.flops import hardware_flops_per_token, model_flops_per_token
+from fivefold.layout_math import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SEND
 from fivefold.plan.comm import Collective, collective_time, ep_link, links
 from fivefold.plan.compute import LayerTime, Rates, head_time, layer_time, optimizer_time
 from fivefold.plan.dataparallel import data_parallel_traffic
@@ -97,7 +98,7 @@ def step_lower_bound(
     stages = stage_names(layout)
     times = []
     for which in stages:
-        n_dense, n_moe = stage_counts(model, layout.pp, which)
+        n_dense, n_moe = stage_counts(model, layout.pp, which, layout)
         mix = [(n_dense, lt[False])] + ([(n_moe, lt[True])] if n_moe else [])
         f = sum(c * x.fwd for c, x in mix)
         b = sum(c * x.bwd for c, x in mix)
@@ -178,7 +179,7 @@ def _plan(
     def stage_costs(which: str) -> tuple[float, float, float, float, list[tuple], tuple[float, float]]:
         """(t_f, t_b, compute, exposed comm) of one micro-batch through a stage, its collectives as
         (axis, op, payload, group, link, calls, exposed seconds, overlap), and one layer's (fwd, bwd)."""
-        n_dense, n_moe = stage_counts(model, layout.pp, which)
+        n_dense, n_moe = stage_counts(model, layout.pp, which, layout)
         n = n_dense + n_moe
         mix = [(n_dense, lt[False])] + ([(n_moe, lt[True])] if n_moe else [])
         f = sum(c * x.fwd for c, x in mix)
@@ -188,7 +189,7 @@ def _plan(
         recs: list[tuple] = []
         exp_f = exp_b = 0.0
         if layout.tp > 1:  # two collectives per layer and pass: all-reduce, or all-gather + reduce-scatter
-            ops = ("all-gather", "reduce-scatter") if layout.sp else ("all-reduce",)
+            ops = (ALL_GATHER, REDUCE_SCATTER) if layout.sp else (ALL_REDUCE,)
             times = {op: t_of(op, act_bytes, layout.tp, tp_link) for op in ops}
             t_pass = 2 * n * sum(times.values())
             # backward: each input-gradient collective overlaps the weight-gradient matmul
@@ -211,17 +212,17 @@ def _plan(
                     )
                 )
             if layout.sp:  # norm outputs are kept sharded: re-gather them for the weight gradients
-                t_ag = 2 * n * times["all-gather"]
+                t_ag = 2 * n * times[ALL_GATHER]
                 exp_b += t_ag
-                recs.append(("tp", "all-gather", act_bytes, layout.tp, tp_link, 2 * n, t_ag, "none"))
+                recs.append(("tp", ALL_GATHER, act_bytes, layout.tp, tp_link, 2 * n, t_ag, "none"))
         if layout.cp > 1:
             c = layout.cp
             kv_local = max(model.kv_heads / layout.tp, 1.0) * model.head_dim
             passes = 2 if full else 1
             if layout.cp_impl == "ring":  # K,V blocks pass around the ring behind each block's attention
                 block = 2 * BYTES * tokens * kv_local
-                step_f = (c - 1) * t_of("send-recv", block, 2, cp_link)
-                step_b = (c - 1) * t_of("send-recv", 2 * block, 2, cp_link)  # K,V and their grads
+                step_f = (c - 1) * t_of(SEND, block, 2, cp_link)
+                step_b = (c - 1) * t_of(SEND, 2 * block, 2, cp_link)  # K,V and their grads
                 e_f = n * max(step_f - core / n, 0.0)
                 e_b = n * max(step_b - 2 * core / n, 0.0)
                 exp_f += e_f
@@ -229,7 +230,7 @@ def _plan(
                 recs.append(
                     (
                         "cp",
-                        "send-recv",
+                        SEND,
                         block,
                         c,
                         cp_link,
@@ -240,25 +241,25 @@ def _plan(
                 )
             elif layout.cp_impl == "allgather":  # K,V gathered forward, their grads reduce-scattered
                 gathered = 2 * BYTES * shape.seq_len * shape.micro_batch * kv_local
-                t_ag = n * t_of("all-gather", gathered, c, cp_link)
-                t_rs = n * t_of("reduce-scatter", gathered, c, cp_link)
+                t_ag = n * t_of(ALL_GATHER, gathered, c, cp_link)
+                t_rs = n * t_of(REDUCE_SCATTER, gathered, c, cp_link)
                 exp_f += t_ag
                 exp_b += t_rs
-                recs.append(("cp", "all-gather", gathered, c, cp_link, n * passes, passes * t_ag, "none"))
-                recs.append(("cp", "reduce-scatter", gathered, c, cp_link, n, t_rs, "none"))
+                recs.append(("cp", ALL_GATHER, gathered, c, cp_link, n * passes, passes * t_ag, "none"))
+                recs.append(("cp", REDUCE_SCATTER, gathered, c, cp_link, n, t_rs, "none"))
             else:  # Ulysses: q, k, v in and the output back, all-to-all over heads
                 payload = BYTES * tokens * (model.heads * model.head_dim / layout.tp + kv_local) / 2
-                t4 = 4 * n * t_of("all-to-all", payload, c, cp_link)
+                t4 = 4 * n * t_of(ALL_TO_ALL, payload, c, cp_link)
                 exp_f += t4
                 exp_b += t4
                 recs.append(
-                    ("cp", "all-to-all", payload, c, cp_link, 4 * n * (passes + 1), (passes + 1) * t4, "none")
+                    ("cp", ALL_TO_ALL, payload, c, cp_link, 4 * n * (passes + 1), (passes + 1) * t4, "none")
                 )
         if layout.ep > 1 and n_moe:  # dispatch and combine, forward and backward
             payload = (
                 BYTES * tokens / layout.tp * model.experts_per_token * model.hidden
             )  # tp ranks split the tokens
-            t2 = 2 * n_moe * t_of("all-to-all", payload, layout.ep, exp_link)
+            t2 = 2 * n_moe * t_of(ALL_TO_ALL, payload, layout.ep, exp_link)
             hidden = layout.pp_schedule == "dualpipev" and layout.pp > 1  # overlapped with the paired chunk
             passes = 2 if full else 1
             if not hidden:
@@ -267,7 +268,7 @@ def _plan(
             recs.append(
                 (
                     "ep",
-                    "all-to-all",
+                    ALL_TO_ALL,
                     payload,
                     layout.ep,
                     exp_link,
@@ -280,13 +281,13 @@ def _plan(
         layer_f, layer_b = (f + exp_f) / n, (b + exp_b + (exp_f if full else 0.0)) / n
         exp_rc = exp_f if full else 0.0
         if layout.tp > 1:  # vocab-parallel embedding (forward) and the head's input gradient (backward)
-            t_ar = t_of("all-reduce", act_bytes, layout.tp, tp_link)
+            t_ar = t_of(ALL_REDUCE, act_bytes, layout.tp, tp_link)
             ends = (holds_embedding(which), holds_head(which))
             exp_f += t_ar * ends[0]
             exp_b += t_ar * ends[1]
             if sum(ends):
                 recs.append(
-                    ("tp", "all-reduce", act_bytes, layout.tp, tp_link, sum(ends), t_ar * sum(ends), "none")
+                    ("tp", ALL_REDUCE, act_bytes, layout.tp, tp_link, sum(ends), t_ar * sum(ends), "none")
                 )
         recompute = f if full else (core if rc == "selective" else 0.0)
         hf = hb = 0.0
@@ -310,11 +311,11 @@ def _plan(
     if layout.pp > 1:  # activations (and their grads) to the next stage
         pp_payload = act_bytes / (layout.tp if layout.sp else 1)
         pp_link = kinds.get("pp", "inter")
-        t_p2p = collective_time(hw, "send-recv", pp_payload, 2, pp_link)[1]
+        t_p2p = collective_time(hw, SEND, pp_payload, 2, pp_link)[1]
         crit = p2p_on_critical_path(layout.pp_schedule, layout.pp, v)
         add(
             "pp",
-            "send-recv",
+            SEND,
             pp_payload,
             layout.pp,
             pp_link,
@@ -346,8 +347,6 @@ def _plan(
     notes = []
     if layout.pp > 1 and layout.pp_schedule == "interleaved-1f1b" and m % layout.pp:
         notes.append(f"interleaved 1F1B wants micro-batches ({m}) divisible by pp ({layout.pp})")
-    if layout.pp_split:
-        notes.append(f"--pp-split {layout.pp_split} is not modelled: the planner splits layers evenly")
     if (model.layers % (layout.pp * v)) != 0:
         notes.append(f"{model.layers} layers do not split evenly into pp×virtual = {layout.pp * v} chunks")
     return Plan(

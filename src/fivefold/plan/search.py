@@ -191,7 +191,7 @@ def search(
 
 
 def _axes_used(lay: Layout) -> int:
-    """Ties go to the layout with fewer model-splitting axes (the seeds' order: add one only when needed)."""
+    """Ties go to the layout with fewer model-splitting axes (add one only when needed)."""
     return sum(getattr(lay, a) > 1 for a in ("tp", "pp", "cp", "ep"))
 
 
@@ -200,7 +200,7 @@ def _fmt_gb(x: float) -> str:
 
 
 def explain(plans: list[Plan], model: ModelSpec, hw: HardwareSpec, gpus: int, gpn: int) -> list[str]:
-    """The best layout in words, in the seed's decision order: TP, PP, DP, then SP/CP, then EP."""
+    """The best layout in words, in docs/planner.md's decision order: TP, PP, DP, then SP/CP, then EP."""
     p = plans[0]
     lay = p.layout
     lines = [
@@ -305,7 +305,7 @@ def layout_flags(lay: Layout) -> str:
 
 
 def min_tp_for_weights(params: float, bytes_per_param: int, gpu_memory_gb: float) -> int:
-    """Smallest power-of-two tensor-parallel degree whose weight shard fits a GPU (the seed's exercise)."""
+    """Smallest power-of-two tensor-parallel degree whose weight shard fits a GPU."""
     tp = 1
     while params * bytes_per_param / tp > gpu_memory_gb * 1e9:
         tp *= 2

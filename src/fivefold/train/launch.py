@@ -1,7 +1,8 @@
 """`fivefold train --nproc N`: N local ranks through torch's own elastic launcher.
 
 Rendezvous is c10d on localhost with an OS-chosen port (as `torchrun --standalone` does). Each rank
-runs the same command in-process; gloo on CPU, NCCL on GPU (chosen by the loop from the device).
+gets the resolved `TrainJob` as data (pickled by the spawn) and trains it in-process; gloo on CPU,
+NCCL on GPU (chosen by the loop from the device). Nothing is parsed again in the ranks.
 
 Failures surface once: a rank that fails writes its one-line reason to a shared folder and exits
 non-zero; the launcher stops the other ranks, and the parent reports the first failure — a
@@ -11,33 +12,48 @@ traceback (exit code 1). The launcher's own log chatter is silenced.
 
 from __future__ import annotations
 
-import argparse
-import logging
 import os
 import shutil
 import sys
 import tempfile
 import traceback
-import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import elastic_launch
+
+from fivefold.config import RunConfig
 from fivefold.errors import FivefoldError
-
-_QUIET_LOGGERS = (
-    "torch.distributed.elastic",
-    "torch.distributed.launcher",
-    "torch.distributed.run",
-    "torch.multiprocessing",
-)
+from fivefold.parallel.spawn import local_launch_config, quiet_launcher
+from fivefold.train.loop import train
 
 
-def _rank_entry(args: argparse.Namespace, error_dir: str) -> int:
+@dataclass(frozen=True)
+class TrainJob:
+    """Everything a rank needs to train: the validated config and where the run lives."""
+
+    config: RunConfig
+    run_dir: Path
+    resume: str | None = None  # None: a new run; "latest" or a step number: continue
+    progress: bool = True
+
+
+def run_job(job: TrainJob) -> int:
+    """Train `job` in this process: alone, or as one rank of a launched world."""
+    result = train(job.config, job.run_dir, resume=job.resume, progress=job.progress)
+    if int(os.environ.get("RANK", "0")) == 0:
+        held = f"; held-out loss {result.held_out_loss:.4f}" if result.held_out_loss is not None else ""
+        print(f"run directory: {result.run_dir}{held}")
+    return 0
+
+
+def _rank_entry(job: TrainJob, error_dir: str) -> int:
     """Runs in each spawned rank."""
-    from fivefold.commands.train import run_rank
-
     rank = os.environ.get("RANK", "?")
     try:
-        return run_rank(args)
+        return run_job(job)
     except FivefoldError as exc:
         _report(error_dir, rank, 2, str(exc))
         sys.exit(2)
@@ -65,38 +81,20 @@ def _first_failure(error_dir: Path) -> tuple[int, int, str] | None:
     return None
 
 
-def launch(nproc: int, args: argparse.Namespace) -> int:
-    """Start `nproc` ranks running `fivefold train` with `args`; 0 when all of them succeed."""
-    import torch
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
+def launch(nproc: int, job: TrainJob) -> int:
+    """Start `nproc` local ranks training `job`; 0 when all of them succeed."""
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    if torch.cuda.is_available() and nproc > torch.cuda.device_count() and args.device != "cpu":
+    if torch.cuda.is_available() and nproc > torch.cuda.device_count() and job.config.train.device != "cpu":
         raise FivefoldError(
             f"--nproc {nproc} needs {nproc} GPUs but {torch.cuda.device_count()} are visible; "
             "use --device cpu for gloo ranks on the CPU"
         )
     error_dir = Path(tempfile.mkdtemp(prefix="fivefold-ranks-"))
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"fivefold-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        rdzv_configs={"timeout": 120},
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-    )
-    levels = {name: logging.getLogger(name).level for name in _QUIET_LOGGERS}
-    for name in _QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.CRITICAL)
     keep_errors = False
     try:
-        elastic_launch(config, _rank_entry)(args, str(error_dir))
+        with quiet_launcher():
+            elastic_launch(local_launch_config(nproc), _rank_entry)(job, str(error_dir))
         return 0
     except ChildFailedError as exc:
         failure = _first_failure(error_dir)
@@ -114,7 +112,5 @@ def launch(nproc: int, args: argparse.Namespace) -> int:
         print(f"fivefold train: rank {rank} failed: {message}", file=sys.stderr)
         return 1
     finally:
-        for name, level in levels.items():
-            logging.getLogger(name).setLevel(level)
         if not keep_errors:
             shutil.rmtree(error_dir, ignore_errors=True)

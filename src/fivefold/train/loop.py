@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import inspect
 import json
 import math
 import os
@@ -24,12 +23,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fivefold.config import AXES, Layout, ModelSpec, RunConfig, TrainSpec, to_dict
+from fivefold.config import AXES, Layout, ModelSpec, RunConfig, TrainSpec
 from fivefold.errors import FivefoldError
 from fivefold.model import build_model, materialize
 from fivefold.model.moe import moe_layers
+from fivefold.parallel import apply
 from fivefold.parallel.api import LocalRunner
+from fivefold.parallel.device_mesh import build_runtime_mesh
+from fivefold.parallel.ledger import CommLedger
 from fivefold.parallel.recompute import apply_recompute
+from fivefold.parallel.timeline import write_trace
 from fivefold.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from fivefold.train.data import EVAL_STREAM, TokenData, load_data, sample_batch
 from fivefold.train.memory import ActivationMeter, device_memory, state_bytes
@@ -48,7 +51,6 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # one per step run in this call
     held_out_loss: float | None = None
     first_step: int = 1
-    trained: bool = True  # False: the ranks only agreed on a layout (no runner for it yet)
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,14 +137,6 @@ def _broadcast(value: Any) -> Any:
     return box[0]
 
 
-def _all_agree(value: Any) -> bool:
-    if not dist.is_initialized():
-        return True
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, value)
-    return all(v == everyone[0] for v in everyone)
-
-
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -153,42 +147,16 @@ def _barrier() -> None:
 
 
 def build_runner(
-    model: torch.nn.Module, layout: Layout, train: TrainSpec, device: torch.device, tracer: Tracer
-) -> tuple[Any, Any] | None:
-    """(runner, runtime mesh) for this world; None when this build has no runner for several ranks."""
+    model: torch.nn.Module, layout: Layout, train: TrainSpec, device: torch.device
+) -> tuple[Any, Any]:
+    """(runner, runtime mesh) for this world; the mesh is None for a single process."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         materialize(model, device, train.seed)
         apply_recompute(model, layout.recompute)
         return LocalRunner(model, train.micro_batch), None
-    from fivefold.parallel.device_mesh import build_runtime_mesh
-
     mesh = build_runtime_mesh(layout, device.type)
-    try:
-        from fivefold.parallel import apply
-    except ImportError:
-        return None, mesh
-    kwargs = {"tracer": tracer} if "tracer" in inspect.signature(apply.build_runner).parameters else {}
-    return apply.build_runner(model, mesh, layout, train, **kwargs), mesh
-
-
-def _layout_only(layout: Layout, mesh: Any, log: Any) -> None:
-    """Several ranks, no runner yet: agree on the layout, show each rank's coordinates, stop."""
-    rank = dist.get_rank()
-    coords = mesh.info.ranks[rank].coords
-    agreed = _all_agree(to_dict(layout))
-    print(
-        f"rank {rank}: " + " ".join(f"{a}={coords[a]}" for a in ("dp", "fsdp", "cp", "tp", "pp", "ep")),
-        flush=True,
-    )
-    _barrier()
-    if not agreed:
-        raise FivefoldError("the ranks resolved different layouts; check that every rank got the same flags")
-    sizes = " ".join(f"{a}={getattr(layout, a)}" for a in AXES + ("ep",))
-    log(
-        f"{dist.get_world_size()} ranks agreed on the layout {sizes}; training on several ranks needs "
-        "fivefold.parallel.apply, which this build does not have yet"
-    )
+    return apply.build_runner(model, mesh, layout, train), mesh
 
 
 def _setup_run_dir(run_dir: Path, cfg: RunConfig, resume: str | None, rank: int) -> None:
@@ -276,15 +244,12 @@ def _train(
     torch.manual_seed(tspec.seed)
     tracer = Tracer(rank)
     model = build_model(spec, "meta")
-    runner, mesh = build_runner(model, layout, tspec, device, tracer)
+    runner, mesh = build_runner(model, layout, tspec, device)
 
     def log(text: str) -> None:
         if rank == 0:
             print(text, file=sys.stderr, flush=True)
 
-    if runner is None:
-        _layout_only(layout, mesh, log)
-        return TrainResult(run_dir, layout, trained=False)
     batch_rank = mesh.coord("batch") if mesh is not None else 0
 
     parts = runner.model_parts
@@ -322,7 +287,8 @@ def _train(
             x, y = x.to(device), y.to(device)
             _sync(device)
             t0 = time.perf_counter()
-            with _step_ledger(ledger), ActivationMeter() as acts:
+            acts = ActivationMeter() if _measures_memory(step, tspec) else None
+            with _step_ledger(ledger), acts or contextlib.nullcontext():
                 with tracer.span("forward_backward", step=step), autocast():
                     loss = runner.forward_backward(x, y)
                 with tracer.span("optimizer", cat="optimizer", step=step):
@@ -335,7 +301,8 @@ def _train(
             seconds = time.perf_counter() - t0
             memory = state_bytes(parts, None)  # gradients are still there until zero_grad
             memory["optimizer"] = sum(state_bytes([], opt)["optimizer"] for opt in optimizers)
-            memory["activations"] = acts.peak_bytes
+            if acts is not None:
+                memory["activations"] = acts.peak_bytes
             memory.update(device_memory(device))
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
@@ -369,6 +336,11 @@ def _train(
     return result
 
 
+def _measures_memory(step: int, tspec: TrainSpec) -> bool:
+    every = tspec.measure_memory_every
+    return every > 0 and ((step - 1) % every == 0 or step == tspec.steps)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -391,10 +363,6 @@ def _after_step(runner: Any, parts: list[torch.nn.Module]) -> None:
 
 def _make_ledger(mesh: Any) -> Any:
     if mesh is None:
-        return None
-    try:
-        from fivefold.parallel.ledger import CommLedger
-    except ImportError:
         return None
     return CommLedger(mesh)
 
@@ -419,8 +387,6 @@ def _write_outputs(
         merge_trace_parts(run_dir, world)
     timeline = getattr(runner, "timeline", None)
     if timeline is not None:  # the pipeline's per-micro-batch events join the same trace
-        from fivefold.parallel.timeline import write_trace
-
         write_trace(run_dir / "trace.json", timeline)
     if rank == 0 and ledger is not None:
         ledger.write(run_dir / "ledger.json")

@@ -1,0 +1,137 @@
+"""Bytes autograd saves for the backward on one rank at its peak: the saved-tensor count of the
+runtime's own model code (fivefold.model), which `fivefold verify` measures with saved-tensor hooks.
+
+This is the count of what this implementation keeps (every tensor each op saves, once per storage),
+not the HBM estimate of `fivefold.plan.memory`, which models fused production kernels.
+
+Per layer and micro-batch, T tokens on the rank (its cp shard), n = T/tp with SP else T, in the
+run's dtypes (fp32 stream under autocast, matmul outputs in the compute dtype):
+  * each RMSNorm: its input, the fp32 reciprocal RMS (n values), its output, and the projection's
+    input (the gathered sequence under SP);
+  * attention: rotary q and k, v, the output and its copy into the output projection, and the
+    fp32 log-sum-exp (one per query head and token);
+  * SwiGLU: gate, silu(gate), up and their product (f/tp wide).
+Once per micro-batch: the token ids, cos/sin, and on the last stage the final norm, the logits and
+their log-softmax (fp32, vocab/tp wide). Selective recompute drops the attention core's saved
+tensors (q, k, v and the output are kept at its boundary); full recompute keeps each block's input.
+"""
+
+from __future__ import annotations
+
+from fivefold.config import Layout, ModelSpec
+from fivefold.plan.runshape import Chunk, RunShape
+
+
+def _linear_inputs(run: RunShape, t: int, h: int, consumers: int) -> float:
+    """A norm's output as its projections save it: one fp32 (or FSDP bf16) tensor they share, or
+    under autocast one bf16 cast per projection (autocast caches weight casts, not inputs)."""
+    return consumers * t * h * 2 if run.autocast else t * h * run.act_bytes
+
+
+def _weights(run: RunShape, elements: float) -> float:
+    """Autocast's bf16 copies of fp32 weights, saved for the input gradient."""
+    return 2 * elements if run.autocast else 0.0
+
+
+def layer_saved(run: RunShape, moe: bool) -> float:
+    spec, lay = run.spec, run.layout
+    t, tp, h, d = run.tokens, lay.tp, spec.hidden, spec.head_dim
+    n = t // tp if lay.sp else t
+    st, mm = run.stream_bytes, run.act_bytes
+    if lay.recompute == "full":  # the block's input, kept by the checkpoint
+        return n * h * st
+    heads = spec.heads // tp
+    kv = spec.kv_heads // tp if tp <= spec.kv_heads else 1
+    kv_rows = spec.kv_heads if tp > spec.kv_heads else kv  # replicated projections stay whole
+    bf16_weights = mm == 2 and not run.autocast  # FSDP / `replicate` cast the weights to bf16
+    # a norm keeps the fp32 reciprocal RMS and normalised tensor; with bf16 weights also the fp32
+    # copy of its input and the bf16 normalised tensor its weight multiplies
+    fp32_norm = 4 * n + 4 * n * h + (2 * n * h if bf16_weights else 0)
+    mlp_consumers = (1 + 2 * (spec.experts > 0)) if moe else 2
+    norms = 2 * fp32_norm + _linear_inputs(run, t, h, 3) + _linear_inputs(run, t, h, mlp_consumers)
+    # the residual between the halves (and, under autocast, the block's output) in the stream dtype;
+    # with bf16 weights the norms' fp32 input copies are what is kept
+    stream = 0 if bf16_weights else n * h * st * (2 if run.autocast else 1)
+    q, k = t * heads * d, t * kv * d
+    qk = (q + k) * (2 if run.autocast else st)  # rotary q, k as the core saves them
+    core = qk + k * mm + q * mm + 4 * t * heads  # + v, the output, the log-sum-exp
+    if lay.recompute == "selective":
+        core -= 4 * t * heads
+    attn = core + (0 if run.autocast or bf16_weights else q * mm)  # the output's copy into o_proj
+    attn += _weights(run, (2 * spec.heads * d) * h / tp + 2 * kv_rows * d * h)
+    if moe:
+        mlp = _moe_saved(run, t if not lay.sp else n * tp)
+    else:
+        f = spec.ffn_hidden // tp
+        mlp = 4 * t * f * mm + _weights(run, 3 * f * h)
+    return norms + stream + attn + mlp
+
+
+def _moe_saved(run: RunShape, t: int) -> float:
+    """Router, sorted rows, each expert's SwiGLU on its rows, the weighted combine, shared expert.
+
+    Under autocast each expert's weights are cast per call (slices of one tensor: not cached) and
+    its rows cast for gate and up; the combine's weighting promotes to fp32."""
+    spec = run.spec
+    h, e, k, fe, mm = spec.hidden, spec.experts, spec.experts_per_token, spec.expert_ffn_hidden, run.act_bytes
+    fs = fe * spec.shared_experts
+    rows = k * t
+    router = 4 * t * e + 8 * rows + 4 * t + 4 * rows + _weights(run, e * h)
+    aux = 4 * run.micro_batch * e
+    if run.autocast:
+        sort = 8 * rows + 8 * rows + 4 * rows
+        experts = 2 * 3 * fe * h * e + 2 * rows * h * 2 + 4 * rows * fe * 2 + rows * h * 2 + rows * h * 4
+        shared = 2 * 3 * fs * h + 4 * t * fs * 2
+        return router + sort + experts + shared + aux
+    sort = 8 * rows + 4 * rows * h + 8 * rows + 4 * rows
+    experts = 4 * rows * fe * mm + 2 * 4 * rows * h
+    shared = 4 * t * fs * mm
+    return router + sort + experts + shared + aux
+
+
+def micro_batch_saved(run: RunShape, chunk: Chunk) -> float:
+    spec, lay = run.spec, run.layout
+    t, h = run.tokens, spec.hidden
+    n = t // lay.tp if lay.sp else t
+    total = sum(layer_saved(run, spec.is_moe_layer(i)) for i in chunk.layers)
+    bf16_weights = run.act_bytes == 2 and not run.autocast
+    total += 2 * t * spec.head_dim * (4 if run.autocast else run.act_bytes)  # cos, sin
+    if chunk.first:  # token ids, the first block's input (with bf16 weights its norm's fp32 copy)
+        total += 8 * t + (0 if bf16_weights else n * h * run.stream_bytes)
+    if chunk.last:  # final norm, the head's input (and autocast's weight copy), fp32 log-softmax
+        total += 4 * n + 4 * n * h + (2 * n * h if bf16_weights else 0)
+        total += _linear_inputs(run, t, h, 1) + _weights(run, spec.vocab * h / lay.tp)
+        total += 4 * t * spec.vocab // lay.tp + 8 * t + 4
+    return total
+
+
+def planned_activations(
+    spec: ModelSpec,
+    layout: Layout,
+    micro_batch: int,
+    seq_len: int,
+    microbatches: int,
+    dtype: str,
+    coords: dict[str, int],
+) -> float:
+    """Peak saved bytes on the rank at `coords`: one micro-batch without pipelining (its backward
+    frees it before the next forward), the micro-batches in flight on this stage with it."""
+    run = RunShape(spec, layout, micro_batch, seq_len, microbatches, dtype)
+    chunks = run.chunks(coords.get("pp", 0))
+    per = [micro_batch_saved(run, c) for c in chunks]
+    if layout.pp == 1:
+        return per[0]
+    flight = in_flight(layout, coords.get("pp", 0), microbatches)
+    return sum(p * f for p, f in zip(per, flight))
+
+
+def in_flight(layout: Layout, pp_rank: int, m: int) -> list[float]:
+    """Micro-batches each of the rank's chunks holds at the rank's peak (1F1B: pp - rank warm-up
+    forwards; GPipe: all of them)."""
+    from fivefold.layout_math import rank_stages
+
+    chunks = rank_stages(pp_rank, layout.pp, layout.virtual_stages, layout.pp_schedule)
+    if layout.pp_schedule == "gpipe":
+        return [float(m)] * len(chunks)
+    stages = layout.pp * layout.virtual_stages
+    return [float(min(m, stages - s)) for s in chunks]

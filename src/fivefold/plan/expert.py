@@ -1,0 +1,47 @@
+"""Expert-parallel traffic of one step on one rank (fivefold.parallel.expert's dispatch).
+
+Per MoE layer and micro-batch: an all_to_all of the per-expert row counts (int64), the rows to
+their experts' ranks and the results back (there: the rows this rank routes, b·s·top-k; back: the
+rows its experts received), and in backward the reverse two. Full recompute dispatches again.
+Balanced routing receives as many rows as it sends; `received` gives the run's actual count (all
+dispatches of the step, recomputed ones included, as `GroupedExperts.rows_received` counts them).
+After the backward each expert weight's gradient (fp32) is all_reduce'd over the other ranks that
+hold the same experts: `expert_fsdp`, then `dp`.
+"""
+
+from __future__ import annotations
+
+from fivefold.layout_math import ALL_REDUCE, ALL_TO_ALL
+from fivefold.plan.runshape import Chunk, RunShape, Traffic
+
+
+def expert_weights(run: RunShape) -> int:
+    """Elements of one MoE layer's experts held on one rank (E/ep of them)."""
+    spec = run.spec
+    return spec.experts // run.layout.ep * 3 * spec.expert_ffn_hidden * spec.hidden
+
+
+def rows_sent(run: RunShape, chunks: list[Chunk]) -> int:
+    """Rows this rank dispatches in one step's forwards (each token to its top-k experts)."""
+    moe = sum(run.spec.is_moe_layer(i) for c in chunks for i in c.layers)
+    return run.microbatches * moe * run.tokens * run.spec.experts_per_token
+
+
+def expert_traffic(run: RunShape, chunks: list[Chunk], received: int | None = None) -> Traffic:
+    lay, spec = run.layout, run.spec
+    out = Traffic()
+    moe = sum(spec.is_moe_layer(i) for c in chunks for i in c.layers)
+    if lay.ep == 1 or not moe:
+        return out
+    forwards = 2 if lay.recompute == "full" else 1
+    sent = rows_sent(run, chunks)
+    got = sent if received is None else received // forwards
+    calls = run.microbatches * moe
+    row = spec.hidden * run.act_bytes
+    out.add("ep", ALL_TO_ALL, calls * (3 * forwards + 2), 0)
+    out.rows[("ep", ALL_TO_ALL)][1] += calls * forwards * spec.experts * 8  # the counts
+    out.rows[("ep", ALL_TO_ALL)][1] += (forwards + 1) * (sent + got) * row
+    for axis, size in (("expert_fsdp", lay.fsdp * lay.cp // lay.ep), ("dp", lay.dp)):
+        if size > 1:
+            out.add(axis, ALL_REDUCE, 3 * moe, expert_weights(run) // 3 * 4)
+    return out

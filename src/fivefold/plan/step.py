@@ -1,0 +1,82 @@
+"""One step of a concrete run on one rank, planned axis by axis: every collective the comm ledger
+will record (axis, op, calls, bytes) and the state bytes the rank holds.
+
+Each axis plans its own share (fivefold.plan.tensor, .context, .expert, .pipeline, .dataparallel);
+this module places the rank (its coordinates, its pipeline chunks), adds the gradient-norm
+reductions of clipping, and sums. `fivefold verify` compares the result with the measurement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fivefold.config import Layout, ModelSpec
+from fivefold.layout_math import ALL_REDUCE, param_shapes, replica_axis, tp_local_shape
+from fivefold.plan.context import context_traffic
+from fivefold.plan.dataparallel import data_traffic, loss_traffic, units
+from fivefold.plan.expert import expert_traffic
+from fivefold.plan.pipeline import pipeline_traffic
+from fivefold.plan.runshape import Chunk, RunShape, Traffic
+from fivefold.plan.state import state_bytes
+from fivefold.plan.tensor import tensor_traffic
+
+
+@dataclass
+class StepPlan:
+    comm: dict[tuple[str, str], tuple[int, int]]  # (axis, op) -> (calls, bytes) of the whole step
+    state: dict[str, int]  # params, grads, optimizer bytes
+    by_axis: dict[str, dict[tuple[str, str], tuple[int, int]]] = field(default_factory=dict)
+
+
+def plan_step(
+    spec: ModelSpec,
+    layout: Layout,
+    micro_batch: int,
+    seq_len: int,
+    microbatches: int,
+    dtype: str,
+    coords: dict[str, int],
+    rows_received: int | None = None,
+) -> StepPlan:
+    """The step of the rank at `coords` (mesh coordinates by axis, fsdp_cp included)."""
+    run = RunShape(spec, layout, micro_batch, seq_len, microbatches, dtype)
+    chunks = run.chunks(coords.get("pp", 0))
+    parts = {
+        "tp": tensor_traffic(run, chunks),
+        "cp": context_traffic(run, chunks),
+        "ep": expert_traffic(run, chunks, rows_received),
+        "pp": pipeline_traffic(run, coords.get("pp", 0)),
+        "data": data_traffic(run, chunks).merge(loss_traffic(run)),
+        "clip": clip_traffic(run, chunks),
+    }
+    total = Traffic()
+    for part in parts.values():
+        total.merge(part)
+    return StepPlan(
+        total.as_dict(), state_bytes(run, chunks, coords), {k: v.as_dict() for k, v in parts.items()}
+    )
+
+
+def clip_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
+    """The global gradient norm: one fp64 all_reduce per group of each distinct gradient sharding
+    (fivefold.parallel.gradnorm), and one over pp for the stages' sums."""
+    lay, spec = run.layout, run.spec
+    shapes = param_shapes(spec)
+    fsdp_axis = replica_axis(lay, ("fsdp", "cp")) if lay.fsdp > 1 else None
+    shardings: set[tuple[str, ...]] = set()
+    for chunk in chunks:
+        for unit in units(run, chunk):
+            for name in unit:
+                tp_split = lay.tp > 1 and tp_local_shape(name, shapes[name], spec, lay.tp) != shapes[name]
+                groups = tuple(a for a, on in ((fsdp_axis, fsdp_axis is not None), ("tp", tp_split)) if on)
+                shardings.add(groups)
+        if lay.ep > 1 and any(spec.is_moe_layer(i) for i in chunk.layers):
+            # experts are sharded on the ep mesh; when ep spans all of fsdp×cp that is FSDP's group
+            shardings.add((fsdp_axis,) if lay.ep == lay.fsdp * lay.cp else ("ep",))
+    out = Traffic()
+    for groups in shardings:
+        for axis in groups:
+            out.add(axis, ALL_REDUCE, 1, 8)
+    if lay.pp > 1:
+        out.add("pp", ALL_REDUCE, 1, 8)
+    return out

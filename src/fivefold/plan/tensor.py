@@ -1,0 +1,57 @@
+"""Tensor (+ sequence) parallel traffic of one step on one rank (fivefold.parallel.tensor's splits).
+
+Per micro-batch and b·s·h activation A (this rank's sequence shard under cp):
+  * without SP: one all_reduce of A per row-parallel output forward (attention o, MLP down) and per
+    block input backward; MoE blocks run replicated, so only attention's two. The vocabulary-parallel
+    embedding all-reduces its output forward; the head's input gradient is all-reduced backward.
+  * with SP: each of those becomes an all_gather (entering) plus a reduce_scatter (leaving) and the
+    ends swap direction; MoE blocks gather their input and their output gradient, scatter nothing.
+  * full recompute runs every block's forward collectives again in the backward, except the last
+    (torch's non-reentrant checkpoint stops once the saved tensors are rebuilt).
+  * bf16 without FSDP (autocast): matmul outputs are bf16, the residual stream and norms fp32.
+  * the loss on vocabulary shards (loss_parallel): three all_reduces of one fp32 value per token
+    forward (max logit, sum of exponentials, target logit).
+  * once a step: partial weight gradients of SP norms and of replicated K/V projections (tp > kv heads).
+"""
+
+from __future__ import annotations
+
+from fivefold.layout_math import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from fivefold.plan.runshape import Chunk, RunShape, Traffic
+
+GRAD_BYTES = 4  # gradients are fp32 (master weights), whatever the compute dtype
+
+
+def tensor_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
+    lay, spec = run.layout, run.spec
+    out = Traffic()
+    if lay.tp == 1:
+        return out
+    m = run.microbatches
+    act = run.tokens * spec.hidden
+    mm, st = act * run.act_bytes, act * run.stream_bytes  # matmul outputs; the residual stream
+    full = lay.recompute == "full"
+    for chunk in chunks:
+        moe = sum(spec.is_moe_layer(i) for i in chunk.layers)
+        dense = len(chunk.layers) - moe
+        ends = int(chunk.first) + int(chunk.last)
+        # forward: block inputs (stream) in, matmul outputs out; backward the other way round.
+        # Early-stopping recompute (torch.utils.checkpoint) skips a block's last collective.
+        if lay.sp:
+            rc = full * (dense + moe)
+            out.add("tp", ALL_GATHER, m * (2 * dense + 3 * moe + ends + 2 * rc), st)
+            out.add("tp", ALL_GATHER, m * (2 * dense + moe), mm)
+            out.add("tp", REDUCE_SCATTER, m * (2 * dense + moe + rc), mm)
+            out.add("tp", REDUCE_SCATTER, m * (2 * dense + moe + ends), st)
+        else:
+            out.add("tp", ALL_REDUCE, m * (2 * dense + moe + full * (dense + moe)), mm)
+            out.add("tp", ALL_REDUCE, m * (2 * dense + moe + ends), st)
+        if chunk.last:  # loss_parallel's reductions over the vocabulary shards
+            out.add("tp", ALL_REDUCE, 3 * m, run.tokens * 4)
+        if lay.sp:  # norm weights' partial gradients, once a step
+            norms = 2 * len(chunk.layers) + int(chunk.last)
+            out.add("tp", ALL_REDUCE, norms, spec.hidden * GRAD_BYTES)
+        if lay.tp > spec.kv_heads:  # replicated K/V projections' partial gradients
+            kv = spec.kv_heads * spec.head_dim * spec.hidden * GRAD_BYTES
+            out.add("tp", ALL_REDUCE, 2 * len(chunk.layers), kv)
+    return out

@@ -1,0 +1,49 @@
+"""A refused layout comes with suggestions, and every suggested layout is accepted by the same command."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from fivefold.cli import main
+
+SUGGESTED = re.compile(r"nearest valid layouts: (.*)$")
+
+
+def _draw(rng: random.Random) -> list[str]:
+    gpus = rng.choice([6, 12, 16, 24, 32, 48, 63, 64, 96, 128])
+    flags = ["--gpus", str(gpus)]
+    for axis in ("tp", "pp", "cp", "fsdp"):
+        if rng.random() < 0.5:
+            flags += [f"--{axis}", str(rng.choice([2, 3, 4, 5, 8, 16, 64]))]
+    return flags
+
+
+@pytest.mark.parametrize("command", ["plan", "mesh"])
+def test_every_suggested_layout_is_accepted(command, capsys):
+    rng = random.Random(7)
+    model = ["--model", "llama3-70b", "--hardware", "h100-80gb", "--seq-len", "4096", "--global-batch", "0"]
+    refused = suggested = 0
+    while refused < 100:
+        flags = _draw(rng)
+        gpus = int(flags[1])
+        extra = model[:-1] + [str(gpus * 2)] if command == "plan" else []
+        code = main([command, *flags, *extra, "--json"])
+        err = capsys.readouterr().err
+        if code == 0:
+            continue
+        assert code == 2, err
+        assert "Traceback" not in err
+        refused += 1
+        match = SUGGESTED.search(err.strip())
+        if not match:
+            continue
+        for option in match.group(1).split(" | "):
+            words = [] if option == "(all 1)" else option.split()
+            suggested += 1
+            again = main([command, "--gpus", str(gpus), *words, *extra, "--json"])
+            out = capsys.readouterr()
+            assert again == 0, f"{command} {' '.join(flags)} suggested {option!r}, refused: {out.err}"
+    assert suggested > 50  # the suggestions are not a rare event this test could miss

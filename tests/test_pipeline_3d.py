@@ -27,8 +27,12 @@ EIGHT = [
 def _assert_matches(result: dict) -> None:
     for got, want in zip(result["loss"], result["ref_loss"]):
         assert got == pytest.approx(want, rel=1e-5)
-    for got, want in zip(result["norm"], result["ref_norm"]):
-        assert got == pytest.approx(want, rel=1e-4)
+    # the first step's norm is taken on identical weights: only the summation order differs. Later
+    # steps inherit the weights' float-order differences, which AdamW at lr 1e-2 amplifies in the
+    # gradients (8 layers, pp 4 interleaved: 1.5e-4 on the fifth step while its loss agrees to 1e-7)
+    assert result["norm"][0] == pytest.approx(result["ref_norm"][0], rel=1e-5)
+    for got, want in zip(result["norm"][1:], result["ref_norm"][1:]):
+        assert got == pytest.approx(want, rel=5e-4)
     assert result["eval"] == pytest.approx(result["ref_eval"], rel=1e-5)
     # see test_pipeline._assert_matches; TP's all-reduces reorder a few more sums
     assert result["param_err"] < 1e-4

@@ -17,9 +17,10 @@ def grad_norm_squared(params: list[torch.Tensor], device: torch.device) -> torch
     from torch.distributed.tensor import DTensor, Replicate
 
     by_groups: dict[tuple, torch.Tensor] = {}
-    # keyed by group name: DTensors of one sharding may carry distinct mesh objects (and group
-    # handles) for the same groups, which must still share one reduction
-    named: dict[str, dist.ProcessGroup] = {}
+    # keyed by the groups' ranks: DTensors of one sharding may carry distinct mesh objects (and
+    # group handles) for the same ranks, e.g. experts on `ep` where ep spans all of fsdp, and those
+    # must still share one reduction; the first group seen for a set of ranks carries it
+    by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
     for p in params:
         grad = p.grad
         if grad is None:
@@ -32,14 +33,15 @@ def grad_norm_squared(params: list[torch.Tensor], device: torch.device) -> torch
             for i, pl in enumerate(grad.placements):
                 if not isinstance(pl, Replicate) and mesh.size(i) > 1:
                     group = mesh.get_group(i)
-                    named.setdefault(group.group_name, group)
-                    groups += (group.group_name,)
+                    ranks = tuple(dist.get_process_group_ranks(group))
+                    by_ranks.setdefault(ranks, group)
+                    groups += (ranks,)
             grad = grad.to_local()
         square = grad.detach().double().pow(2).sum().to(device)
         by_groups[groups] = by_groups[groups] + square if groups in by_groups else square
     total = torch.zeros((), dtype=torch.float64, device=device)
     for groups, square in by_groups.items():
-        for name in groups:
-            dist.all_reduce(square, group=named[name])
+        for ranks in groups:
+            dist.all_reduce(square, group=by_ranks[ranks])
         total += square
     return total

@@ -11,7 +11,7 @@ fivefold's code again.)
 
 Steps alternate between the two sides in blocks, medians are compared (ratio = fivefold / hand);
 the target is an overhead of at most 5%. Memory: per-rank bytes of params, grads, optimizer state
-and the activation peak (fivefold.train.memory) after a step, against the single process.
+and the activation peak (fivefold.measure.memory) after a step, against the single process.
 
     .venv/bin/python benchmarks/bench_layouts.py [--steps 12] [--seq-len 64] [--micro-batch 2]
 """
@@ -185,8 +185,8 @@ def _measure(rank: int, world: int, steps: int, seq_len: int, micro_batch: int) 
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     from fivefold.config import Layout, TrainSpec, load_model
+    from fivefold.measure.memory import ActivationMeter, state_bytes
     from fivefold.parallel.device_mesh import build_runtime_mesh
-    from fivefold.train.memory import ActivationMeter, state_bytes
 
     spec = load_model(MODEL)
     out = []
@@ -235,10 +235,10 @@ def _measure(rank: int, world: int, steps: int, seq_len: int, micro_batch: int) 
 
 def _single_process_memory(seq_len: int, micro_batch: int) -> dict:
     from fivefold.config import Layout, TrainSpec, load_model
+    from fivefold.measure.memory import ActivationMeter, state_bytes
     from fivefold.model import build_model, materialize
     from fivefold.parallel.api import LocalRunner
     from fivefold.parallel.data import make_optimizer
-    from fivefold.train.memory import ActivationMeter, state_bytes
 
     spec = load_model(MODEL)
     model = materialize(build_model(spec), "cpu", 0)

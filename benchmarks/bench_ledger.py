@@ -29,10 +29,10 @@ def _body(rank: int, world: int, model_name: str, seq_len: int, batch: int, repe
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from fivefold.config import Layout, load_model
+    from fivefold.measure import comm_hooks
+    from fivefold.measure.ledger import HOOKED_OPS, CommLedger
     from fivefold.model.transformer import build_model, lm_loss, materialize
-    from fivefold.parallel import comm_hooks
     from fivefold.parallel.device_mesh import build_runtime_mesh
-    from fivefold.parallel.ledger import HOOKED_OPS, CommLedger
 
     warnings.simplefilter("ignore")
     rm = build_runtime_mesh(Layout(fsdp=world), gpus_per_node=world)

@@ -18,8 +18,8 @@ import time
 import torch
 
 from fivefold.config import load_model
+from fivefold.measure.memory import ActivationMeter
 from fivefold.model.transformer import build_model, lm_loss, materialize
-from fivefold.train.memory import ActivationMeter
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ against the action-table prediction, and peak activation memory per stage (why 1
 Every schedule runs the same model (8 layers, so pp 4 × 2 virtual stages is possible) on the same
 batches; each rank uses one thread. Times are medians over the timed steps of `forward_backward`
 (the schedule itself; no optimizer). Activation memory is the peak of bytes saved for backward and
-alive together on a rank (fivefold.train.memory.ActivationMeter), i.e. per pp stage.
+alive together on a rank (fivefold.measure.memory.ActivationMeter), i.e. per pp stage.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ def _body(rank: int, world: int, opts: dict) -> list[dict]:
     import torch.distributed as dist
 
     from fivefold.config import Layout, TrainSpec, load_model
+    from fivefold.measure.memory import ActivationMeter
+    from fivefold.measure.timeline import gather_events, idle_fraction
     from fivefold.model import build_model
     from fivefold.parallel.apply import build_runner
     from fivefold.parallel.device_mesh import build_runtime_mesh
-    from fivefold.parallel.timeline import gather_events, idle_fraction
-    from fivefold.train.memory import ActivationMeter
 
     spec = dataclasses.replace(
         load_model("tiny"),
@@ -91,7 +91,7 @@ def _body(rank: int, world: int, opts: dict) -> list[dict]:
 
 
 def bubble_rows(p: int, m: int) -> list[str]:
-    from fivefold.parallel.bubble import bubble_table
+    from fivefold.measure.bubble import bubble_table
 
     cases = []
     for pp in (2, 4, 8):
@@ -130,7 +130,7 @@ def main() -> None:
     if args.table:
         return
     from distributed import run_distributed
-    from fivefold.parallel.bubble import simulated_bubble
+    from fivefold.measure.bubble import simulated_bubble
 
     keys = ("microbatches", "micro", "seq", "hidden", "steps", "warmup", "only")
     opts = {k: getattr(args, k) for k in keys}

@@ -54,13 +54,13 @@ def run_case(
     **layout_kwargs: Any,
 ) -> dict[str, Any]:
     from fivefold.config import Layout, TrainSpec
+    from fivefold.measure.memory import ActivationMeter
+    from fivefold.measure.timeline import COMPUTE_KINDS, idle_fraction
     from fivefold.model import build_model, materialize
     from fivefold.parallel.api import LocalRunner
     from fivefold.parallel.apply import build_runner
     from fivefold.parallel.data import make_optimizer
     from fivefold.parallel.device_mesh import build_runtime_mesh
-    from fivefold.parallel.timeline import COMPUTE_KINDS, idle_fraction
-    from fivefold.train.memory import ActivationMeter
 
     spec = _spec(model, layers)
     layout = Layout(**layout_kwargs).resolve(world)
@@ -79,7 +79,7 @@ def run_case(
     out: dict[str, Any] = {"loss": [], "ref_loss": [], "norm": [], "ref_norm": [], "split": runner.split}
     book = None
     if ledger:
-        from fivefold.parallel.ledger import CommLedger
+        from fivefold.measure.ledger import CommLedger
 
         book = CommLedger(mesh)
     local_batch = m * MICRO
@@ -135,7 +135,7 @@ def run_case(
         }
     )
     out["comm_events"] = sum(1 for e in events if e["args"]["kind"] in ("send", "recv", "send/recv"))
-    from fivefold.parallel.timeline import gather_events
+    from fivefold.measure.timeline import gather_events
 
     everything = gather_events(runner.timeline)
     out["measured_idle"] = idle_fraction(everything) if everything is not None else None

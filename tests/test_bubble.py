@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fivefold.parallel.bubble import (
+from fivefold.measure.bubble import (
     COST_MODELS,
     action_table,
     closed_form,

@@ -97,9 +97,9 @@ def expected_cp_traffic(spec: ModelSpec, layout: Layout) -> dict[tuple[str, str]
 def _run_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dict]:
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
+    from fivefold.measure.ledger import CommLedger
     from fivefold.parallel.compare import ledger_step_hook, run_layout
     from fivefold.parallel.device_mesh import build_runtime_mesh
-    from fivefold.parallel.ledger import CommLedger
 
     results = []
     for model, lay in cases:

@@ -52,10 +52,10 @@ def _run_cases(rank: int, world: int, cases: list) -> list[dict]:
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     import torch
 
+    from fivefold.measure.ledger import CommLedger
     from fivefold.model.moe import moe_layers
     from fivefold.parallel.compare import run_layout
     from fivefold.parallel.device_mesh import build_runtime_mesh
-    from fivefold.parallel.ledger import CommLedger
 
     results = []
     for model, lay in cases:

@@ -17,8 +17,8 @@ from fivefold.explore import build_page, trace_bars
 from fivefold.explore.lab import ENTRY_FIELDS, MEMORY_PARTS, ROW_FIELDS, lab_table, shown
 from fivefold.explore.meshview import SHOWN_AXES, addressing, groups, mesh_view
 from fivefold.explore.timeline import expand, pipeline_picture
+from fivefold.measure.bubble import simulated_bubble
 from fivefold.mesh import build_mesh, resolve_layout
-from fivefold.parallel.bubble import simulated_bubble
 from fivefold.plan import TrainShape, plan
 
 

@@ -11,7 +11,7 @@ from fivefold.layout_math import OPS, param_shapes, replica_axis, stage_split, w
 
 
 def test_the_ledger_records_only_the_shared_op_names() -> None:
-    from fivefold.parallel.ledger import C10D_OPS, FUNCTIONAL_OPS
+    from fivefold.measure.ledger import C10D_OPS, FUNCTIONAL_OPS
 
     assert set(C10D_OPS.values()) | set(FUNCTIONAL_OPS.values()) <= set(OPS)
 

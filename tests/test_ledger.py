@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from fivefold.parallel import comm_hooks
-from fivefold.parallel.ledger import METHODS, CommLedger, wire_bytes
+from fivefold.measure import comm_hooks
+from fivefold.measure.ledger import METHODS, CommLedger, wire_bytes
 
 F32 = 4
 
@@ -189,8 +189,8 @@ def _check(rank: int, res: dict) -> None:
 def test_expert_shard_group_is_named_as_fsdp_without_expert_parallelism() -> None:
     """With ep = 1 the experts' shard group is the fsdp×cp group: the ledger must not call it expert_fsdp."""
     from fivefold.config import Layout
+    from fivefold.measure.ledger import flattened_aliases
     from fivefold.mesh import build_mesh
-    from fivefold.parallel.ledger import flattened_aliases
 
     def aliases(**axes: int) -> dict[str, str]:
         lay = Layout(**axes)

@@ -14,7 +14,7 @@ Checks per layout:
   * the ledger of step 2's forward + backward equals `parallel_theory.expected_forward_backward`
     exactly, op by op and byte by byte; the optimizer phase sends only the 8-byte grad-norm
     reductions (plus ZeRO-1's parameter broadcasts, = every parameter once);
-  * per-rank params / grads / optimizer bytes from `fivefold.train.memory.state_bytes` equal the
+  * per-rank params / grads / optimizer bytes from `fivefold.measure.memory.state_bytes` equal the
     sharding arithmetic, and FSDP's parameter storage is padded / fsdp.
 """
 
@@ -90,10 +90,10 @@ def _run_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dic
     """On every rank: train each layout, with the ledger on one step and the memory meter after."""
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)  # 2-D gather notes
+    from fivefold.measure.ledger import CommLedger
+    from fivefold.measure.memory import local_tensor, state_bytes
     from fivefold.parallel.compare import ledger_step_hook, run_layout
     from fivefold.parallel.device_mesh import build_runtime_mesh
-    from fivefold.parallel.ledger import CommLedger
-    from fivefold.train.memory import local_tensor, state_bytes
 
     results = []
     for model, lay in cases:

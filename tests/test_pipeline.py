@@ -222,7 +222,7 @@ def test_training_loop_end_to_end_and_report(two_ranks, train_dir, capsys):
     import json
 
     from fivefold.cli import main
-    from fivefold.parallel.timeline import load_pipeline_events
+    from fivefold.measure.timeline import load_pipeline_events
 
     metrics = [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["loss"] > 0 for m in metrics)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from fivefold.cli import main
-from fivefold.parallel.timeline import CATEGORY, idle_fraction, merge_into_trace
+from fivefold.measure.timeline import CATEGORY, idle_fraction, merge_into_trace
 
 
 def _event(kind: str, rank: int, start: float, dur: float, stage: int | None = None, mb: int | None = None):

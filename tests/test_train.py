@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from fivefold.config import Layout, RunConfig, TrainSpec, load_model
+from fivefold.measure.memory import ActivationMeter, state_bytes
 from fivefold.model import build_model, lm_loss, materialize
 from fivefold.parallel.recompute import apply_recompute, recompute_mode
 from fivefold.train import lr_at, train
-from fivefold.train.memory import ActivationMeter, state_bytes
 from fivefold.train.plots import read_metrics
 
 

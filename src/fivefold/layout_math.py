@@ -48,7 +48,7 @@ P2P = (SEND, RECV)
 
 # ---- the axis vocabulary: mesh axes, flattened dims, and the ledger's names for other groups
 MESH_AXES = ("dp", "fsdp", "cp", "tp", "pp", "ep")
-#: groups are credited to the first of these whose ranks match (see fivefold.parallel.ledger)
+#: groups are credited to the first of these whose ranks match (see fivefold.measure.ledger)
 AXIS_PRIORITY = ("tp", "cp", "fsdp", "dp", "pp", "ep", "expert_fsdp", "fsdp_cp", "batch", "dp_fsdp_cp")
 WORLD, LOCAL, OTHER = "world", "local", "other"
 

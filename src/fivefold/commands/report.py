@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         raise FivefoldError(f"--out must end in .svg or .png, got {out.name}")
     metrics = _read_metrics(run_dir / "metrics.jsonl")
     ledger = _read_json(run_dir / "ledger.json")
-    from fivefold.parallel.timeline import idle_fraction, load_pipeline_events
+    from fivefold.measure.timeline import idle_fraction, load_pipeline_events
 
     try:
         events = load_pipeline_events(run_dir / "trace.json")
@@ -156,7 +156,7 @@ def _bytes(n: float) -> str:
 def predicted_timeline(config_path: Path) -> list[dict]:
     """The run's schedule replayed from torch's action table (1:2 costs), as timeline events."""
     from fivefold.config import RunConfig
-    from fivefold.parallel.bubble import simulated_bubble
+    from fivefold.measure.bubble import simulated_bubble
 
     try:
         layout = RunConfig.from_toml(config_path).layout

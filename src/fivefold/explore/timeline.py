@@ -19,7 +19,7 @@ COST_MODEL = "1:2"
 
 def pipeline_picture(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> dict[str, Any]:
     """The replayed timeline of one step: per rank its ops (or raster) and the idle share."""
-    from fivefold.parallel.bubble import simulated_bubble  # imports torch's schedules: only when drawn
+    from fivefold.measure.bubble import simulated_bubble  # imports torch's schedules: only when drawn
 
     try:
         sim = simulated_bubble(schedule, pp, microbatches, virtual_stages, COST_MODEL)

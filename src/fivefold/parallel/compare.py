@@ -191,8 +191,8 @@ def measure_layout(
     step (forward, backward, clipping, optimizer) in the comm ledger, the peak of saved-activation
     bytes of its forward + backward, the state bytes held after it, and the rows its experts got.
     """
-    from fivefold.parallel.ledger import CommLedger
-    from fivefold.train.memory import ActivationMeter, device_memory, state_bytes
+    from fivefold.measure.ledger import CommLedger
+    from fivefold.measure.memory import ActivationMeter, device_memory, state_bytes
 
     runner, optimizers = build_layout(spec, train, layout, runtime_mesh)
     ledger = CommLedger(runtime_mesh)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from fivefold import torch_internals
 from fivefold.config import AXES, Layout
 from fivefold.errors import FivefoldError
 from fivefold.layout_math import AXIS_PRIORITY  # when two dims share ranks, the first one is credited
@@ -80,6 +81,7 @@ def build_runtime_mesh(
     """Build the DeviceMesh for the initialised default process group's world."""
     if not dist.is_initialized():
         raise FivefoldError("build_runtime_mesh needs an initialised default process group")
+    torch_internals.check()  # one clear line on a torch whose internals moved, before any step
     world, rank = dist.get_world_size(), dist.get_rank()
     if gpus_per_node is None:
         gpus_per_node = _local_world_size(world)
@@ -91,8 +93,9 @@ def build_runtime_mesh(
     meshes: dict[str, DeviceMesh] = {a: root[a] for a in AXES}
     for flat, parts in FLATTENED.items():
         ordered = tuple(a for a in names if a in parts)  # the root's order, as slicing requires
-        meshes[flat] = root[ordered]._flatten(flat)
-    expert = meshes["fsdp_cp"]._unflatten(0, (lay.fsdp * lay.cp // lay.ep, lay.ep), ("expert_fsdp", "ep"))
+        meshes[flat] = torch_internals.flatten_mesh(root[ordered], flat)
+    expert_dims = (lay.fsdp * lay.cp // lay.ep, lay.ep)
+    expert = torch_internals.unflatten_mesh(meshes["fsdp_cp"], 0, expert_dims, ("expert_fsdp", "ep"))
     meshes["expert_fsdp"], meshes["ep"] = expert["expert_fsdp"], expert["ep"]
     group_axes: dict[dist.ProcessGroup, str] = {}
     for name in AXIS_PRIORITY:

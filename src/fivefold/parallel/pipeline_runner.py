@@ -15,11 +15,11 @@ from torch.distributed import pipelining
 
 from fivefold.config import Layout, TrainSpec
 from fivefold.errors import FivefoldError
+from fivefold.measure.timeline import Timeline
 from fivefold.model.moe import moe_layers, set_aux_loss_scale
 from fivefold.model.transformer import lm_loss
 from fivefold.parallel.gradnorm import grad_norm_squared
 from fivefold.parallel.pipeline import SCHEDULE_CLASSES, SINGLE_STAGE, stage_to_rank
-from fivefold.parallel.timeline import Timeline
 
 
 class PipelineRunner:

@@ -25,17 +25,17 @@ import torch.distributed as dist
 
 from fivefold.config import AXES, Layout, ModelSpec, RunConfig, TrainSpec
 from fivefold.errors import FivefoldError
+from fivefold.measure.ledger import CommLedger
+from fivefold.measure.memory import ActivationMeter, device_memory, state_bytes
+from fivefold.measure.timeline import write_trace
 from fivefold.model import build_model, materialize
 from fivefold.model.moe import moe_layers
 from fivefold.parallel import apply
 from fivefold.parallel.api import LocalRunner
 from fivefold.parallel.device_mesh import build_runtime_mesh
-from fivefold.parallel.ledger import CommLedger
 from fivefold.parallel.recompute import apply_recompute
-from fivefold.parallel.timeline import write_trace
 from fivefold.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from fivefold.train.data import EVAL_STREAM, TokenData, load_data, sample_batch
-from fivefold.train.memory import ActivationMeter, device_memory, state_bytes
 from fivefold.train.metrics import MetricsLog, MfuMeter
 from fivefold.train.plots import plot_loss_curve
 from fivefold.train.tokenizer import load_tokenizer

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,14 +94,13 @@ class Timeline:
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """Record one optimizer step; point-to-point waits are timed while inside."""
-        from torch.distributed.pipelining import schedules
+        from fivefold import torch_internals  # torch, only where a pipeline step runs
 
         self._step_index += 1
         self._current = []
-        post, wait = schedules._batch_p2p, schedules._wait_batch_p2p
         info = self._work_info
 
-        def batch_p2p(p2p_ops: list, desc: str | None = None) -> list:
+        def batch_p2p(post: Callable, p2p_ops: list, desc: str | None) -> list:
             works = post(p2p_ops, desc)
             ops = {op.op.__name__ for op in p2p_ops}
             kind = "send" if ops == {"isend"} else "recv" if ops == {"irecv"} else "send/recv"
@@ -111,7 +110,7 @@ class Timeline:
                 info[id(w)] = (kind, nbytes, peers)
             return works
 
-        def wait_batch_p2p(works: list) -> None:
+        def wait_batch_p2p(wait: Callable, works: list) -> None:
             t0 = _now_us()
             wait(works)
             for w in works:
@@ -119,12 +118,11 @@ class Timeline:
                 self._record(kind, t0, _now_us(), bytes=nbytes, peers=peers)
                 t0 = _now_us()
 
-        schedules._batch_p2p, schedules._wait_batch_p2p = batch_p2p, wait_batch_p2p
         start = _now_us()
         try:
-            yield
+            with torch_internals.pipeline_p2p(batch_p2p, wait_batch_p2p):
+                yield
         finally:
-            schedules._batch_p2p, schedules._wait_batch_p2p = post, wait
             end = _now_us()
             events = self._current
             self._current = None

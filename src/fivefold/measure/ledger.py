@@ -42,10 +42,11 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fivefold import torch_internals
 from fivefold.config import AXES
 from fivefold.layout_math import wire_bytes  # noqa: F401  (re-exported: the ring formulas)
+from fivefold.measure import comm_hooks
 from fivefold.mesh import FLATTENED, MeshInfo
-from fivefold.parallel import comm_hooks
 from fivefold.parallel.device_mesh import AXIS_PRIORITY, RuntimeMesh
 
 METHODS = ("hooks", "dispatch")
@@ -359,7 +360,4 @@ def flattened_aliases(info: MeshInfo) -> dict[str, str]:
 
 
 def _resolve(group_name: str) -> dist.ProcessGroup | None:
-    try:
-        return torch._C._distributed_c10d._resolve_process_group(group_name)
-    except (RuntimeError, AttributeError):
-        return None
+    return torch_internals.process_group_named(group_name)

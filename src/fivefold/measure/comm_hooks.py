@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from fivefold import torch_internals
+
 Observer = Callable[[Any, tuple, dict], None]  # (op overload, args, kwargs)
 
 _observers: list[Observer] = []
@@ -45,13 +47,13 @@ _wrapped: dict[str, Callable] = {}  # functional-collective entry point -> the o
 
 
 def _kernel_for(op: Any) -> Callable:
-    call = op._op  # the C++ entry point: skips OpOverload's Python-side checks for TorchBind args
+    call = torch_internals.raw_call(op)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         _seen.flag = True
         for observe in tuple(_observers):
             observe(op, args, kwargs)
-        with torch._C._AutoDispatchBelowADInplaceOrView():
+        with torch_internals.below_autograd():
             return call(*args, **kwargs)
 
     return kernel
@@ -79,7 +81,7 @@ def _install(ops: dict[str, tuple[str, ...]]) -> None:
 
 def _uninstall() -> None:
     for lib in _libraries:
-        lib._destroy()
+        torch_internals.destroy_library(lib)
     _libraries.clear()
     _unwrap_entry_points()
 
@@ -121,11 +123,9 @@ def _entry_wrapper(original: Callable, op: Any, arg_names: tuple[str | None, ...
         finally:
             seen, _seen.flag = _seen.flag, outer
         if not seen:  # issued below autograd: report it as the kernel would have
-            import torch.distributed._functional_collectives as funcol
-
             bound = {n: a for n, a in zip(arg_names, args) if n} | kwargs
             group = bound.pop("group")
-            bound["group_name"] = funcol._resolve_group_name(group, bound.pop("tag", ""))
+            bound["group_name"] = torch_internals.group_name(group, bound.pop("tag", ""))
             bound["input"] = bound.pop("input", bound.pop("self", None))
             for observe in tuple(_observers):
                 observe(op, (), bound)

@@ -47,3 +47,20 @@ def test_every_suggested_layout_is_accepted(command, capsys):
             out = capsys.readouterr()
             assert again == 0, f"{command} {' '.join(flags)} suggested {option!r}, refused: {out.err}"
     assert suggested > 50  # the suggestions are not a rare event this test could miss
+
+
+def test_a_plan_that_does_not_fit_says_so_first_and_its_suggestion_fits(capsys):
+    """Defaults left out are named; the first line says by how much it does not fit; the suggested
+    command, run as printed, plans a layout that fits and keeps the flags that were typed."""
+    assert main(["plan", "--model", "llama3-70b", "--gpus", "64", "--tp", "8"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith("assuming --hardware h100-80gb, --seq-len 4096, --global-batch")
+    first, second = captured.out.splitlines()[:2]
+    assert re.match(r"this layout does not fit by \d+ GB per GPU", first)
+    command = second.split(": fivefold ", 1)[1].split()
+    assert command[0] == "plan" and "--tp" in command and command[command.index("--tp") + 1] == "8"
+    assert main([*command, "--json"]) == 0
+    import json
+
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] is True and plan["layout"]["tp"] == 8

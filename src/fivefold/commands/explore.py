@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from fivefold.commands import defaults
 from fivefold.config import add_layout_arguments
 
 _LAYOUT_FLAGS = (
@@ -74,7 +75,10 @@ def run(args: argparse.Namespace) -> int:
         model = base.model
     else:
         raise FivefoldError("give --model (a preset, MODEL.toml or config.json) or --run DIR")
-    hw = load_hardware(args.hardware or ("cpu" if base and not args.model else "h100-80gb"))
+    assumed: dict[str, object] = {}
+    if args.hardware is None and not (base and not args.model):
+        assumed["hardware"] = defaults.HARDWARE
+    hw = load_hardware(args.hardware or ("cpu" if base and not args.model else defaults.HARDWARE))
     layout = layout_from_args(args, base.layout if base else None)
     given = base is not None or any(getattr(args, f) is not None for f in _LAYOUT_FLAGS)
     for flag in ("gpus", "gpus_per_node", "seq_len", "global_batch", "micro_batch"):
@@ -84,10 +88,17 @@ def run(args: argparse.Namespace) -> int:
     gpus = args.gpus or (base.layout.world if base else None)
     if not gpus:
         raise FivefoldError("give --gpus N (the world size)")
-    seq_len = args.seq_len or (base.train.seq_len if base else 4096)
+    if not args.seq_len and not base:
+        assumed["seq_len"] = defaults.SEQ_LEN
+    seq_len = args.seq_len or (base.train.seq_len if base else defaults.SEQ_LEN)
+    if not args.global_batch and not base:
+        assumed["global_batch"] = defaults.global_batch(gpus, seq_len)
     global_batch = args.global_batch or (
-        (base.train.global_batch or base.train.micro_batch * layout.data_parallel) if base else 8 * gpus
+        (base.train.global_batch or base.train.micro_batch * layout.data_parallel)
+        if base
+        else defaults.global_batch(gpus, seq_len)
     )
+    defaults.say_assumed(assumed)
     micro = args.micro_batch or (base.train.micro_batch if base else 1)
     shape = TrainShape(seq_len=seq_len, global_batch=global_batch, micro_batch=micro).validate()
     if given and args.dp is None and args.fsdp is None and not base:

@@ -4,16 +4,29 @@ from __future__ import annotations
 
 import argparse
 
+from fivefold.commands import defaults
 from fivefold.config import add_layout_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model preset, MODEL.toml or HF config.json")
-    parser.add_argument("--hardware", default=None, help="hardware preset or HW.toml")
+    parser.add_argument(
+        "--hardware", default=None, help=f"hardware preset or HW.toml (default: {defaults.HARDWARE}, said so)"
+    )
     parser.add_argument("--gpus", type=int, default=None, help="world size")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="default: the hardware's")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (training)")
-    parser.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help=f"tokens per sequence (default: {defaults.SEQ_LEN}, said so)",
+    )
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sequences per optimizer step (default: about 4M tokens, a multiple of --gpus; said so)",
+    )
     parser.add_argument(
         "--micro-batch", type=int, default=None, help="sequences per micro-batch (default 1; searched)"
     )
@@ -99,22 +112,29 @@ def run(args: argparse.Namespace) -> int:
         from fivefold.commands.plan_runs import run_runs
 
         return run_runs(args)
-    for flag in ("model", "hardware", "gpus"):
+    for flag in ("model", "gpus"):
         if getattr(args, flag) is None:
             raise FivefoldError(f"--{flag} is required (unless --validate, --cross-validate or --calibrate)")
     model = load_model(args.model)
-    hw = load_hardware(args.hardware)
     if args.gpus <= 0:
         raise FivefoldError(f"--gpus must be positive, got {args.gpus}")
+    assumed: dict[str, object] = {}
+    if args.hardware is None:
+        args.hardware = assumed["hardware"] = defaults.HARDWARE
+    hw = load_hardware(args.hardware)
     gpn = args.gpus_per_node or hw.gpus_per_node
     if args.mode == "inference":
+        defaults.say_assumed(assumed)
         return _inference(args, model, hw, gpn)
     from fivefold.plan import TrainShape, plan
     from fivefold.plan import text as view
     from fivefold.plan.search import search
 
-    if args.seq_len is None or args.global_batch is None:
-        raise FivefoldError("training plans need --seq-len and --global-batch (sequences per step)")
+    if args.seq_len is None:
+        args.seq_len = assumed["seq_len"] = defaults.SEQ_LEN
+    if args.global_batch is None:
+        args.global_batch = assumed["global_batch"] = defaults.global_batch(args.gpus, args.seq_len)
+    defaults.say_assumed(assumed)
     shape = TrainShape(
         seq_len=args.seq_len,
         global_batch=args.global_batch,
@@ -163,8 +183,44 @@ def run(args: argparse.Namespace) -> int:
                 "drop --microbatches or change --global-batch/--micro-batch"
             )
     p = plan(model, hw, layout, shape, gpn)
-    print(json.dumps(p.to_json()) if args.json else view.plan_text(p))
+    if args.json:
+        print(json.dumps(p.to_json()))
+        return 0
+    if p.margin_bytes < 0:
+        print(_does_not_fit(p, args, search(model, hw, args.gpus, shape, gpn, top=1, pins=_given_pins(args))))
+    print(view.plan_text(p))
     return 0
+
+
+def _given_pins(args: argparse.Namespace) -> dict:
+    """The layout flags the user typed, for a search that keeps them where it can."""
+    from fivefold.plan.search import PINNABLE
+
+    return {k: getattr(args, k, None) for k in PINNABLE if getattr(args, k, None) is not None}
+
+
+def _does_not_fit(p, args: argparse.Namespace, pinned) -> str:  # noqa: ANN001 - Plan, SearchResult
+    """The first lines of a plan that does not fit: by how much, and the nearest layout that does
+    (searched: the typed flags kept where possible, else the best of the free search)."""
+    from fivefold.plan.result import fit_words
+    from fivefold.plan.search import layout_flags, search
+
+    lines = [f"this layout {fit_words(p.margin_bytes)} per GPU: the figures below cannot be run as they are"]
+    found, kept = pinned, "keeping the flags you gave"
+    if not found.plans:
+        found = search(p.model, p.hardware, p.gpus, p.shape, p.gpus_per_node, top=1)
+        kept = "the flags you gave cannot fit; the best layout"
+    if found.plans:
+        best = found.plans[0]
+        micro = f" --micro-batch {best.shape.micro_batch}" if best.shape.micro_batch != 1 else ""
+        lines.append(
+            f"nearest that fits ({kept}, MFU {best.mfu:.1%}): fivefold plan --model {args.model} "
+            f"--hardware {args.hardware} --gpus {p.gpus} --seq-len {p.shape.seq_len} "
+            f"--global-batch {p.shape.global_batch} {layout_flags(best.layout)}{micro}"
+        )
+    else:
+        lines.append(f"no layout of {p.model.name} fits {p.gpus} × {p.hardware.name}: add GPUs")
+    return "\n".join(lines) + "\n"
 
 
 def _inference(args: argparse.Namespace, model, hw, gpn: int) -> int:

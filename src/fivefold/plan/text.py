@@ -42,7 +42,7 @@ def plan_text(p: Plan) -> str:
         f"schedule {lay.pp_schedule} (v={lay.virtual_stages})",
         f"batch: {p.shape.global_batch} sequences × {p.shape.seq_len} tokens, "
         f"micro-batch {p.shape.micro_batch}, "
-        f"{p.microbatches} micro-batches per step",
+        f"{p.microbatches} micro-batch{'es' if p.microbatches != 1 else ''} per step",
         "",
         f"memory per GPU (worst rank: {m.stage} stage) — {fit_words(p.margin_bytes)}",
     ]
@@ -72,7 +72,8 @@ def plan_text(p: Plan) -> str:
     out += [
         "",
         "time per step",
-        f"  compute       {p.compute_time_s:10.3f} s   (incl. recompute)",
+        f"  compute       {p.compute_time_s:10.3f} s"
+        + (f"   (incl. {lay.recompute} recompute)" if lay.recompute != "none" else ""),
         f"  bubble        {p.bubble_time_s:10.3f} s   ({p.bubble_fraction:.1%} of the pipeline)",
         f"  exposed comm  {p.exposed_comm_s:10.3f} s",
         f"  optimizer     {p.optimizer_time_s:10.3f} s",
@@ -80,7 +81,8 @@ def plan_text(p: Plan) -> str:
         f"  model   {p.tflops_per_gpu:7.1f} TFLOP/s per GPU   MFU {p.mfu:.1%}  "
         f"(cross-validated band ±{MFU_BAND:.0%}: {p.mfu_band[0]:.1%}–{p.mfu_band[1]:.1%}; causal-half count: "
         f"{p.mfu_causal:.1%})",
-        f"  hardware {p.hardware_tflops_per_gpu:6.1f} TFLOP/s per GPU   HFU {p.hfu:.1%}  (with recompute)",
+        f"  hardware {p.hardware_tflops_per_gpu:6.1f} TFLOP/s per GPU   HFU {p.hfu:.1%}"
+        + ("  (with recompute)" if lay.recompute != "none" else ""),
     ]
     out += [f"note: {n}" for n in p.notes]
     return "\n".join(out)

@@ -12,17 +12,19 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from fivefold.model.moe import set_aux_loss_scale
+from fivefold.config import Layout, TrainSpec
+from fivefold.model.moe import moe_layers, set_aux_loss_scale
 from fivefold.model.transformer import lm_loss
+from fivefold.parallel.data import make_optimizer
 
 
 class StepRunner(Protocol):
     """What the training loop needs from a layout.
 
-    Optional methods the loop calls when a runner has them:
+    Every runner also has (the parallel ones from `fivefold.parallel.runner_core.RunnerCore`):
       * `build_optimizer(part) -> Optimizer`: the optimizer for one of `model_parts` (the layout's
         choice: ZeroRedundancyOptimizer for `--zero 1`, per-parameter AdamW where DTensors of
-        several meshes cannot share foreach kernels); without it the loop builds plain AdamW;
+        several meshes cannot share foreach kernels);
       * `after_optimizer_step()`: per-step updates outside the optimizer (MoE balancing bias from
         token counts summed over replicas).
     """
@@ -50,14 +52,19 @@ class StepRunner(Protocol):
         """Mean loss over the global held-out batch, the same value on every rank."""
         ...
 
+    def build_optimizer(self, part: nn.Module) -> torch.optim.Optimizer: ...
+
+    def after_optimizer_step(self) -> None: ...
+
 
 class LocalRunner:
     """One process, one device: micro-batches accumulated in a plain loop."""
 
-    def __init__(self, model: nn.Module, micro_batch: int) -> None:
+    def __init__(self, model: nn.Module, micro_batch: int, train: TrainSpec | None = None) -> None:
         self.model = model
         self.model_parts = [model]
         self.micro_batch = micro_batch
+        self.train = train or TrainSpec()
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         chunks = list(zip(inputs.split(self.micro_batch), labels.split(self.micro_batch)))
@@ -75,6 +82,15 @@ class LocalRunner:
         if max_norm <= 0:
             return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def build_optimizer(self, part: nn.Module) -> torch.optim.Optimizer:
+        """The same AdamW the parallel runners build, over the whole model."""
+        return make_optimizer(part, self.train, Layout(), None)
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        for moe in moe_layers(self.model):
+            moe.update_bias()
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """The pipelined `StepRunner`: torch's stages and schedules over this rank's chunks.
 
 Built by `fivefold.parallel.pipeline.build_pipeline_runner`; see that module for the split and the
-rules on losses and gradient scaling.
+rules on losses and gradient scaling. Gradient finalisation, clipping, the optimizer, the MoE bias
+and the loss average are the shared `RunnerCore`'s; plain dp replicas (no DDP wrapper around a
+stage) average their gradients once after the whole schedule.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from torch.distributed import pipelining
 from fivefold.config import Layout, TrainSpec
 from fivefold.errors import FivefoldError
 from fivefold.measure.timeline import Timeline
-from fivefold.model.moe import moe_layers, set_aux_loss_scale
+from fivefold.model.moe import set_aux_loss_scale
 from fivefold.model.transformer import lm_loss
-from fivefold.parallel.gradnorm import grad_norm_squared
 from fivefold.parallel.pipeline import SCHEDULE_CLASSES, SINGLE_STAGE, stage_to_rank
+from fivefold.parallel.runner_core import RunnerCore, plain
 
 
-class PipelineRunner:
+class PipelineRunner(RunnerCore):
     """One rank's chunks of a pipeline, stepped by a torch schedule."""
 
     def __init__(
@@ -36,12 +38,10 @@ class PipelineRunner:
         device: torch.device,
         train: TrainSpec | None = None,
     ) -> None:
-        self.train = train
+        super().__init__(runtime_mesh, layout, train or TrainSpec())
         self.model_parts = parts  # the chunks' own modules (a DDP wrapper, if any, is only called)
         self.stage_ids = stage_ids
         self.split = split  # layers per chunk, all chunks
-        self.layout = layout
-        self.mesh = runtime_mesh
         self.microbatches = layout.microbatches
         self.num_stages = layout.pp * layout.virtual_stages
         self.pp_group = runtime_mesh.group("pp")
@@ -65,10 +65,8 @@ class PipelineRunner:
 
         target = self.stages[0] if layout.pp_schedule in SINGLE_STAGE else self.stages
         self.schedule = schedule_cls(target, m, loss_fn=loss_fn, scale_grads=False)
-        batch_size = runtime_mesh.size("batch")
-        self.batch_group = runtime_mesh.group("batch") if batch_size > 1 else None
         plain_replicas = layout.dp > 1 and layout.fsdp == 1 and layout.tp == 1
-        self.replica_group = runtime_mesh.group("dp") if plain_replicas else None
+        self.dp_replica_group = runtime_mesh.group("dp") if plain_replicas else None
 
     # ---- StepRunner
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -79,40 +77,9 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         with self.timeline.step(), self._loss_context():
             self._step(inputs, labels, losses, train=True)
-        self._finish_partial_grads()
+        self.finish_gradients()
         self._average_replica_grads()
         return self._global_loss(losses)
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        params = [p for part in self.model_parts for p in part.parameters() if p.grad is not None]
-        squares = grad_norm_squared(params, self._device())
-        dist.all_reduce(squares, group=self.pp_group)  # the stages hold disjoint parameters
-        total = squares.sqrt().float()
-        if max_norm > 0:
-            # torch's rule and precision (clip_grad_norm_): an fp32 factor max_norm / (norm + 1e-6), at most 1
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).item()
-            if coef < 1.0:
-                for p in params:
-                    p.grad.mul_(coef)
-        return total
-
-    def build_optimizer(self, part: nn.Module) -> torch.optim.Optimizer:
-        """AdamW as the other layouts build it (ZeRO-1 over plain dp replicas included)."""
-        from fivefold.parallel.data import make_optimizer
-
-        dp_group = self.mesh.group("dp") if self.mesh.size("dp") > 1 else None
-        return make_optimizer(part, self.train or TrainSpec(), self.layout, dp_group)
-
-    @torch.no_grad()
-    def after_optimizer_step(self) -> None:
-        """MoE auxiliary-loss-free balancing: nudge each router's bias with counts over all replicas."""
-        for part in self.model_parts:
-            for moe in moe_layers(part):
-                counts = None
-                if moe.bias_rate > 0 and self.batch_group is not None:
-                    counts = moe.tokens_per_expert.clone()
-                    dist.all_reduce(counts, group=self.batch_group)
-                moe.update_bias(counts)
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -153,7 +120,7 @@ class PipelineRunner:
                 mine = here == self.mesh.coord("pp")
                 if s > 0 and here != prev:  # hand over from the previous chunk's rank
                     if mine:
-                        carry = _recv_tensor(self.pp_group, prev, self._device())
+                        carry = _recv_tensor(self.pp_group, prev, self.device())
                     elif prev == self.mesh.coord("pp"):
                         _send_tensor(carry, self.pp_group, here)
                 if not mine:
@@ -172,25 +139,14 @@ class PipelineRunner:
             return loss_context(self.model_parts[self.stage_ids.index(self.num_stages - 1)])
         return contextlib.nullcontext()
 
-    def _finish_partial_grads(self) -> None:
-        """Sum the gradients DTensor leaves as per-rank partial sums (SP's replicated norms) once per
-        step, so the clip and the optimizer see whole gradients."""
-        from torch.distributed.tensor import DTensor
-
-        for part in self.model_parts:
-            for p in part.parameters():
-                grad = p.grad
-                if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
-                    p.grad = grad.redistribute(placements=p.placements)
-
     def _average_replica_grads(self) -> None:
         """Plain data-parallel replicas: one all-reduce per gradient after the whole schedule."""
-        if self.replica_group is None:
+        if self.dp_replica_group is None:
             return
         for part in self.model_parts:
             for p in part.parameters():
                 if p.grad is not None:
-                    dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=self.replica_group)
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=self.dp_replica_group)
 
     def _check_batch(self, inputs: torch.Tensor) -> None:
         if inputs.shape[0] % self.microbatches:
@@ -200,22 +156,15 @@ class PipelineRunner:
             )
 
     def _global_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        device = self._device()
+        device = self.device()
         loss = torch.zeros((), device=device, dtype=torch.float32)
         if self.has_last:
-            loss = torch.stack([_plain(x).detach().float() for x in losses]).sum().to(device)
+            loss = torch.stack([plain(x).detach().float() for x in losses]).sum().to(device)
         dist.broadcast(loss, src=self.last_stage_global_rank, group=self.pp_group)
-        if self.batch_group is not None:
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.batch_group)
-        return loss
+        return self.mean_over_replicas(loss)
 
-    def _device(self) -> torch.device:
+    def device(self) -> torch.device:
         return self.stages[0].device
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A replicated DTensor loss (loss_parallel) as a plain tensor."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _send_tensor(t: torch.Tensor, group, peer: int) -> None:

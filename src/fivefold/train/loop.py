@@ -29,7 +29,6 @@ from fivefold.measure.ledger import CommLedger
 from fivefold.measure.memory import ActivationMeter, device_memory, state_bytes
 from fivefold.measure.timeline import write_trace
 from fivefold.model import build_model, materialize
-from fivefold.model.moe import moe_layers
 from fivefold.parallel import apply
 from fivefold.parallel.api import LocalRunner
 from fivefold.parallel.device_mesh import build_runtime_mesh
@@ -111,24 +110,6 @@ def runtime_layout(layout: Layout, world: int, model: ModelSpec, seq_len: int) -
     return lay
 
 
-def make_optimizer(module: torch.nn.Module, train: TrainSpec) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (norm weights and biases are left alone)."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": train.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]],
-        lr=train.lr,
-        betas=(train.beta1, train.beta2),
-        eps=train.eps,
-        foreach=True,
-    )
-
-
 def _broadcast(value: Any) -> Any:
     if not dist.is_initialized():
         return value
@@ -154,7 +135,7 @@ def build_runner(
     if world == 1:
         materialize(model, device, train.seed)
         apply_recompute(model, layout.recompute)
-        return LocalRunner(model, train.micro_batch), None
+        return LocalRunner(model, train.micro_batch, train), None
     mesh = build_runtime_mesh(layout, device.type)
     return apply.build_runner(model, mesh, layout, train), mesh
 
@@ -253,9 +234,8 @@ def _train(
     batch_rank = mesh.coord("batch") if mesh is not None else 0
 
     parts = runner.model_parts
-    # a layout may build its own (ZeRO-1's sharded optimizer; see StepRunner in parallel/api.py)
-    build = getattr(runner, "build_optimizer", None) or (lambda part: make_optimizer(part, tspec))
-    optimizers = [build(part) for part in parts]
+    # the layout's optimizer (ZeRO-1's sharded one, per-parameter steps across meshes: parallel/api.py)
+    optimizers = [runner.build_optimizer(part) for part in parts]
     start = 0
     if checkpoint is not None:
         state = load_checkpoint(checkpoint, parts, optimizers)
@@ -295,7 +275,7 @@ def _train(
                     grad_norm = runner.clip_grad_norm(tspec.grad_clip)
                     for opt in optimizers:
                         opt.step()
-                    _after_step(runner, parts)
+                    runner.after_optimizer_step()
             loss_value, norm_value = float(loss), float(grad_norm)
             _sync(device)
             seconds = time.perf_counter() - t0
@@ -344,17 +324,6 @@ def _measures_memory(step: int, tspec: TrainSpec) -> bool:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _after_step(runner: Any, parts: list[torch.nn.Module]) -> None:
-    """Per-step updates outside the optimizer: the runner's own, or the MoE balancing bias."""
-    hook = getattr(runner, "after_optimizer_step", None)
-    if hook is not None:
-        hook()
-        return
-    for part in parts:
-        for moe in moe_layers(part):
-            moe.update_bias()
 
 
 # --------------------------------------------------------------------------------------------

@@ -183,7 +183,7 @@ def search(
     recomputes = (pins["recompute"],) if "recompute" in pins else RECOMPUTE_ORDER
     for base in candidates(model, hw, gpus, shape, gpn, pins):
         n = shard_group(base)
-        ends = tuple(stage_names(base))
+        ends = tuple(stage_names(base, model))
         key = (base.tp, base.pp, base.ep, base.zero, n, ends)
         if key not in state_cache:  # model state of the worst stage: no schedule or batch enters
             worst = 0.0

@@ -15,7 +15,7 @@ def test_405b_on_16k_gpus_is_fast_and_sensible() -> None:
     start = time.process_time()  # this process's CPU time: other load on the machine does not count
     result = search(model, hw, 16384, TrainShape(seq_len=8192, global_batch=2048))
     elapsed = time.process_time() - start
-    assert elapsed < 4.0  # the target is 2 s; benchmarks/bench_plan_search.py measures the real time
+    assert elapsed < 2.0  # 1.2 s measured cold; benchmarks/bench_plan_search.py measures wall time
     assert result.plans and result.fitting > 0
     best = result.plans[0]
     times = [p.step_time_s for p in result.plans]

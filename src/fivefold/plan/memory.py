@@ -27,6 +27,7 @@ from fivefold.plan.pipeline import in_flight
 from fivefold.plan.spec import Arch, TrainShape, layer_shard
 
 BYTES = 2
+MASTER_BYTES = 4  # fp32 master weights, part of optimizer_bytes
 
 
 @dataclass
@@ -64,6 +65,13 @@ def model_state(
     def state(nbytes: float, sharded: bool) -> float:
         return nbytes * (dense / n + experts / n_experts) if sharded else nbytes * (dense + experts)
 
+    if zero >= 3 and shape.fp32_shard and shape.optimizer_bytes >= MASTER_BYTES:
+        # the fp32 shard is the weight and the master copy: the optimizer adds only its moments
+        return (
+            state(MASTER_BYTES, True),
+            state(shape.grad_bytes, True),
+            state(shape.optimizer_bytes - MASTER_BYTES, True),
+        )
     return (
         state(shape.param_bytes, zero >= 3),
         state(shape.grad_bytes, zero >= 2),
@@ -317,7 +325,7 @@ def _stage_memory(
     tokens = shape.micro_batch * shape.seq_len / layout.cp
     logits = 0.0
     if holds_head(which):  # 16-bit logits + fp32 softmax kept by the vocab-parallel loss
-        logits = (BYTES + 4) * tokens * model.vocab / layout.tp
+        logits = (BYTES + (0 if shape.fused_loss else 4)) * tokens * model.vocab / layout.tp
     gather = 0.0
     if z >= 2 and n > 1:  # unsharded grads of one layer before the reduce-scatter
         gather += shape.grad_bytes * biggest

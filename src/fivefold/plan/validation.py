@@ -417,6 +417,7 @@ def compare(run: dict[str, Any]) -> tuple[Plan | None, list[Comparison]]:
             global_batch=1,
             grad_bytes=2,
             optimizer_bytes=int(lt.get("optimizer_bytes_per_param", 12)),
+            fp32_shard=False,  # the paper's ZeRO-3 keeps fp16 shards beside the fp32 optimizer state
         )
         n = lt.get("dp", 1)
         state = sum(model_state(psi, 0.0, int(lt.get("zero_stage", 0)), n, n, shape))

@@ -122,4 +122,6 @@ class Plan:
 
 
 def capacity(hw: HardwareSpec) -> float:
-    return hw.gpu_memory_gb * 1e9 * (1 - MEMORY_RESERVE)
+    """Bytes the planner may fill. HBM sizes are binary: an "80 GB" H100 or A100 is five 16 GiB
+    stacks (CUDA reports 79.2 GiB), a "141 GB" H200 141 GiB usable of six 24 GiB stacks."""
+    return hw.gpu_memory_gb * 2**30 * (1 - MEMORY_RESERVE)

@@ -58,6 +58,7 @@ class Knobs:
     attention_other: float | None = None
     memory_other: float | None = None  # streaming share of HBM/DRAM bandwidth, other devices only
     fp8_speedup: float | None = None
+    step_overhead: float | None = None  # seconds per step, every device
 
     def apply(self, hw: HardwareSpec) -> HardwareSpec:
         changes: dict[str, float] = {}
@@ -73,6 +74,8 @@ class Knobs:
             changes["attention_efficiency"] = attn
         if self.fp8_speedup is not None:
             changes["fp8_speedup"] = self.fp8_speedup
+        if self.step_overhead is not None:
+            changes["step_overhead_s"] = self.step_overhead
         return dataclasses.replace(hw, **changes) if changes else hw
 
     def to_dict(self) -> dict[str, float]:
@@ -88,6 +91,7 @@ KNOB_RANGES = {
     "attention_other": (0.001, 0.9),
     "memory_other": (0.001, 1.0),
     "fp8_speedup": (1.0, 2.0),
+    "step_overhead": (0.001, 1.0),
 }
 
 
@@ -225,6 +229,7 @@ START = Knobs(
     attention_other=0.3,
     memory_other=0.7,
     fp8_speedup=1.5,
+    step_overhead=0.05,
 )
 
 
@@ -253,6 +258,8 @@ def fit(train: list[Case], start: Knobs = START, rounds: int = 1) -> Knobs:
 def _depends(case: Case, name: str) -> bool:
     if name == "fp8_speedup":
         return case.inputs.shape.fp8
+    if name == "step_overhead":
+        return True
     return family(case.inputs.hw) == name.split("_")[1]
 
 

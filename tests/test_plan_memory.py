@@ -159,3 +159,19 @@ def test_v_shaped_schedules_put_both_ends_on_rank_zero() -> None:
     assert vee.memory.detail["params_on_rank"] == pytest.approx(8 * layer + 2 * head + model.hidden)
     assert plain.memory.detail["params_on_rank"] == pytest.approx(8 * layer + head)
     assert vee.memory.detail["logits"] > 0 and plain.memory.stage == "first"
+
+
+def test_fused_loss_keeps_only_16_bit_logits_and_hbm_is_binary() -> None:
+    from fivefold.plan.result import MEMORY_RESERVE, capacity
+
+    model, hw = load_model("llama3-8b"), load_hardware("h100-80gb")
+    lay = Layout(fsdp=8, zero=3).resolve(8)
+    shape = TrainShape(seq_len=4096, global_batch=16, micro_batch=2)
+    plain = plan(model, hw, lay, shape)
+    fused = plan(model, hw, lay, dataclasses.replace(shape, fused_loss=True))
+    tokens_vocab = 2 * 4096 * model.vocab
+    assert (
+        plain.memory.detail["logits"] == 6 * tokens_vocab
+        and fused.memory.detail["logits"] == 2 * tokens_vocab
+    )
+    assert capacity(hw) == 80 * 2**30 * (1 - MEMORY_RESERVE)  # an "80 GB" H100 holds 80 GiB

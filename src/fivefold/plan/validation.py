@@ -57,6 +57,7 @@ class Knobs:
     attention_hopper: float | None = None
     attention_other: float | None = None
     memory_other: float | None = None  # streaming share of HBM/DRAM bandwidth, other devices only
+    latency_other: float | None = None  # µs per step of a collective inside a node, other devices only
     fp8_speedup: float | None = None
     step_overhead: float | None = None  # seconds per step, every device
 
@@ -67,6 +68,8 @@ class Knobs:
             changes["matmul_efficiency"] = mm
         if family(hw) == "other" and self.memory_other is not None:
             changes["memory_efficiency"] = self.memory_other
+        if family(hw) == "other" and self.latency_other is not None:
+            changes["intra_node_latency_us"] = self.latency_other
         attn = {"a100": self.attention_a100, "hopper": self.attention_hopper, "other": self.attention_other}[
             family(hw)
         ]
@@ -90,6 +93,7 @@ KNOB_RANGES = {
     "attention_hopper": (0.15, 0.9),
     "attention_other": (0.001, 0.9),
     "memory_other": (0.001, 1.0),
+    "latency_other": (1.0, 1e5),
     "fp8_speedup": (1.0, 2.0),
     "step_overhead": (0.001, 1.0),
 }
@@ -228,6 +232,7 @@ START = Knobs(
     attention_hopper=0.3,
     attention_other=0.3,
     memory_other=0.7,
+    latency_other=100.0,
     fp8_speedup=1.5,
     step_overhead=0.05,
 )
@@ -260,6 +265,9 @@ def _depends(case: Case, name: str) -> bool:
         return case.inputs.shape.fp8
     if name == "step_overhead":
         return True
+    if name == "latency_other":  # only runs with per-layer collectives inside the node show it
+        lay = case.inputs.layout
+        return family(case.inputs.hw) == "other" and max(lay.tp, lay.cp, lay.ep) > 1
     return family(case.inputs.hw) == name.split("_")[1]
 
 

@@ -285,3 +285,34 @@ def test_calibrate_reads_run_directories(capsys, tmp_path) -> None:
     assert code == 0
     step = json.loads(capsys.readouterr().out)["step_time_s"]
     assert step == pytest.approx(2.0, rel=0.05)  # the median step after the first, reproduced
+
+
+def test_calibrate_separates_compute_from_collective_latency(capsys, tmp_path) -> None:
+    """A data-parallel and a tensor-parallel run of one machine: the fit takes the matmul rate from
+    the first and the per-collective latency from the second, so both are reproduced."""
+    from fivefold.config import Layout, RunConfig, TrainSpec, load_model
+
+    layouts = {"dp2": (Layout(dp=2, zero=0), 2.0), "tp2": (Layout(tp=2, sp=True), 3.0)}
+    dirs = []
+    for name, (lay, step) in layouts.items():
+        run = tmp_path / name
+        run.mkdir()
+        cfg = RunConfig(
+            model=load_model("small"),
+            train=TrainSpec(seq_len=256, micro_batch=4, global_batch=16),
+            layout=lay.resolve(2),
+        )
+        (run / "config.toml").write_text(cfg.to_toml())
+        steps = [{"step": i, "step_time_s": t} for i, t in enumerate((9.0, step, step), 1)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+        dirs.append(str(run))
+    out_file = tmp_path / "cpu-here.toml"
+    assert main(["plan", "--calibrate", *dirs, "--out", str(out_file)]) == 0
+    capsys.readouterr()
+    for flags, step in ((["--dp", "2", "--zero", "0"], 2.0), (["--tp", "2", "--sp"], 3.0)):
+        code = main(
+            ["plan", "--model", "small", "--hardware", str(out_file), "--gpus", "2", *flags]
+            + ["--seq-len", "256", "--global-batch", "16", "--micro-batch", "4", "--json"]
+        )
+        assert code == 0
+        assert json.loads(capsys.readouterr().out)["step_time_s"] == pytest.approx(step, rel=0.05)

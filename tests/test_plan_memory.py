@@ -3,6 +3,8 @@ pipeline in-flight micro-batches, GQA and the KV cache."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fivefold.config import Layout, ModelSpec, load_hardware, load_model
@@ -18,7 +20,10 @@ GIB = 2**30
 def test_zero_paper_figure1(zero: int, published_gb: float) -> None:
     """ZeRO §5 / Figure 1: Ψ = 7.5B, Nd = 64, K = 12, fp16 weights and gradients."""
     psi, nd = 7.5e9, 64
-    shape = TrainShape(seq_len=1, global_batch=1, param_bytes=2, grad_bytes=2, optimizer_bytes=12)
+    # the paper's ZeRO-3 keeps fp16 weight shards beside the fp32 optimizer state (fp32_shard=False)
+    shape = TrainShape(
+        seq_len=1, global_batch=1, param_bytes=2, grad_bytes=2, optimizer_bytes=12, fp32_shard=False
+    )
     total = sum(model_state(psi, 0.0, zero, nd, nd, shape))
     closed_form = {
         0: (2 + 2 + 12) * psi,
@@ -28,6 +33,9 @@ def test_zero_paper_figure1(zero: int, published_gb: float) -> None:
     }[zero]
     assert total == pytest.approx(closed_form, rel=1e-12)
     assert total / 1e9 == pytest.approx(published_gb, abs=0.05)  # the paper rounds to 0.1 GB
+    # torch FSDP's ZeRO-3: the fp32 shard is weight and master at once, 4 + g + 8 bytes per parameter
+    fsdp = sum(model_state(psi, 0.0, zero, nd, nd, dataclasses.replace(shape, fp32_shard=True)))
+    assert fsdp == pytest.approx((4 + 2 + 8) * psi / nd if zero == 3 else total, rel=1e-12)
 
 
 def gpt(layers: int, hidden: int, heads: int) -> ModelSpec:
@@ -100,8 +108,9 @@ def test_gqa_shrinks_kv_activations_and_fsdp_shards_state() -> None:
     p3 = plan(gqa, hw, Layout(fsdp=8, zero=3).resolve(8), shape)
     n = p1.memory.detail["params_on_rank"]
     assert p1.memory.params == pytest.approx(2 * n)
-    assert p3.memory.params == pytest.approx(2 * n / 8)
-    assert p3.memory.optimizer == pytest.approx(12 * n / 8)
+    # FSDP's fp32 shard is the weight and the master: 4 bytes, then Adam's two moments
+    assert p3.memory.params == pytest.approx(4 * n / 8)
+    assert p3.memory.optimizer == pytest.approx(8 * n / 8)
     assert p3.memory.buffers > p1.memory.buffers - p1.memory.detail["logits"]  # gather buffers
 
 
@@ -150,3 +159,19 @@ def test_v_shaped_schedules_put_both_ends_on_rank_zero() -> None:
     assert vee.memory.detail["params_on_rank"] == pytest.approx(8 * layer + 2 * head + model.hidden)
     assert plain.memory.detail["params_on_rank"] == pytest.approx(8 * layer + head)
     assert vee.memory.detail["logits"] > 0 and plain.memory.stage == "first"
+
+
+def test_fused_loss_keeps_only_16_bit_logits_and_hbm_is_binary() -> None:
+    from fivefold.plan.result import MEMORY_RESERVE, capacity
+
+    model, hw = load_model("llama3-8b"), load_hardware("h100-80gb")
+    lay = Layout(fsdp=8, zero=3).resolve(8)
+    shape = TrainShape(seq_len=4096, global_batch=16, micro_batch=2)
+    plain = plan(model, hw, lay, shape)
+    fused = plan(model, hw, lay, dataclasses.replace(shape, fused_loss=True))
+    tokens_vocab = 2 * 4096 * model.vocab
+    assert (
+        plain.memory.detail["logits"] == 6 * tokens_vocab
+        and fused.memory.detail["logits"] == 2 * tokens_vocab
+    )
+    assert capacity(hw) == 80 * 2**30 * (1 - MEMORY_RESERVE)  # an "80 GB" H100 holds 80 GiB

@@ -12,10 +12,10 @@ from fivefold.plan.search import search
 
 def test_405b_on_16k_gpus_is_fast_and_sensible() -> None:
     model, hw = load_model("llama3-405b"), load_hardware("h100-80gb")
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU time: other load on the machine does not count
     result = search(model, hw, 16384, TrainShape(seq_len=8192, global_batch=2048))
-    elapsed = time.perf_counter() - start
-    assert elapsed < 10.0  # benchmarks/bench_plan_search.py measures the real time (about 1 s)
+    elapsed = time.process_time() - start
+    assert elapsed < 2.0  # 1.2 s measured cold; benchmarks/bench_plan_search.py measures wall time
     assert result.plans and result.fitting > 0
     best = result.plans[0]
     times = [p.step_time_s for p in result.plans]
@@ -58,9 +58,9 @@ def test_pinned_search_keeps_the_given_flags_and_searches_the_rest() -> None:
     model, hw = load_model("llama3-405b"), load_hardware("h100-80gb")
     shape = TrainShape(seq_len=8192, global_batch=2048)
     free = search(model, hw, 16384, shape, top=3)
-    start = time.perf_counter()
+    start = time.process_time()
     pinned = search(model, hw, 16384, shape, top=3, pins={"tp": 8, "pp": 16, "recompute": None})
-    assert time.perf_counter() - start < 10.0  # the benchmark measures about 0.1 s
+    assert time.process_time() - start < 2.0  # the benchmark measures about 0.1 s
     assert pinned.plans
     for p in pinned.plans:
         assert (p.layout.tp, p.layout.pp) == (8, 16)

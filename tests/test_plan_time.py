@@ -170,3 +170,33 @@ def test_link_kinds_agree_with_the_mesh() -> None:
                 assert links(lay, gpn) == axis_link_kinds(lay, gpn), (lay, gpn)
                 checked += 1
     assert checked > 50
+
+
+def test_the_busiest_pipeline_rank_sets_the_step() -> None:
+    """The balanced split gives the ends fewer layers (they also run the embedding or the head): a
+    middle rank holds the most and the step is timed on it, not on rank 0 alone."""
+    from fivefold.layout_math import stage_split
+    from fivefold.plan.memory import stage_counts, stage_names, stage_weights
+    from fivefold.plan.pipeline import in_flight
+
+    model, hw = load_model("llama3-405b"), load_hardware("h100-80gb")
+    shape = TrainShape(seq_len=8192, global_batch=2048)
+    for sched in ("zbv", "1f1b"):
+        lay = Layout(
+            dp=64, tp=8, pp=32, zero=1, sp=True, pp_schedule=sched, virtual_stages=2 if sched == "zbv" else 1
+        )
+        lay = lay.resolve(16384)
+        names = stage_names(lay, model)
+        counts = {n: sum(stage_counts(model, lay.pp, n, lay)) for n in names}
+        assert sum(stage_weights(lay, model).values()) == lay.pp  # every rank stands for itself or a twin
+        assert max(counts.values()) == max(stage_split(model, lay, model.max_seq_len)) * lay.virtual_stages
+        p = plan(model, hw, lay, shape)
+        busiest = max(names, key=counts.get)
+        assert p.stage_times["stage"] == busiest and busiest.startswith("mid")
+        # the busiest rank's layers set the forward: its layer count times one layer's forward
+        assert p.stage_times["forward_s"] >= counts[busiest] * p.stage_times["layer_forward_s"] * 0.999
+    # micro-batches in flight fall with the rank in 1F1B; Megatron's interleaved warm-up at both ends
+    assert [in_flight("1f1b", 4, 8, 1, r) for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight("interleaved-1f1b", 4, 8, 2, 0) == 4 * (1 + 3 / 8)
+    assert in_flight("interleaved-1f1b", 4, 8, 2, 3) == (4 + 1) / 2
+    assert in_flight("zbv", 4, 8, 2, 3) == 4

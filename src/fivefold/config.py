@@ -261,6 +261,8 @@ class HardwareSpec:
     power_limit_w: float = 0.0  # a lower cap set by the operator: clocks drop as its cube root
     attention_efficiency: float = 0.0  # share of the peak attention kernels reach; 0: 0.8 × matmul
     fp8_speedup: float = 0.0  # fp8 matmul rate over the 16-bit one (tensor-core peak ratio 2); 0: default
+    # fixed host-side time per optimizer step (optimizer and clipping launches, loss sync); 0: default
+    step_overhead_s: float = 0.0
 
     def validate(self) -> HardwareSpec:
         for name in ("gpu_memory_gb", "peak_tflops", "gpus_per_node", "intra_node_gbps", "inter_node_gbps"):

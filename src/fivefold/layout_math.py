@@ -157,6 +157,12 @@ def balanced_split(costs: StageCosts, chunks: int) -> list[int]:
         )
 
     ideal = n / chunks
+    # the even split is feasible, so no chunk of the optimum costs more than its worst chunk: chunks
+    # above that bound are never tried (exact, and it makes the search about n instead of n² per cell)
+    even = [n // chunks + (k < n % chunks) for k in range(chunks)]
+    edges = [sum(even[:k]) for k in range(chunks + 1)]
+    bound = max(cost(edges[k], edges[k + 1], k) for k in range(chunks))
+    bound += 1e-9 * abs(bound) + 1e-6
     inf = (math.inf, math.inf)
     # best[k][j]: (max cost, spread) of placing the first j layers into k chunks
     best = [[inf] * (n + 1) for _ in range(chunks + 1)]
@@ -164,13 +170,15 @@ def balanced_split(costs: StageCosts, chunks: int) -> list[int]:
     best[0][0] = (0.0, 0.0)
     for k in range(1, chunks + 1):
         for j in range(k, n - (chunks - k) + 1):
-            for i in range(k - 1, j):
+            for i in range(j - 1, k - 2, -1):  # longest chunk last: stop once it costs too much
+                if cost(i, j, k - 1) > bound:
+                    break
                 prev = best[k - 1][i]
                 if prev == inf:
                     continue
                 # round costs so float noise does not beat an even split
                 cand = (round(max(prev[0], cost(i, j, k - 1)), 6), prev[1] + (j - i - ideal) ** 2)
-                if cand < best[k][j]:
+                if cand <= best[k][j]:  # ties: the shortest last chunk, as an ascending scan
                     best[k][j], cut[k][j] = cand, i
     counts, j = [], n
     for k in range(chunks, 0, -1):

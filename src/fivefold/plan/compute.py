@@ -22,6 +22,9 @@ DEFAULT_FP8_SPEEDUP = 1.4  # fp8 over 16-bit matmul rate, end to end (peak ratio
 # FlashAttention-3 / cuDNN fused attention over FlashAttention-2 on H100 (Shah et al. 2024: 1.5-2.0×)
 FLASH3_SPEEDUP = 1.75
 ATTENTION_RATIO = 0.80  # attention kernels relative to plain GEMMs (softmax, masking, tiling)
+# every step also pays a fixed time no layout changes: the optimizer's and clipping's kernel launches,
+# the loss and grad-norm synchronisation with the host, the next batch (a fitted knob, docs/planner.md)
+DEFAULT_STEP_OVERHEAD_S = 0.063  # fitted to every bundled source (docs/planner.md)
 OPTIMIZER_BYTES_PER_PARAM = 34  # Adam step: read grad + master/m/v, write master/m/v/16-bit param, zero grad
 BYTES = 2  # 16-bit activations
 EAGER_TRAFFIC = 3.0  # unfused elementwise ops re-read and re-write their tensors about three times
@@ -169,6 +172,8 @@ def head_time(
     return fwd, bwd
 
 
-def optimizer_time(local_params: float, rates: Rates) -> float:
-    """Adam over the parameters this rank updates (a memory-bound stream)."""
-    return rates.stream(OPTIMIZER_BYTES_PER_PARAM * local_params)
+def optimizer_time(local_params: float, rates: Rates, hw: HardwareSpec | None = None) -> float:
+    """Adam over the parameters this rank updates (a memory-bound stream), plus the step's fixed
+    overhead when `hw` is given."""
+    overhead = (hw.step_overhead_s or DEFAULT_STEP_OVERHEAD_S) if hw is not None else 0.0
+    return rates.stream(OPTIMIZER_BYTES_PER_PARAM * local_params) + overhead

@@ -27,6 +27,7 @@ from fivefold.plan.pipeline import in_flight
 from fivefold.plan.spec import Arch, TrainShape, layer_shard
 
 BYTES = 2
+MASTER_BYTES = 4  # fp32 master weights, part of optimizer_bytes
 
 
 @dataclass
@@ -64,6 +65,13 @@ def model_state(
     def state(nbytes: float, sharded: bool) -> float:
         return nbytes * (dense / n + experts / n_experts) if sharded else nbytes * (dense + experts)
 
+    if zero >= 3 and shape.fp32_shard and shape.optimizer_bytes >= MASTER_BYTES:
+        # the fp32 shard is the weight and the master copy: the optimizer adds only its moments
+        return (
+            state(MASTER_BYTES, True),
+            state(shape.grad_bytes, True),
+            state(shape.optimizer_bytes - MASTER_BYTES, True),
+        )
     return (
         state(shape.param_bytes, zero >= 3),
         state(shape.grad_bytes, zero >= 2),
@@ -113,15 +121,50 @@ def layer_activations(
 
 V_SCHEDULES = ("zbv", "dualpipev")
 BOTH_ENDS = "first+last"  # rank 0 of a V-shaped schedule holds the first and the last chunk
+MIDDLE = "mid"  # "mid3": pp rank 3, neither end of the pipeline
 
 
-def stage_names(layout: Layout) -> list[str]:
-    """The ranks whose memory and time bound the step: the ends of the pipeline."""
+def stage_names(layout: Layout, model: ModelSpec | None = None, seq_len: int = 0) -> list[str]:
+    """The ranks whose memory and time bound the step: the ends of the pipeline and, given the
+    model, one middle rank per distinct layer count (the lowest such rank: it holds the most
+    micro-batches in flight). With the cost-balanced split the ends hold fewer layers than the
+    middle (they also run the embedding or the head), so a middle rank can set the pace."""
     if layout.pp == 1:
         return ["only"]
-    if layout.pp_schedule in V_SCHEDULES:
-        return [BOTH_ENDS]
-    return ["first", "last"]
+    ends = [BOTH_ENDS] if layout.pp_schedule in V_SCHEDULES else ["first", "last"]
+    if model is None or layout.pp <= 2 - (layout.pp_schedule in V_SCHEDULES):
+        return ends
+    return ends + list(_middles(model, layout, seq_len))
+
+
+def stage_weights(layout: Layout, model: ModelSpec, seq_len: int = 0) -> dict[str, int]:
+    """How many pp ranks each of `stage_names` stands for (a middle rank: all with its layer count)."""
+    names = stage_names(layout, model, seq_len)
+    mids = _middles(model, layout, seq_len) if layout.pp > 1 else {}
+    return {n: mids.get(n, 1) for n in names}
+
+
+def _middles(model: ModelSpec, layout: Layout, seq_len: int) -> dict[str, int]:
+    seq_len = seq_len or model.max_seq_len
+    key = (_model_key(model), layout.pp, layout.virtual_stages, layout.pp_schedule, layout.pp_split, seq_len)
+    if key not in _MIDDLES:
+        counts, first, ranks = _rank_layers(model, layout, seq_len), {}, {}
+        last = layout.pp if layout.pp_schedule in V_SCHEDULES else layout.pp - 1
+        for rank in range(1, last):
+            first.setdefault(counts[rank], rank)
+            ranks[counts[rank]] = ranks.get(counts[rank], 0) + 1
+        _MIDDLES[key] = {f"{MIDDLE}{first[c]}": ranks[c] for c in sorted(first, key=first.get)}
+    return _MIDDLES[key]
+
+
+_MIDDLES: dict[tuple, dict[str, int]] = {}
+
+
+def stage_rank(which: str, pp: int) -> int:
+    """The pp rank a stage name stands for."""
+    if which.startswith(MIDDLE):
+        return int(which[len(MIDDLE) :])
+    return pp - 1 if which == "last" else 0
 
 
 def holds_embedding(which: str) -> bool:
@@ -141,7 +184,7 @@ def stage_counts(
     `--pp-split`) of fivefold.layout_math, all of the rank's chunks. Without it, ceil(L/pp) layers.
     """
     if layout is not None and pp > 1:
-        return _split_stage_counts(model, layout, which, seq_len or model.max_seq_len)
+        return _rank_layers(model, layout, seq_len or model.max_seq_len)[stage_rank(which, pp)]
     per = math.ceil(model.layers / pp)
     if which == BOTH_ENDS:  # half a stage from the front, half from the back
         front = math.ceil(per / 2)
@@ -155,11 +198,11 @@ def stage_counts(
     return per - n_moe, n_moe
 
 
-_SPLITS: dict[tuple, tuple[int, int]] = {}
+_SPLITS: dict[tuple, list[tuple[int, int]]] = {}
 
 
-def _split_stage_counts(model: ModelSpec, layout: Layout, which: str, seq_len: int) -> tuple[int, int]:
-    shape = (
+def _model_key(model: ModelSpec) -> tuple:
+    return (
         model.name,
         model.layers,
         model.hidden,
@@ -168,15 +211,28 @@ def _split_stage_counts(model: ModelSpec, layout: Layout, which: str, seq_len: i
         model.experts,
         model.moe_layers,
     )
-    key = (*shape, layout.pp, layout.virtual_stages, layout.pp_schedule, layout.pp_split, seq_len, which)
+
+
+def _rank_layers(model: ModelSpec, layout: Layout, seq_len: int) -> list[tuple[int, int]]:
+    """(dense, MoE) layers of every pp rank, all its chunks together."""
+    key = (
+        _model_key(model),
+        layout.pp,
+        layout.virtual_stages,
+        layout.pp_schedule,
+        layout.pp_split,
+        seq_len,
+    )
     if key not in _SPLITS:
         counts = stage_split(model, layout, seq_len)
         starts = [sum(counts[:k]) for k in range(len(counts))]
-        rank = layout.pp - 1 if which == "last" else 0
-        chunks = rank_stages(rank, layout.pp, layout.virtual_stages, layout.pp_schedule)
-        layers = [i for c in chunks for i in range(starts[c], starts[c] + counts[c])]
-        n_moe = sum(model.is_moe_layer(i) for i in layers)
-        _SPLITS[key] = (len(layers) - n_moe, n_moe)
+        out = []
+        for rank in range(layout.pp):
+            chunks = rank_stages(rank, layout.pp, layout.virtual_stages, layout.pp_schedule)
+            layers = [i for c in chunks for i in range(starts[c], starts[c] + counts[c])]
+            n_moe = sum(model.is_moe_layer(i) for i in layers)
+            out.append((len(layers) - n_moe, n_moe))
+        _SPLITS[key] = out
     return _SPLITS[key]
 
 
@@ -208,12 +264,12 @@ def memory(
     microbatches: int,
     memo: dict | None = None,
 ) -> Memory:
-    """Memory of the worst rank: the larger of the first and the last pipeline stage.
+    """Memory of the worst rank: the largest of the pipeline's ends and its middle ranks.
 
     `memo` (a dict the caller owns, for one model, arch and shape) caches per-layer pieces across
     layouts; the search passes one.
     """
-    stages = stage_names(layout)
+    stages = stage_names(layout, model)
     memo = {} if memo is None else memo
     return max(
         (_stage_memory(model, arch, layout, shape, microbatches, s, memo) for s in stages),
@@ -261,13 +317,7 @@ def _stage_memory(
 
     kinds = [(c, moe) for c, moe in ((n_dense, False), (n_moe, True)) if c]
     per_layer = {moe: act(moe, rc) for _, moe in kinds}
-    # the last stage runs each micro-batch's backward right after its forward
-    flight = in_flight(layout.pp_schedule, layout.pp, m, layout.virtual_stages)
-    if which == "last":  # it runs each micro-batch's backward right after its forward, except for
-        # the chunks of earlier stages it also holds when interleaved (Megatron's warm-up count)
-        v = layout.virtual_stages
-        interleaved = layout.pp_schedule == "interleaved-1f1b"
-        flight = min(((v - 1) * layout.pp + 1) / v, m) if interleaved else 1.0
+    flight = in_flight(layout.pp_schedule, layout.pp, m, layout.virtual_stages, stage_rank(which, layout.pp))
     activations = flight * sum(c * per_layer[moe] for c, moe in kinds)
     working = 0.0
     if rc == "full":  # during the backward one layer's activations are rebuilt at a time
@@ -275,7 +325,7 @@ def _stage_memory(
     tokens = shape.micro_batch * shape.seq_len / layout.cp
     logits = 0.0
     if holds_head(which):  # 16-bit logits + fp32 softmax kept by the vocab-parallel loss
-        logits = (BYTES + 4) * tokens * model.vocab / layout.tp
+        logits = (BYTES + (0 if shape.fused_loss else 4)) * tokens * model.vocab / layout.tp
     gather = 0.0
     if z >= 2 and n > 1:  # unsharded grads of one layer before the reduce-scatter
         gather += shape.grad_bytes * biggest

@@ -54,18 +54,21 @@ def min_microbatches(p: int, max_bubble: float) -> int:
     return max(m, 1)
 
 
-def in_flight(schedule: str, p: int, m: int, v: int) -> float:
-    """Micro-batches of whole-stage activations the first stage holds at its peak."""
+def in_flight(schedule: str, p: int, m: int, v: int, rank: int = 0) -> float:
+    """Micro-batches of whole-stage activations pp rank `rank` holds at its peak."""
     if p <= 1:
         return 1.0
     if schedule == "gpipe":
         return float(m)  # all forwards before any backward
     if schedule == "interleaved-1f1b":
-        # Korthikanti et al. 2022 §4.2.3: the first stage holds p·(1 + (p-1)/(p·v)) micro-batches
-        return min(p * (1 + (p - 1) / (p * v)), float(m))
+        # Megatron's warm-up: (p - rank - 1)·2 + (v - 1)·p chunk forwards before the first backward,
+        # each chunk 1/v of the stage; rank 0 holds p·(1 + (p-1)/(p·v)) (Korthikanti et al. §4.2.3)
+        return min(((p - rank - 1) * 2 + (v - 1) * p + 1) / v, float(m))
     if schedule == "dualpipev":
-        return float(min(p + 1, m))  # DeepSeek-V3 Table 2: PP+1 micro-batches
-    return float(min(p, m))  # 1F1B, ZB-H1 and ZB-V keep 1F1B's peak
+        return float(min(p + 1, m))  # DeepSeek-V3 Table 2: PP+1 micro-batches, on every rank
+    if schedule == "zbv":
+        return float(min(p, m))  # the V balances memory: every rank holds 1F1B's first-stage peak
+    return float(min(p - rank, m))  # 1F1B, ZB-H1: p - rank warm-up forwards
 
 
 def p2p_on_critical_path(schedule: str, p: int, v: int) -> int:

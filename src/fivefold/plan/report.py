@@ -26,7 +26,7 @@ from fivefold.plan.memory import (
     memory,
     shard_group,
     stage_counts,
-    stage_names,
+    stage_weights,
 )
 from fivefold.plan.pipeline import bubble_time, p2p_on_critical_path
 from fivefold.plan.result import Plan, capacity
@@ -97,9 +97,9 @@ def step_lower_bound(
     """Step time with every collective free: never above `_plan`'s (the search's pruning bound)."""
     rates = Rates.of(hw, shape.fp8, shape.attention)
     lt = layer_times(model, arch, layout, shape, rates, memo)
-    stages = stage_names(layout)
+    weights = stage_weights(layout, model)
     times = []
-    for which in stages:
+    for which in weights:
         n_dense, n_moe = stage_counts(model, layout.pp, which, layout)
         mix = [(n_dense, lt[False])] + ([(n_moe, lt[True])] if n_moe else [])
         f = sum(c * x.fwd for c, x in mix)
@@ -115,10 +115,11 @@ def step_lower_bound(
                 memo[key] = head_time(model, layout, shape.micro_batch, shape.seq_len, rates)
             hf, hb = memo[key]
             f, b = f + hf, b + hb
-        times.append((f, b))
-    worst = max(f + b for f, b in times)
-    mean_f = sum(t[0] for t in times) / len(times)
-    mean_b = sum(t[1] for t in times) / len(times)
+        times.append((f, b, weights[which]))
+    worst = max(f + b for f, b, _ in times)
+    ranks = sum(w for *_, w in times)
+    mean_f = sum(f * w for f, _, w in times) / ranks
+    mean_b = sum(b * w for _, b, w in times) / ranks
     bubble = bubble_time(layout.pp_schedule, layout.pp, m, layout.virtual_stages, mean_f, mean_b)
     return m * worst + bubble
 
@@ -306,13 +307,17 @@ def _plan(
         layer_b += recompute / n
         return t_f, t_b, compute, exp_f + exp_b + exp_rc, recs, (layer_f, layer_b)
 
-    per_stage = {which: stage_costs(which) for which in stage_names(layout)}
+    # every distinct rank of the pipeline: the slowest sets the pace, the bubble is the others' fill
+    # and drain (a rank-weighted mean)
+    weights = stage_weights(layout, model)
+    per_stage = {which: stage_costs(which) for which in weights}
     worst = max(per_stage, key=lambda k: per_stage[k][0] + per_stage[k][1])
     t_f, t_b, compute_mb, exposed_mb, recs, (layer_f, layer_b) = per_stage[worst]
     for axis, op, payload, group, link, calls, exposed, overlap in recs:
         add(axis, op, payload, group, link, calls * m, exposed=exposed * m, overlap=overlap)
-    mean_f = sum(v[0] for v in per_stage.values()) / len(per_stage)
-    mean_b = sum(v[1] for v in per_stage.values()) / len(per_stage)
+    ranks = sum(weights.values())
+    mean_f = sum(v[0] * weights[k] for k, v in per_stage.items()) / ranks
+    mean_b = sum(v[1] * weights[k] for k, v in per_stage.items()) / ranks
     v = layout.virtual_stages
     bubble = bubble_time(layout.pp_schedule, layout.pp, m, v, mean_f, mean_b)
     if layout.pp > 1:  # activations (and their grads) to the next stage
@@ -337,7 +342,7 @@ def _plan(
     data_parallel_traffic(layout, shape, m, dense, experts, kinds, add, t_f, t_b, hw)
     n = shard_group(layout)
     local = (dense / n + experts / max(n // layout.ep, 1)) if layout.zero >= 1 else dense + experts
-    opt = optimizer_time(local, rates)
+    opt = optimizer_time(local, rates, hw)
     exposed = sum(c.exposed_s for c in comms.values() if c.axis in ("dp", "fsdp", "pp"))
     step = pipeline_time + exposed + opt
 

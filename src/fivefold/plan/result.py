@@ -12,7 +12,7 @@ from fivefold.plan.spec import Arch, TrainShape
 MEMORY_RESERVE = 0.04  # share of HBM kept by the CUDA context, NCCL buffers and fragmentation
 # Half-width of the band around a predicted MFU: the planner's leave-one-source-out mean |error| over
 # the bundled published runs (docs/planner.md; tests/test_plan_validation.py keeps it honest).
-MFU_BAND = 0.16
+MFU_BAND = 0.14
 
 
 def fit_words(margin_bytes: float) -> str:
@@ -122,4 +122,6 @@ class Plan:
 
 
 def capacity(hw: HardwareSpec) -> float:
-    return hw.gpu_memory_gb * 1e9 * (1 - MEMORY_RESERVE)
+    """Bytes the planner may fill. HBM sizes are binary: an "80 GB" H100 or A100 is five 16 GiB
+    stacks (CUDA reports 79.2 GiB), a "141 GB" H200 141 GiB usable of six 24 GiB stacks."""
+    return hw.gpu_memory_gb * 2**30 * (1 - MEMORY_RESERVE)

@@ -40,6 +40,9 @@ TRAINERS = {
     "NVIDIA/NeMo": {"fused": True, "tp_overlap": True, "attention": "flash3", "grad_bytes": 2},
     "NVIDIA/dgxc-benchmarking": {"fused": True, "tp_overlap": True, "attention": "flash3", "grad_bytes": 2},
     "pytorch/torchtitan": {"fused": False, "tp_overlap": False},
+    "mosaicml/llm-foundry": {"fused_loss": True},  # loss_fn = fused_crossentropy by default
+    "Dao-AILab/flash-attention": {"fused_loss": True},  # its xentropy kernel, in-place backward
+    "microsoft/DeepSpeed": {"fp32_shard": False},  # ZeRO-3 keeps fp16 shards beside the fp32 master
 }
 FILL = {  # what an unpublished layout field defaults to (see docs/planner.md, "Unknowns")
     "micro_batch": 1,
@@ -274,6 +277,8 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         fused=bool(lt.get("torch_compile", trainer.get("fused", True))),
         grad_bytes=int(trainer.get("grad_bytes", 4)),
         tp_overlap=bool(lt.get("async_tp", trainer.get("tp_overlap", False))),
+        fused_loss=bool(trainer.get("fused_loss", False)),
+        fp32_shard=bool(trainer.get("fp32_shard", True)),
     )
     return RunInputs(model, hardware(run), layout, shape, recompute_known)
 

@@ -183,9 +183,9 @@ def search(
     recomputes = (pins["recompute"],) if "recompute" in pins else RECOMPUTE_ORDER
     for base in candidates(model, hw, gpus, shape, gpn, pins):
         n = shard_group(base)
-        ends = tuple(stage_names(base))
-        key = (base.tp, base.pp, base.ep, base.zero, n, ends)
-        if key not in state_cache:  # model state of the worst stage: no schedule or batch enters
+        ends = tuple(stage_names(base, model))
+        key = (base.tp, base.pp, base.ep, base.zero, n, ends, base.virtual_stages, base.pp_schedule)
+        if key not in state_cache:  # model state of the worst stage (the split decides it), no batch
             worst = 0.0
             for which in ends:
                 dense, experts, _ = stage_params(model, arch, base, which)

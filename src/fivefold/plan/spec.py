@@ -34,6 +34,12 @@ class TrainShape:
     tp_overlap: bool = False  # tp collectives overlapped with the matmuls (TE comm overlap, async TP)
     fused: bool = True  # fused elementwise kernels (Megatron/TE, torch.compile); False: eager PyTorch
     fp8: bool = False  # matmuls in fp8 (Transformer Engine / torchao float8 linears), the rest in 16 bits
+    # fused cross-entropy (FlashAttention's xentropy kernel, llm-foundry's default): only the 16-bit
+    # logits are kept and their gradient is written in place; otherwise an fp32 copy is kept as well
+    fused_loss: bool = False
+    # ZeRO-3 as torch FSDP and JAX run it: the fp32 shard is the parameter and the master weight at
+    # once (16-bit copies exist only gathered); DeepSpeed keeps a separate 16-bit shard
+    fp32_shard: bool = True
 
     def validate(self) -> TrainShape:
         for name in ("seq_len", "global_batch", "micro_batch"):

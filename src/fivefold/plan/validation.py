@@ -57,7 +57,9 @@ class Knobs:
     attention_hopper: float | None = None
     attention_other: float | None = None
     memory_other: float | None = None  # streaming share of HBM/DRAM bandwidth, other devices only
+    latency_other: float | None = None  # µs per step of a collective inside a node, other devices only
     fp8_speedup: float | None = None
+    step_overhead: float | None = None  # seconds per step, every device
 
     def apply(self, hw: HardwareSpec) -> HardwareSpec:
         changes: dict[str, float] = {}
@@ -66,6 +68,8 @@ class Knobs:
             changes["matmul_efficiency"] = mm
         if family(hw) == "other" and self.memory_other is not None:
             changes["memory_efficiency"] = self.memory_other
+        if family(hw) == "other" and self.latency_other is not None:
+            changes["intra_node_latency_us"] = self.latency_other
         attn = {"a100": self.attention_a100, "hopper": self.attention_hopper, "other": self.attention_other}[
             family(hw)
         ]
@@ -73,6 +77,8 @@ class Knobs:
             changes["attention_efficiency"] = attn
         if self.fp8_speedup is not None:
             changes["fp8_speedup"] = self.fp8_speedup
+        if self.step_overhead is not None:
+            changes["step_overhead_s"] = self.step_overhead
         return dataclasses.replace(hw, **changes) if changes else hw
 
     def to_dict(self) -> dict[str, float]:
@@ -87,7 +93,9 @@ KNOB_RANGES = {
     "attention_hopper": (0.15, 0.9),
     "attention_other": (0.001, 0.9),
     "memory_other": (0.001, 1.0),
+    "latency_other": (1.0, 1e5),
     "fp8_speedup": (1.0, 2.0),
+    "step_overhead": (0.001, 1.0),
 }
 
 
@@ -224,7 +232,9 @@ START = Knobs(
     attention_hopper=0.3,
     attention_other=0.3,
     memory_other=0.7,
+    latency_other=100.0,
     fp8_speedup=1.5,
+    step_overhead=0.05,
 )
 
 
@@ -253,6 +263,11 @@ def fit(train: list[Case], start: Knobs = START, rounds: int = 1) -> Knobs:
 def _depends(case: Case, name: str) -> bool:
     if name == "fp8_speedup":
         return case.inputs.shape.fp8
+    if name == "step_overhead":
+        return True
+    if name == "latency_other":  # only runs with per-layer collectives inside the node show it
+        lay = case.inputs.layout
+        return family(case.inputs.hw) == "other" and max(lay.tp, lay.cp, lay.ep) > 1
     return family(case.inputs.hw) == name.split("_")[1]
 
 
@@ -417,6 +432,7 @@ def compare(run: dict[str, Any]) -> tuple[Plan | None, list[Comparison]]:
             global_batch=1,
             grad_bytes=2,
             optimizer_bytes=int(lt.get("optimizer_bytes_per_param", 12)),
+            fp32_shard=False,  # the paper's ZeRO-3 keeps fp16 shards beside the fp32 optimizer state
         )
         n = lt.get("dp", 1)
         state = sum(model_state(psi, 0.0, int(lt.get("zero_stage", 0)), n, n, shape))

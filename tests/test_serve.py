@@ -97,6 +97,9 @@ def test_mixed_length_batch_equals_each_prompt_alone(sources) -> None:
     got = decode(ModelStep(_single_process(source), Sampler(), None), PROMPTS, NEW, eos_token_id=stop)
     for tokens, full in zip(got.tokens, alone):
         assert tokens == (full[: full.index(stop) + 1] if stop in full else full)
+    # per-prompt limits
+    got = decode(ModelStep(_single_process(source), Sampler(), None), PROMPTS, [2, NEW, 0])
+    assert got.tokens == [alone[0][:2], alone[1], []]
 
 
 def _job(source: ModelSource, tp: int = 1, pp: int = 1, dp: int = 1, **kw) -> ServeJob:
@@ -182,6 +185,9 @@ def test_cli_json_and_stream(sources, capsys) -> None:
     rows = json.loads(capsys.readouterr().out)["prompts"]
     assert [r["tokens"] for r in rows] == sources["dense"][1]
     assert all(r["decode_s_per_token"] > 0 and r["time_to_first_token_s"] > 0 for r in rows)
+    assert main([*argv[:3], "--max-new-tokens", "1,2,3", *argv[5:], "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["prompts"]
+    assert [r["tokens"] for r in rows] == [t[:n] for t, n in zip(sources["dense"][1], (1, 2, 3))]
     assert main([*argv, "--stream", "--ids"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert len(lines) == len(PROMPTS) * NEW

@@ -42,7 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prompt.add_argument(
         "--prompt-ids", action="append", help="prompt token ids, comma-separated, e.g. 1,2,3; repeatable"
     )
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    parser.add_argument(
+        "--max-new-tokens",
+        default="64",
+        help="tokens to generate: one count, or one per prompt comma-separated (default 64)",
+    )
     parser.add_argument("--greedy", action="store_true", help="always take the most likely token")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1)")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0: all)")
@@ -68,8 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.max_new_tokens < 0:
-        raise FivefoldError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    args.max_new_tokens = _parse_limits(args.max_new_tokens)
     if args.temperature < 0 or args.top_k < 0:
         raise FivefoldError("--temperature and --top-k must be >= 0")
     from fivefold.parallel.serve import resolve_degrees
@@ -296,6 +299,17 @@ def _hf_eos_ids(source: Path) -> list[int] | None:
         if eos is not None:
             return [eos] if isinstance(eos, int) else [int(i) for i in eos]
     return None
+
+
+def _parse_limits(text: str) -> int | tuple[int, ...]:
+    """`--max-new-tokens`: one count for every prompt, or one per prompt (comma-separated)."""
+    try:
+        limits = tuple(int(part) for part in str(text).replace(" ", "").split(","))
+    except ValueError:
+        raise FivefoldError(f"--max-new-tokens must be integers, e.g. 64 or 64,8; got {text!r}") from None
+    if any(n < 0 for n in limits):
+        raise FivefoldError(f"--max-new-tokens must be >= 0, got {text}")
+    return limits[0] if len(limits) == 1 else limits
 
 
 def _parse_ids(text: str, vocab: int) -> list[int]:

@@ -87,11 +87,12 @@ class ModelStep:
 def decode(
     step: Step,
     prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     eos_token_id: int | Sequence[int] | None = None,
     on_token: Callable[[int, int], None] | None = None,
 ) -> Generation:
-    """Run `step` until every row has `max_new_tokens` tokens or has produced an end id.
+    """Run `step` until every row has its `max_new_tokens` (one for all, or one per prompt) or has
+    produced an end id.
 
     Rows that are done keep being fed (the batch keeps its shape); their tokens are dropped.
     `on_token(row, token)` sees each kept token as soon as it is chosen.
@@ -108,7 +109,8 @@ def decode(
     positions = (valid.long().cumsum(1) - 1).clamp(min=0)
     ends = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
     out: list[list[int]] = [[] for _ in range(b)]
-    done = [max_new_tokens <= 0] * b
+    limits = [max_new_tokens] * b if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    done = [n <= 0 for n in limits]
     result = Generation(out, 0.0)
     inputs, mask = ids, (valid if padded else None)
     next_pos = lengths.clone()
@@ -128,7 +130,7 @@ def decode(
             out[i].append(t)
             if on_token is not None:
                 on_token(i, t)
-            done[i] = t in ends or len(out[i]) >= max_new_tokens
+            done[i] = t in ends or len(out[i]) >= limits[i]
         inputs = token.view(b, 1).long()
         positions = next_pos.view(b, 1).clone()
         next_pos += 1

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,7 @@ class ModelSource:
 class ServeJob:
     source: ModelSource
     prompts: tuple[tuple[int, ...], ...]
-    max_new_tokens: int
+    max_new_tokens: int | tuple[int, ...]  # one for all prompts, or one per prompt
     sampler: Sampler
     eos_ids: tuple[int, ...] | None = None
     tp: int = 1
@@ -110,18 +111,27 @@ def check_job(spec: ModelSpec, job: ServeJob) -> None:
         )
 
 
-def check_context(spec: ModelSpec, prompts: Any, max_new_tokens: int) -> None:
+def check_context(spec: ModelSpec, prompts: Any, max_new_tokens: int | Sequence[int]) -> None:
     """Prompts and the tokens to generate must fit the model's context."""
+    limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(limits) != len(prompts):
+        raise FivefoldError(
+            f"--max-new-tokens gives {len(limits)} limits for {len(prompts)} prompts; "
+            "give one, or one per prompt"
+        )
     longest = max(len(p) for p in prompts)
+    need = max(len(p) + n for p, n in zip(prompts, limits))
     if longest > spec.max_seq_len:
         raise FivefoldError(
             f"a prompt of {longest} tokens is longer than the context of {spec.name} "
             f"({spec.max_seq_len} tokens); shorten it to at most {spec.max_seq_len}"
         )
-    if longest + max_new_tokens > spec.max_seq_len:
+    if need > spec.max_seq_len:
+        row = next(i for i, (p, n) in enumerate(zip(prompts, limits)) if len(p) + n == need)
         raise FivefoldError(
-            f"a prompt of {longest} tokens + --max-new-tokens {max_new_tokens} exceeds the context of "
-            f"{spec.name} ({spec.max_seq_len}); valid --max-new-tokens: 0..{spec.max_seq_len - longest}"
+            f"prompt {row} ({len(prompts[row])} tokens) + --max-new-tokens {limits[row]} exceeds the context "
+            f"of {spec.name} ({spec.max_seq_len}); valid --max-new-tokens there: "
+            f"0..{spec.max_seq_len - len(prompts[row])}"
         )
 
 
@@ -158,12 +168,14 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> dict[str, Any] | None:
         ledger = CommLedger(runtime)
         step.ledger = ledger
     prompts = [job.prompts[i] for i in mine]
+    limits = job.max_new_tokens
+    limits = limits if isinstance(limits, int) else [limits[i] for i in mine]
     if ledger is not None:
         with ledger:
-            got = decode(step, prompts, job.max_new_tokens, job.eos_ids, on_token)
+            got = decode(step, prompts, limits, job.eos_ids, on_token)
         ledger.close()
     else:
-        got = decode(step, prompts, job.max_new_tokens, job.eos_ids, on_token)
+        got = decode(step, prompts, limits, job.eos_ids, on_token)
     out: dict[str, Any] = {"rank": rank, "leader": leader, "prompts": mine}
     if ledger is not None:
         steps = ledger.per_step()
@@ -191,18 +203,19 @@ def build_stage(spec: ModelSpec, source: ModelSource, runtime: Any, layout: Layo
         apply_tensor_parallel(chunk, runtime.get("tp"), spec, sp=False)
     materialize(chunk, device, source.init_seed)
     _tie_split_head(chunk, spec, source.init_seed)
+    dtype = DTYPES[source.dtype or "fp32"]
     if source.kind == "hf":
         from fivefold.model.hf import load_hf
         from fivefold.parallel.pipeline import _copy_from
 
-        _, full = load_hf(source.path, dtype="fp32", device="cpu")
+        _, full = load_hf(source.path, dtype=source.dtype, device="cpu")  # None: the checkpoint's dtype
+        dtype = next(full.parameters()).dtype
         if spec.tie_embeddings and chunk.model.embed_tokens is None and chunk.lm_head is not None:
             full.lm_head.weight = torch.nn.Parameter(full.model.embed_tokens.weight.detach())
-        _copy_from(chunk, full)
+        _copy_from(chunk, full.float())
         del full
     elif source.kind == "run":
         _load_dcp(chunk, spec, source)
-    dtype = DTYPES[source.dtype or "fp32"]
     return chunk.to(dtype).eval()
 
 

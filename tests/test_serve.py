@@ -191,3 +191,19 @@ def test_cli_json_and_stream(sources, capsys) -> None:
     assert main([*argv, "--stream", "--ids"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert len(lines) == len(PROMPTS) * NEW
+
+
+def test_cli_on_two_ranks_equals_one_process(capsys) -> None:
+    """The launched path: `--nproc 2 --tp 2` from a preset's seeded init, with the ledger's table."""
+    argv = ["generate", "--model", "tiny", "--init-seed", "4", "--prompt-ids", "5,6,7", "--prompt-ids", "8",
+            "--max-new-tokens", "5", "--greedy"]  # fmt: skip
+    assert main([*argv, "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)["prompts"]
+    assert main([*argv, "--json", "--nproc", "2", "--tp", "2", "--comm"]) == 0
+    served = json.loads(capsys.readouterr().out)
+    assert [r["tokens"] for r in served["prompts"]] == [r["tokens"] for r in alone]
+    ranks = served["communication"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(
+        any(row["axis"] == "tp" and row["op"] == "all_reduce" for row in r["per_token"]) for r in ranks
+    )

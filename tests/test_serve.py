@@ -155,8 +155,14 @@ def test_layouts_on_four_ranks(sources) -> None:
     names = list(sources)
     layouts = [dict(tp=4), dict(tp=2, pp=2)]  # tp 4 > the 2 KV heads of every source
     jobs = [_job(sources[n][0], **lay) for lay in layouts for n in names]
-    for (lay, name), res in zip([(lay, n) for lay in layouts for n in names], _serve_all(4, jobs)):
+    results = _serve_all(4, jobs)
+    for (lay, name), res in zip([(lay, n) for lay in layouts for n in names], results):
         assert [row["tokens"] for row in res["prompts"]] == sources[name][1], (lay, name)
+    # the KV cache: tp 4 keeps the one KV head each rank's query heads read (replicated twice),
+    # tp 2 × pp 2 one head per rank and half the layers
+    whole = 2 * 4 * 2 * 8 * len(PROMPTS) * (5 + NEW - 1) * 4  # K,V · layers · KV heads · head_dim · b · t · 4
+    assert [(r["heads"], r["bytes"]) for r in results[0]["kv_cache"]] == [(1, whole // 2)] * 4
+    assert [(r["heads"], r["bytes"]) for r in results[4]["kv_cache"]] == [(1, whole // 4)] * 4
 
 
 def test_cli_bad_input(sources, capsys, tmp_path) -> None:

@@ -36,10 +36,12 @@ class Sampler:
     def generators(self, prompt_ids: Sequence[int]) -> list[torch.Generator]:
         return [torch.Generator().manual_seed(self.seed * 1_000_003 + i) for i in prompt_ids]
 
-    def pick(self, logits: torch.Tensor, generators: list[torch.Generator] | None) -> torch.Tensor:
-        """logits [b, V] -> one token id per row."""
-        if self.greedy or self.temperature <= 0 or generators is None:
-            return logits.float().argmax(dim=-1)
+    def pick(
+        self, logits: torch.Tensor, generators: list[torch.Generator] | torch.Generator | None
+    ) -> torch.Tensor:
+        """logits [b, V] -> one token id per row; one generator per row, or one for the batch."""
+        if self.greedy or self.temperature <= 0 or not isinstance(generators, list):
+            return _pick(logits.float(), self.greedy, self.temperature, self.top_k, generators)
         rows = [
             _pick(logits[i : i + 1].float(), False, self.temperature, self.top_k, g)
             for i, g in enumerate(generators)
@@ -69,7 +71,12 @@ class Generation:
 class ModelStep:
     """`step` for a whole model in this process."""
 
-    def __init__(self, model: Transformer, sampler: Sampler, generators: list[torch.Generator] | None):
+    def __init__(
+        self,
+        model: Transformer,
+        sampler: Sampler,
+        generators: list[torch.Generator] | torch.Generator | None,
+    ) -> None:
         self.model = model
         self.sampler = sampler
         self.generators = generators
@@ -161,14 +168,8 @@ def generate(
         prompt_ids = prompt_ids.unsqueeze(0)
     was_training = model.training
     model.eval()
-    sampler = Sampler(greedy, temperature, top_k)
     b = prompt_ids.shape[0]
-    inner = ModelStep(model, sampler, None)
-
-    def step(inputs, positions, key_mask):
-        logits = model(inputs.to(inner.device), positions.to(inner.device), caches=inner.caches)[:, -1, :]
-        return _pick(logits.float(), greedy, temperature, top_k, generator).cpu()
-
+    step = ModelStep(model, Sampler(greedy, temperature, top_k), generator)
     try:
         got = decode(step, prompt_ids.tolist(), max_new_tokens, eos_token_id)
     finally:

@@ -176,7 +176,15 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> dict[str, Any] | None:
         ledger.close()
     else:
         got = decode(step, prompts, limits, job.eos_ids, on_token)
-    out: dict[str, Any] = {"rank": rank, "leader": leader, "prompts": mine}
+    cache = step.caches[0]
+    out: dict[str, Any] = {
+        "rank": rank,
+        "leader": leader,
+        "prompts": mine,
+        # this rank's KV cache: heads held per layer, and bytes over its layers
+        "kv_heads": 0 if cache.k is None else cache.k.shape[1],
+        "kv_cache_bytes": sum(2 * c.k.numel() * c.k.element_size() for c in step.caches if c.k is not None),
+    }
     if ledger is not None:
         steps = ledger.per_step()
         out["ledger"] = {"prefill": steps[0] if steps else [], "per_token": ledger.summary(skip=1)}
@@ -367,7 +375,8 @@ def serve(job: ServeJob, nproc: int) -> dict[str, Any]:
 
 def collect(job: ServeJob, results: list[dict[str, Any] | None]) -> dict[str, Any]:
     """{"prompts": per prompt in order, its tokens and timings (from its replica's leader),
-    "ledger": each rank's communication (prefill, and the mean per decoded token)}."""
+    "ledger": each rank's communication (prefill, and the mean per decoded token),
+    "kv_cache": each rank's KV heads per layer and cache bytes}."""
     rows: list[dict[str, Any]] = [{} for _ in job.prompts]
     for res in results:
         if res is None or not res["leader"]:
@@ -375,4 +384,5 @@ def collect(job: ServeJob, results: list[dict[str, Any] | None]) -> dict[str, An
         for row, index in enumerate(res["prompts"]):
             rows[index] = {"prompt": index, "tokens": res["tokens"][row], **res["timings"][row]}
     ledger = [{"rank": r["rank"], **r["ledger"]} for r in results if r is not None and "ledger" in r]
-    return {"prompts": rows, "ledger": ledger}
+    kv = [{"rank": r["rank"], "heads": r["kv_heads"], "bytes": r["kv_cache_bytes"]} for r in results if r]
+    return {"prompts": rows, "ledger": ledger, "kv_cache": kv}

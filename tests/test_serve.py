@@ -208,6 +208,7 @@ def test_cli_on_two_ranks_equals_one_process(capsys) -> None:
     assert main([*argv, "--json", "--nproc", "2", "--tp", "2", "--comm"]) == 0
     served = json.loads(capsys.readouterr().out)
     assert [r["tokens"] for r in served["prompts"]] == [r["tokens"] for r in alone]
+    assert [r["heads"] for r in served["kv_cache"]] == [1, 1]  # the 2 KV heads of tiny, split
     ranks = served["communication"]
     assert [r["rank"] for r in ranks] == [0, 1]
     assert all(

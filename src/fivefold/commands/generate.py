@@ -175,10 +175,17 @@ def _run_ranks(args: argparse.Namespace, tp: int, pp: int, dp: int) -> int:
     )
     check_job(spec, job)
     result = serve(job, args.nproc)
-    return _print(args, prompts, result["prompts"], tokenizer, result["ledger"])
+    return _print(args, prompts, result["prompts"], tokenizer, result["ledger"], result["kv_cache"])
 
 
-def _print(args: argparse.Namespace, prompts, rows: list[dict], tokenizer: Any, ledger: list[dict]) -> int:
+def _print(
+    args: argparse.Namespace,
+    prompts,
+    rows: list[dict],
+    tokenizer: Any,
+    ledger: list[dict],
+    kv_cache: list[dict] | None = None,
+) -> int:
     if args.stream and not args.json:
         print()  # end the streamed line(s)
         if args.comm and ledger:
@@ -188,6 +195,8 @@ def _print(args: argparse.Namespace, prompts, rows: list[dict], tokenizer: Any, 
         out: dict[str, Any] = {"prompts": rows}
         if ledger:
             out["communication"] = ledger
+        if kv_cache:
+            out["kv_cache"] = kv_cache  # per rank: KV heads per layer, cache bytes
         print(json.dumps(out, indent=1))
         return 0
     for prompt, row in zip(prompts, rows):

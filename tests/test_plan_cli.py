@@ -316,3 +316,53 @@ def test_calibrate_separates_compute_from_collective_latency(capsys, tmp_path) -
         )
         assert code == 0
         assert json.loads(capsys.readouterr().out)["step_time_s"] == pytest.approx(step, rel=0.05)
+
+
+def _serving(capsys, model: str, gpus: int, *extra: str) -> tuple[int, dict | str, str]:
+    argv = ["plan", "--model", model, "--hardware", "h100-80gb", "--gpus", str(gpus), "--mode", "inference"]
+    code = main([*argv, *extra])
+    out = capsys.readouterr()
+    return code, (json.loads(out.out) if "--json" in extra and code == 0 else out.out), out.err
+
+
+def test_serving_search_ranks_fitting_layouts_by_the_objective(capsys) -> None:
+    args = ("--context", "8192", "--batch", "8", "--search", "--top", "50", "--json")
+    _, latency, _ = _serving(capsys, "llama3-70b", 16, *args)
+    _, throughput, _ = _serving(capsys, "llama3-70b", 16, *args, "--objective", "throughput")
+    for result in (latency, throughput):
+        plans = result["plans"]
+        assert plans and all(p["fits"] and p["decode_tokens_per_s"] > 0 for p in plans)
+        assert all(p["layout"]["tp"] <= 8 for p in plans)  # tp stays inside a node
+        assert result["search"]["fitting"] < result["search"]["considered"]  # tp 1, 2 do not fit
+        assert all(p["prompt"] < p["context"] for p in plans)  # the default prompt leaves tokens to generate
+    times = [p["decode_time_per_token_s"] for p in latency["plans"]]
+    rates = [p["decode_tokens_per_s"] for p in throughput["plans"]]
+    assert times == sorted(times) and rates == sorted(rates, reverse=True)
+    assert latency["plans"][0]["layout"]["tp"] == 8  # the widest tp: fastest per token
+    assert throughput["plans"][0]["layout"]["replicas"] > latency["plans"][0]["layout"]["replicas"]
+    assert "split the model" in latency["search"]["explanation"][0]
+
+    # a model that fits one GPU: replicas serve the most tokens/s
+    _, small, _ = _serving(capsys, "llama3-8b", 8, "--context", "4096", "--search", "--objective",
+                           "throughput", "--json")  # fmt: skip
+    assert small["plans"][0]["layout"] == {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "replicas": 8}
+    assert "serve 8 replicas" in small["search"]["explanation"][0]
+    # MoE and a long context: ep and cp are tried
+    _, moe, _ = _serving(
+        capsys, "mixtral-8x7b", 16, "--context", "65536", "--search", "--top", "100", "--json"
+    )
+    assert {p["layout"]["ep"] for p in moe["plans"]} > {1} and {p["layout"]["cp"] for p in moe["plans"]} > {1}
+
+
+def test_serving_refuses_throughput_for_layouts_that_do_not_fit(capsys) -> None:
+    code, data, _ = _serving(capsys, "llama3-70b", 1, "--context", "8192", "--json")
+    assert code == 0 and not data["fits"] and data["decode_tokens_per_s"] is None
+    code, text, _ = _serving(capsys, "llama3-70b", 1, "--context", "8192")
+    assert "DOES NOT FIT" in text and "does not fit: serves nothing" in text and "tokens/s" not in text
+    code, text, _ = _serving(capsys, "llama3-405b", 1, "--context", "8192", "--search")
+    assert code == 0 and "0 fit" in text and "none fits" in text
+    code, _, err = _serving(capsys, "llama3-70b", 8, "--context", "8192", "--prompt", "8192")
+    assert code == 2 and "generates no token" in err and "valid prompt: 1..8191" in err
+    with pytest.raises(SystemExit) as exit_info:  # argparse refuses an unknown objective
+        _serving(capsys, "llama3-70b", 8, "--context", "8192", "--search", "--objective", "cost")
+    assert exit_info.value.code == 2

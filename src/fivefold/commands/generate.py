@@ -1,11 +1,18 @@
-"""`fivefold generate`: continue a prompt with a trained run or an HF checkpoint (KV-cached).
+"""`fivefold generate`: continue prompts with a trained run, an HF checkpoint or a random preset.
 
-    fivefold generate --from DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-new-tokens N
-                      [--greedy | --temperature T --top-k K --seed S] [--ids]
+    fivefold generate (--from DIR | --model PRESET [--init-seed S])
+                      (--prompt TEXT | --prompt-ids 1,2,3)... --max-new-tokens N
+                      [--greedy | --temperature T --top-k K --seed S] [--ids] [--stream] [--json]
+                      [--nproc N --tp T [--pp P] [--dp R] [--comm]]
 
 DIR is an HF checkpoint directory (`config.json` + safetensors, optional `tokenizer.json`) or a
 fivefold run directory (`config.toml` + `checkpoints/step_N/`, the latest unless --checkpoint).
-With --ids only the generated token ids are printed, comma-separated, on stdout.
+--prompt / --prompt-ids may be repeated: the prompts form one left-padded batch (each row decodes
+as it would alone) and each stops at its end-of-sequence id or after N tokens. With --ids only the
+generated token ids are printed, comma-separated, one line per prompt; --json prints tokens and
+timings per prompt. With --nproc N the model is served by N local ranks (`fivefold.parallel.serve`):
+tensor-parallel shards, pipeline stages and data-parallel replicas, gloo on CPU, NCCL on GPU;
+--comm adds the communication per rank (prefill and per decoded token) from the ledger.
 """
 
 from __future__ import annotations
@@ -19,22 +26,34 @@ from fivefold.errors import FivefoldError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
         "--from",
         dest="source",
-        required=True,
         metavar="DIR",
         help="a fivefold run directory or an HF checkpoint directory",
     )
+    source.add_argument("--model", help="a model preset (or .toml), randomly initialised from --init-seed")
+    parser.add_argument("--init-seed", type=int, default=0, help="seed of --model's weights (default 0)")
     prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (encoded with the run's or checkpoint's tokenizer)")
-    prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated, e.g. 1,2,3")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    prompt.add_argument(
+        "--prompt", action="append", help="prompt text (the run's or checkpoint's tokenizer); repeatable"
+    )
+    prompt.add_argument(
+        "--prompt-ids", action="append", help="prompt token ids, comma-separated, e.g. 1,2,3; repeatable"
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        default="64",
+        help="tokens to generate: one count, or one per prompt comma-separated (default 64)",
+    )
     parser.add_argument("--greedy", action="store_true", help="always take the most likely token")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1)")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0: all)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
     parser.add_argument("--ids", action="store_true", help="print only the generated ids, comma-separated")
+    parser.add_argument("--stream", action="store_true", help="print tokens as they are chosen")
+    parser.add_argument("--json", action="store_true", help="per prompt: tokens and timings as JSON")
     parser.add_argument("--checkpoint", default="latest", help="run directory: latest (default) or a step")
     parser.add_argument(
         "--dtype", default=None, choices=("fp32", "bf16"), help="compute dtype (default: the weights' own)"
@@ -45,47 +64,176 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "cpu", "cuda"),
         help="where to run (auto: cuda if present)",
     )
+    parser.add_argument("--nproc", type=int, default=1, help="local ranks serving the model (default 1)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    parser.add_argument("--dp", type=int, default=None, help="replicas (default: nproc / (tp·pp))")
+    parser.add_argument("--comm", action="store_true", help="with --nproc: the communication per rank")
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from fivefold.model.generate import generate
-
-    if args.max_new_tokens < 0:
-        raise FivefoldError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    args.max_new_tokens = _parse_limits(args.max_new_tokens)
     if args.temperature < 0 or args.top_k < 0:
         raise FivefoldError("--temperature and --top-k must be >= 0")
-    device = _device(args.device)
-    model, tokenizer, eos_ids = load_for_generation(Path(args.source), args.checkpoint, args.dtype, device)
-    vocab = model.spec.vocab
+    from fivefold.parallel.serve import resolve_degrees
+
+    tp, pp, dp = resolve_degrees(args.nproc, args.tp, args.pp, args.dp)
+    if args.nproc == 1:
+        return _run_here(args)
+    return _run_ranks(args, tp, pp, dp)
+
+
+def _sampler(args: argparse.Namespace):
+    from fivefold.model.generate import Sampler
+
+    return Sampler(args.greedy, args.temperature, args.top_k, args.seed)
+
+
+def _prompts(args: argparse.Namespace, tokenizer: Any, vocab: int) -> list[list[int]]:
     if args.prompt_ids is not None:
-        prompt = _parse_ids(args.prompt_ids, vocab)
-    else:
-        if tokenizer is None:
-            raise FivefoldError(f"{args.source} has no tokenizer.json to encode --prompt; give --prompt-ids")
-        prompt = tokenizer.encode(args.prompt)
+        return [_parse_ids(text, vocab) for text in args.prompt_ids]
+    if tokenizer is None:
+        raise FivefoldError(f"{args.source} has no tokenizer.json to encode --prompt; give --prompt-ids")
+    prompts = []
+    for text in args.prompt:
+        prompt = tokenizer.encode(text)
         if not prompt:
             raise FivefoldError("--prompt encodes to no tokens; give a non-empty prompt")
         if max(prompt) >= vocab:
             raise FivefoldError(
                 f"the tokenizer yields ids up to {max(prompt)}, beyond the model's vocab {vocab}"
             )
-    new = generate(
-        model,
-        torch.tensor([prompt]),
-        args.max_new_tokens,
-        greedy=args.greedy,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        generator=torch.Generator().manual_seed(args.seed),
-        eos_token_id=eos_ids,
-    )[0].tolist()
-    if args.ids or tokenizer is None:
-        print(",".join(str(i) for i in new))
+        prompts.append(prompt)
+    return prompts
+
+
+def _run_here(args: argparse.Namespace) -> int:
+    """One process: the whole model, the same decoding loop as the ranks."""
+    from fivefold.model.generate import ModelStep, decode
+    from fivefold.parallel.serve import check_context, stream_printer
+
+    device = _device(args.device)
+    if args.model is not None:
+        model, tokenizer, eos_ids = _random_model(args.model, args.init_seed, args.dtype, device)
     else:
-        print(tokenizer.decode(prompt + new))
+        model, tokenizer, eos_ids = load_for_generation(
+            Path(args.source), args.checkpoint, args.dtype, device
+        )
+    prompts = _prompts(args, tokenizer, model.spec.vocab)
+    check_context(model.spec, prompts, args.max_new_tokens)
+    sampler = _sampler(args)
+    step = ModelStep(model, sampler, sampler.generators(range(len(prompts))))
+    on_token = stream_printer(tokenizer, len(prompts), list(range(len(prompts)))) if args.stream else None
+    got = decode(step, prompts, args.max_new_tokens, eos_ids, on_token)
+    rows = [{"prompt": i, "tokens": got.tokens[i], **got.timings(i)} for i in range(len(prompts))]
+    return _print(args, prompts, rows, tokenizer, [])
+
+
+def _run_ranks(args: argparse.Namespace, tp: int, pp: int, dp: int) -> int:
+    from fivefold.parallel.serve import ModelSource, ServeJob, check_job, serve
+    from fivefold.train.tokenizer import load_tokenizer
+
+    device = _device(args.device)
+    if args.model is not None:
+        source = ModelSource("preset", args.model, init_seed=args.init_seed, dtype=args.dtype)
+        tokenizer_name, eos_ids = "bytes", None
+    else:
+        path = Path(args.source)
+        if (path / "config.json").is_file():
+            source = ModelSource("hf", str(path), dtype=args.dtype)
+            tokenizer_name = str(path) if (path / "tokenizer.json").is_file() else None
+            eos_ids = _hf_eos_ids(path)
+        elif (path / "config.toml").is_file():
+            from fivefold.config import RunConfig
+            from fivefold.train.checkpoint import find_checkpoint
+
+            find_checkpoint(path, args.checkpoint)  # a missing checkpoint is refused before any rank starts
+            source = ModelSource("run", str(path), checkpoint=args.checkpoint, dtype=args.dtype)
+            tokenizer_name = RunConfig.from_toml(path / "config.toml").train.tokenizer
+            eos_ids = None
+        else:
+            load_for_generation(path)  # raises the one-line reason
+            raise AssertionError("unreachable")
+    tokenizer = load_tokenizer(tokenizer_name) if tokenizer_name is not None else None
+    if source.kind == "run" and tokenizer is not None and tokenizer.eos_id is not None:
+        eos_ids = [tokenizer.eos_id]
+    spec = source.spec()
+    prompts = _prompts(args, tokenizer, spec.vocab)
+    job = ServeJob(
+        source=source,
+        prompts=tuple(tuple(p) for p in prompts),
+        max_new_tokens=args.max_new_tokens,
+        sampler=_sampler(args),
+        eos_ids=None if eos_ids is None else tuple(eos_ids),
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        device=device.type,
+        stream=args.stream,
+        ledger=args.comm,
+        tokenizer=tokenizer_name,
+    )
+    check_job(spec, job)
+    result = serve(job, args.nproc)
+    return _print(args, prompts, result["prompts"], tokenizer, result["ledger"], result["kv_cache"])
+
+
+def _print(
+    args: argparse.Namespace,
+    prompts,
+    rows: list[dict],
+    tokenizer: Any,
+    ledger: list[dict],
+    kv_cache: list[dict] | None = None,
+) -> int:
+    if args.stream and not args.json:
+        print()  # end the streamed line(s)
+        if args.comm and ledger:
+            print(comm_table(ledger))
+        return 0
+    if args.json:
+        out: dict[str, Any] = {"prompts": rows}
+        if ledger:
+            out["communication"] = ledger
+        if kv_cache:
+            out["kv_cache"] = kv_cache  # per rank: KV heads per layer, cache bytes
+        print(json.dumps(out, indent=1))
+        return 0
+    for prompt, row in zip(prompts, rows):
+        new = row["tokens"]
+        if args.ids or tokenizer is None:
+            print(",".join(str(i) for i in new))
+        else:
+            print(tokenizer.decode(list(prompt) + new))
+    if args.comm and ledger:
+        print(comm_table(ledger))
     return 0
+
+
+def comm_table(ledger: list[dict]) -> str:
+    """Per rank, per (axis, op): ops and bytes in the prefill and per decoded token."""
+    lines = [f"{'rank':>4}  {'axis':<6} {'op':<11} {'prefill ops':>11} {'prefill bytes':>13} "
+             f"{'ops/token':>9} {'bytes/token':>11}"]  # fmt: skip
+    for entry in ledger:
+        prefill = {(r["axis"], r["op"]): r for r in entry["prefill"]}
+        per_token = {(r["axis"], r["op"]): r for r in entry["per_token"]}
+        for key in sorted(set(prefill) | set(per_token)):
+            p, t = prefill.get(key, {}), per_token.get(key, {})
+            lines.append(
+                f"{entry['rank']:>4}  {key[0]:<6} {key[1]:<11} {p.get('count', 0):>11g} "
+                f"{p.get('bytes', 0):>13,.0f} {t.get('count', 0):>9g} {t.get('bytes', 0):>11,.0f}"
+            )
+    return "\n".join(lines)
+
+
+def _random_model(name: str, seed: int, dtype: str | None, device: Any) -> tuple[Any, Any, None]:
+    from fivefold.config import load_model
+    from fivefold.model import build_model, materialize
+    from fivefold.model.hf import DTYPES
+    from fivefold.train.tokenizer import ByteTokenizer
+
+    model = materialize(build_model(load_model(name)), device, seed).to(DTYPES[dtype or "fp32"]).eval()
+    return model, ByteTokenizer() if model.spec.vocab >= 256 else None, None
 
 
 def load_for_generation(
@@ -160,6 +308,17 @@ def _hf_eos_ids(source: Path) -> list[int] | None:
         if eos is not None:
             return [eos] if isinstance(eos, int) else [int(i) for i in eos]
     return None
+
+
+def _parse_limits(text: str) -> int | tuple[int, ...]:
+    """`--max-new-tokens`: one count for every prompt, or one per prompt (comma-separated)."""
+    try:
+        limits = tuple(int(part) for part in str(text).replace(" ", "").split(","))
+    except ValueError:
+        raise FivefoldError(f"--max-new-tokens must be integers, e.g. 64 or 64,8; got {text!r}") from None
+    if any(n < 0 for n in limits):
+        raise FivefoldError(f"--max-new-tokens must be >= 0, got {text}")
+    return limits[0] if len(limits) == 1 else limits
 
 
 def _parse_ids(text: str, vocab: int) -> list[int]:

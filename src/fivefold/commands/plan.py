@@ -95,7 +95,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=1, help="inference: concurrent sequences per replica")
     parser.add_argument("--context", type=int, default=None, help="inference: prompt + generated tokens")
     parser.add_argument(
-        "--prompt", type=int, default=None, help="inference: prompt tokens (default: context)"
+        "--prompt", type=int, default=None, help="inference: prompt tokens (default: half the context)"
+    )
+    parser.add_argument(
+        "--objective",
+        choices=("latency", "throughput"),
+        default="latency",
+        help="inference --search: rank by decode time per token (latency) or by tokens/s (throughput)",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     add_layout_arguments(parser)
@@ -235,11 +241,39 @@ def _inference(args: argparse.Namespace, model, hw, gpn: int) -> int:
     context = args.context or args.seq_len
     if not context:
         raise FivefoldError("inference plans need --context (tokens per sequence: prompt + generated)")
+    prompt = args.prompt if args.prompt is not None else context // 2
+    if not 0 < prompt < context:
+        raise FivefoldError(
+            f"--prompt {prompt} with --context {context} generates no token: the context holds the prompt "
+            f"and the generated tokens; valid prompt: 1..{context - 1}"
+        )
+    shape = InferenceShape(batch=args.batch, context=context, prompt=prompt).validate()
+    if args.search:
+        from fivefold.plan.inference import search_serving
+
+        pins = {k: getattr(args, k, None) for k in ("tp", "pp", "cp", "ep")}
+        result = search_serving(model, hw, args.gpus, shape, gpn, args.objective, args.top, pins)
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "search": {
+                            "objective": result.objective,
+                            "considered": result.considered,
+                            "fitting": result.fitting,
+                            "explanation": result.explanation,
+                        },
+                        "plans": [p.to_json() for p in result.plans],
+                    }
+                )
+            )
+        else:
+            print(view.serving_search_text(result))
+        return 0
     layout = layout_from_args(args)
     if args.fsdp is None:  # serving replicas sit on the fsdp axis so that ep can fold onto them
         layout.fsdp, layout.dp = (layout.dp if args.dp is not None else -1), 1
     layout = resolve_layout(layout, args.gpus, gpn, model, args.seq_len)
-    shape = InferenceShape(batch=args.batch, context=context, prompt=args.prompt or context)
     p = inference_plan(model, hw, layout, shape, gpn)
     print(json.dumps(p.to_json()) if args.json else view.inference_text(p))
     return 0

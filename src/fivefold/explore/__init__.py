@@ -56,7 +56,7 @@ def _inference_rows(model: ModelSpec, hw: HardwareSpec, gpus: int, gpn: int, con
     from fivefold.plan.inference import InferenceShape, inference_plan
 
     rows = []
-    shape = InferenceShape(batch=8, context=context, prompt=context)
+    shape = InferenceShape(batch=8, context=context, prompt=context // 2)  # as `plan --mode inference`
     for tp in (1, 2, 4, 8, 16):
         for pp in (1, 2, 4, 8, 16):
             if tp > gpn or gpus % (tp * pp) or model.heads % tp:

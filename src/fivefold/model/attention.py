@@ -88,25 +88,44 @@ class AttentionCore(nn.Module):
     """softmax(QK^T / sqrt(d)) V with a causal mask; q: [b, hq, s, d], k/v: [b, hkv, t, d].
 
     `q_offset` places the queries at the end of the keys (decoding with a KV cache).
+    `key_mask` [b, t] (True: a real token) hides padding keys of left-padded batches.
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_offset: int = 0,
+        key_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         # query head j reads kv head j // (hq / hkv); SDPA does that without copying K and V
         gqa = q.shape[1] != k.shape[1]
         s, t = q.shape[2], k.shape[2]
-        if s == t:
+        if s == t and key_mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         # queries are the last s of t positions: query i sees keys 0..(t - s + i)
         mask = torch.ones(s, t, dtype=torch.bool, device=q.device).tril(diagonal=t - s)
+        if key_mask is not None:
+            # a padding query sees itself only: its row stays finite (no all-masked softmax), and
+            # no real query ever sees a padding key
+            own = torch.zeros(s, t, dtype=torch.bool, device=q.device)
+            own[torch.arange(s), torch.arange(t - s, t)] = True
+            mask = (mask & key_mask[:, None, None, :].to(q.device)) | own
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class KVCache:
-    """Per-layer key/value cache for incremental decoding."""
+    """Per-layer key/value cache for incremental decoding.
+
+    `key_mask` [b, t] (True: a real token), set by the decoder before each step, marks the
+    padding of a left-padded batch; None when no row is padded.
+    """
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.key_mask: torch.Tensor | None = None
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.k = k if self.k is None else torch.cat((self.k, k), dim=2)
@@ -151,5 +170,8 @@ class Attention(nn.Module):
         if cache is not None:
             offset = cache.length
             k, v = cache.append(k, v)
-        out = self.core(q, k, v, q_offset=offset)
+        if cache is not None and cache.key_mask is not None:
+            out = self.core(q, k, v, q_offset=offset, key_mask=cache.key_mask)
+        else:
+            out = self.core(q, k, v, q_offset=offset)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))

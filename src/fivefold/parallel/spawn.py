@@ -56,7 +56,7 @@ def quiet_launcher() -> Iterator[None]:
             logging.getLogger(name).setLevel(level)
 
 
-def _entry(fn: Callable[..., Any], args: tuple) -> Any:
+def _entry(fn: Callable[..., Any], args: tuple, backend: str = "gloo") -> Any:
     import warnings
 
     import torch
@@ -65,7 +65,9 @@ def _entry(fn: Callable[..., Any], args: tuple) -> Any:
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         try:
@@ -78,15 +80,17 @@ def _entry(fn: Callable[..., Any], args: tuple) -> Any:
         dist.destroy_process_group()
 
 
-def spawn_ranks(fn: Callable[..., Any], nproc: int, *args: Any) -> list[Any]:
-    """`fn(rank, world, *args)` on `nproc` ranks (fn at module level: it is pickled); results by rank."""
+def spawn_ranks(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gloo") -> list[Any]:
+    """`fn(rank, world, *args)` on `nproc` ranks (fn at module level: it is pickled); results by rank.
+
+    `backend`: gloo (CPU), or nccl with one GPU per rank."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
         with quiet_launcher():
-            returned = elastic_launch(local_launch_config(nproc), _entry)(fn, args)
+            returned = elastic_launch(local_launch_config(nproc), _entry)(fn, args, backend)
     except ChildFailedError as exc:
         rank, failure = next(iter(sorted(exc.failures.items())))
         message = str(failure.message or f"exit code {failure.exitcode}").strip().splitlines()

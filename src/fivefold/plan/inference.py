@@ -37,7 +37,9 @@ class InferenceShape:
         if self.batch <= 0 or self.context <= 0 or self.prompt <= 0:
             raise FivefoldError("--batch, --context and --prompt must be positive")
         if self.prompt > self.context:
-            raise FivefoldError(f"--prompt {self.prompt} cannot exceed --context {self.context}")
+            raise FivefoldError(
+                f"--prompt {self.prompt} cannot exceed --context {self.context} (prompt + generated tokens)"
+            )
         return self
 
 
@@ -85,7 +87,8 @@ class InferencePlan:
             "prefill_time_s": self.prefill_time_s,
             "time_to_first_token_s": self.prefill_time_s,
             "decode_time_per_token_s": self.decode_time_per_token_s,
-            "decode_tokens_per_s": self.decode_tokens_per_s,
+            # a layout that does not fit serves nothing: no throughput is claimed for it
+            "decode_tokens_per_s": self.decode_tokens_per_s if self.fits else None,
             "comm_time_s": self.comm,
         }
 
@@ -210,3 +213,126 @@ def _layer_weights(model: ModelSpec, arch: Arch, layout: Layout, moe: bool) -> t
 
     shard = layer_shard(model, arch, layout, moe)
     return shard.dense + shard.replicated, shard.experts, 0.0  # (dense, experts, unused)
+
+
+# --------------------------------------------------------------------------------------------
+# the serving recipe as a search
+
+OBJECTIVES = ("latency", "throughput")
+LONG_CONTEXT = 32768  # contexts from here on also try splitting the sequence (cp)
+
+
+@dataclass
+class ServingSearch:
+    objective: str
+    plans: list[InferencePlan]  # the fitting layouts, best first
+    considered: int
+    fitting: int
+    explanation: list[str]
+
+
+def _pow2_up_to(n: int) -> list[int]:
+    out, k = [], 1
+    while k <= n:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def serving_candidates(model: ModelSpec, gpus: int, gpus_per_node: int, context: int) -> list[Layout]:
+    """Every serving layout of the recipe's axes on `gpus`: tp inside a node (dividing the heads, KV
+    heads split or replicated evenly), pp up to the layers, cp only for long contexts, ep for MoE
+    (folded onto replicas × cp); the replicas take what is left."""
+    out = []
+    tps = [
+        t
+        for t in _pow2_up_to(min(gpus, gpus_per_node))
+        if model.heads % t == 0 and (t <= model.kv_heads or t % model.kv_heads == 0)
+    ]
+    cps = _pow2_up_to(gpus) if context >= LONG_CONTEXT else [1]
+    for tp in tps:
+        for pp in range(1, min(model.layers, gpus // tp) + 1):
+            for cp in cps:
+                if gpus % (tp * pp * cp):
+                    continue
+                replicas = gpus // (tp * pp * cp)
+                eps = (
+                    [e for e in _pow2_up_to(replicas * cp) if model.experts % e == 0] if model.is_moe else [1]
+                )
+                for ep in eps:
+                    if (replicas * cp) % ep:
+                        continue
+                    out.append(Layout(tp=tp, pp=pp, cp=cp, ep=ep, fsdp=replicas, dp=1).resolve(gpus))
+    return out
+
+
+def search_serving(
+    model: ModelSpec,
+    hw: HardwareSpec,
+    gpus: int,
+    shape: InferenceShape,
+    gpus_per_node: int | None = None,
+    objective: str = "latency",
+    top: int = 5,
+    pins: dict[str, int | None] | None = None,
+) -> ServingSearch:
+    """Rank the serving layouts that fit by `objective`: latency (decode time per token, then time to
+    first token) or throughput (decoded tokens/s over all replicas). Layouts that do not fit are
+    counted but never ranked. `pins` fixes tp/pp/cp/ep where given."""
+    if objective not in OBJECTIVES:
+        raise FivefoldError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    shape.validate()
+    gpn = gpus_per_node or hw.gpus_per_node
+    pins = {k: v for k, v in (pins or {}).items() if v is not None}
+    considered, fitting = 0, []
+    for lay in serving_candidates(model, gpus, gpn, shape.context):
+        if any(getattr(lay, k) != v for k, v in pins.items()):
+            continue
+        try:
+            p = inference_plan(model, hw, lay, shape, gpn)
+        except FivefoldError:
+            continue
+        considered += 1
+        if p.fits:
+            fitting.append(p)
+    if objective == "latency":
+        fitting.sort(key=lambda p: (p.decode_time_per_token_s, p.prefill_time_s, -p.decode_tokens_per_s))
+    else:
+        fitting.sort(key=lambda p: (-p.decode_tokens_per_s, p.decode_time_per_token_s))
+    return ServingSearch(
+        objective, fitting[:top], considered, len(fitting), _recipe(model, hw, gpus, shape, gpn)
+    )
+
+
+def _recipe(model: ModelSpec, hw: HardwareSpec, gpus: int, shape: InferenceShape, gpn: int) -> list[str]:
+    """The serving recipe's reasoning for this model: the smallest model-parallel group that fits."""
+    gb = 1e9
+    cap = capacity(hw)
+    steps = []
+    whole = Layout().resolve(1)
+    one = inference_plan(model, hw, whole, shape, gpn)
+    need = one.weights + one.kv_cache + one.activations
+    if one.fits:
+        steps.append(
+            f"one GPU holds the model ({need / gb:.1f} of {cap / gb:.1f} GB): serve {gpus} replicas; "
+            "tp still cuts the time per token where latency matters"
+        )
+    else:
+        steps.append(f"one GPU would need {need / gb:.1f} GB of {cap / gb:.1f}: split the model")
+        group = None
+        for tp in _pow2_up_to(min(gpus, gpn)):
+            try:
+                if inference_plan(model, hw, Layout(tp=tp).resolve(tp), shape, gpn).fits:
+                    group = ("tp", tp)
+                    break
+            except FivefoldError:
+                continue
+        if group is not None:
+            steps.append(f"tp {group[1]} inside a node fits: the rest of the GPUs become replicas")
+        else:
+            steps.append(f"tp up to a node ({gpn} GPUs) does not fit: add pipeline stages across nodes")
+    if shape.context >= LONG_CONTEXT:
+        steps.append(f"context {shape.context} ≥ {LONG_CONTEXT}: cp splits the prompt and the KV cache")
+    if model.is_moe:
+        steps.append("mixture of experts: ep spreads the experts over replicas (all-to-all per layer)")
+    return steps

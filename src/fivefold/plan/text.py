@@ -120,6 +120,31 @@ def inference_text(p) -> str:
         "",
         f"  prefill (time to first token) {p.prefill_time_s * 1e3:10.2f} ms",
         f"  decode per token              {p.decode_time_per_token_s * 1e3:10.2f} ms",
-        f"  decode throughput             {p.decode_tokens_per_s:10,.0f} tokens/s (all replicas)",
+        f"  decode throughput             {p.decode_tokens_per_s:10,.0f} tokens/s (all replicas)"
+        if p.fits
+        else "  decode throughput                  — (does not fit: serves nothing)",
     ]
+    return "\n".join(out)
+
+
+def serving_search_text(result) -> str:
+    """The ranked serving layouts of `plan --mode inference --search`."""
+    out = [f"serving recipe ({result.objective}):"]
+    out += [f"  · {line}" for line in result.explanation]
+    out.append(
+        f"{result.considered} layouts considered, {result.fitting} fit; best {len(result.plans)} by "
+        f"{'decode time per token' if result.objective == 'latency' else 'decoded tokens/s'}:"
+    )
+    if not result.plans:
+        out.append("  none fits: more GPUs, a smaller batch or context, or a bigger GPU")
+        return "\n".join(out)
+    out.append(f"  {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'replicas':>8} {'GB/GPU':>7} "
+               f"{'TTFT ms':>9} {'ms/token':>9} {'tokens/s':>10}")  # fmt: skip
+    for p in result.plans:
+        lay = p.layout
+        out.append(
+            f"  {lay.tp:>3} {lay.pp:>3} {lay.cp:>3} {lay.ep:>3} {p.replicas:>8} {p.total / 1e9:>7.1f} "
+            f"{p.prefill_time_s * 1e3:>9.2f} {p.decode_time_per_token_s * 1e3:>9.2f} "
+            f"{p.decode_tokens_per_s:>10,.0f}"
+        )
     return "\n".join(out)

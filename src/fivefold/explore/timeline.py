@@ -1,6 +1,6 @@
 """Pipeline pictures from the schedule's own per-rank action table.
 
-`parallel.bubble` instantiates torch's schedule class for (schedule, p, m, V) and replays its
+`measure.bubble` instantiates torch's schedule class for (schedule, p, m, V) and replays its
 action table; the picture is that replay, so every schedule is drawn as it runs (interleaved
 chunks, zero-bubble's split backward, the V shapes) and the idle share printed beside it is the
 one of the drawing. Costs are bubble.py's `1:2` model: t_B = 2·t_F, split as I = W = t_F.

@@ -163,7 +163,7 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> dict[str, Any] | None:
         on_token = stream_printer(tokenizer, len(job.prompts), mine)
     ledger = None
     if job.ledger:
-        from fivefold.parallel.ledger import CommLedger
+        from fivefold.measure.ledger import CommLedger
 
         ledger = CommLedger(runtime)
         step.ledger = ledger

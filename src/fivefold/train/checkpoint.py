@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fivefold.errors import FivefoldError
+from fivefold.train.safe_metadata import safe_load
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -141,7 +142,7 @@ def load_checkpoint(
         state = _state(model_parts, optimizers)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(state, checkpoint_id=str(path))
+            safe_load(state, path)
     except (Exception, CheckpointException) as exc:  # DCP raises several kinds; all mean the same here
         detail = _first_cause(exc)
         raise FivefoldError(
@@ -154,12 +155,24 @@ def load_checkpoint(
         set_optimizer_state_dict(part, opt, state["optim"], options=_OPTIONS)
     rng_file = path / f"rng_rank{_rank()}.pt"
     if rng_file.exists():
+        _restore_rng(rng_file)
+    trainer_state["step"] = step
+    return trainer_state
+
+
+def _restore_rng(rng_file: Path) -> None:
+    """Each rank's RNG state: tensors only (`weights_only`), checked before it is applied."""
+    try:
         rng = torch.load(rng_file, weights_only=True)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    trainer_state["step"] = step
-    return trainer_state
+    except Exception as exc:  # noqa: BLE001 - unreadable, refused or the wrong shape: all mean corrupt
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise FivefoldError(
+            f"RNG state {rng_file} is corrupt or not a fivefold RNG file ({reason[:120]}); "
+            f"resume from another step_<N> directory or start a new run"
+        ) from None
 
 
 def _fsync_dir(path: Path) -> None:

@@ -1,0 +1,94 @@
+"""Run directories are untrusted input: reading a checkpoint never runs code from it."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from fivefold.cli import main
+from fivefold.train.safe_metadata import SafeLoadPlanner, UnsafeMetadata, load_metadata
+
+
+class _RunsCommand:
+    """Pickles to a call of os.system: what a crafted checkpoint index would hold."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, corpus) -> Path:
+    root = tmp_path_factory.mktemp("untrusted")
+    run = root / "run"
+    argv = ["train", "--model", "tiny", "--steps", "1", "--seq-len", "16", "--micro-batch", "2"]
+    argv += ["--data", corpus, "--device", "cpu", "--no-progress", "--run-dir", str(run)]
+    assert main(argv) == 0
+    return run
+
+
+def _one_line_exit_2(capsys, argv: list[str], words: str) -> None:
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert words in err, err
+
+
+def test_the_real_index_reads_and_a_crafted_one_is_refused(run_dir, tmp_path):
+    real = (run_dir / "checkpoints" / "step_1" / ".metadata").read_bytes()
+    stored = load_metadata(real).state_dict_metadata
+    assert any(key.startswith("model.") for key in stored) and any(key.startswith("optim.") for key in stored)
+    marker = tmp_path / "ran"
+    with pytest.raises(UnsafeMetadata, match="posix.system|os.system"):
+        load_metadata(pickle.dumps(_RunsCommand(marker)))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("command", ["resume", "generate"])
+def test_a_crafted_checkpoint_index_does_not_run(run_dir, tmp_path, capsys, command):
+    run = tmp_path / "copy"
+    shutil.copytree(run_dir, run)
+    marker = tmp_path / "ran"
+    (run / "checkpoints" / "step_1" / ".metadata").write_bytes(pickle.dumps(_RunsCommand(marker)))
+    if command == "resume":
+        argv = ["train", "--run-dir", str(run), "--resume", "--steps", "2", "--no-progress"]
+    else:
+        argv = ["generate", "--from", str(run), "--prompt", "x", "--max-new-tokens", "2"]
+    _one_line_exit_2(capsys, argv, "refused")
+    assert not marker.exists()
+
+
+def test_a_crafted_or_damaged_rng_file_is_one_line(run_dir, tmp_path, capsys):
+    run = tmp_path / "copy"
+    shutil.copytree(run_dir, run)
+    marker = tmp_path / "ran"
+    rng = run / "checkpoints" / "step_1" / "rng_rank0.pt"
+    torch.save({"cpu": _RunsCommand(marker)}, rng)
+    argv = ["train", "--run-dir", str(run), "--resume", "--steps", "2", "--no-progress"]
+    _one_line_exit_2(capsys, argv, "RNG state")
+    assert not marker.exists()
+    rng.write_bytes(b"not a torch file")
+    _one_line_exit_2(capsys, argv, "RNG state")
+    assert "weights_only" not in capsys.readouterr().err
+
+
+def test_non_tensor_checkpoint_values_are_not_unpickled_freely(tmp_path):
+    marker = tmp_path / "ran"
+    buffer = io.BytesIO()
+    torch.save(_RunsCommand(marker), buffer)
+    buffer.seek(0)
+    planner = SafeLoadPlanner()
+    planner.flatten_state_dict = False
+    planner.state_dict = {}
+    with pytest.raises(pickle.UnpicklingError):
+        planner.load_bytes(None, buffer)
+    assert not marker.exists()

@@ -6,12 +6,14 @@ import io
 import os
 import pickle
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
 import torch
 
 from fivefold.cli import main
+from fivefold.parallel.spawn import loopback_store, spawn_ranks
 from fivefold.train.safe_metadata import SafeLoadPlanner, UnsafeMetadata, load_metadata
 
 
@@ -92,3 +94,42 @@ def test_non_tensor_checkpoint_values_are_not_unpickled_freely(tmp_path):
     with pytest.raises(pickle.UnpicklingError):
         planner.load_bytes(None, buffer)
     assert not marker.exists()
+
+
+def _external_address() -> str | None:
+    """This machine's address on its default route, if it has one (nothing is sent)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("8.8.8.8", 9))
+        address = probe.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return None if address.startswith("127.") else address
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def _store_reachability(rank: int, world: int, external: str | None) -> tuple[str, bool, bool | None]:
+    port = int(os.environ["MASTER_PORT"])
+    outside = _reachable(external, port) if external else None
+    return os.environ["MASTER_ADDR"], _reachable("127.0.0.1", port), outside
+
+
+def test_the_local_rendezvous_store_listens_on_loopback_only():
+    external = _external_address()
+    with loopback_store() as store:
+        assert _reachable("127.0.0.1", store.port)
+        if external:
+            assert not _reachable(external, store.port)
+    # and the launcher's ranks meet on it: the address they are given, and what answers there
+    for address, inside, outside in spawn_ranks(_store_reachability, 2, external):
+        assert address == "127.0.0.1" and inside
+        assert outside is (False if external else None)

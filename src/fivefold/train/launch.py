@@ -1,6 +1,6 @@
 """`fivefold train --nproc N`: N local ranks through torch's own elastic launcher.
 
-Rendezvous is c10d on localhost with an OS-chosen port (as `torchrun --standalone` does). Each rank
+Rendezvous is c10d on a store that listens on 127.0.0.1 only, at an OS-chosen port. Each rank
 gets the resolved `TrainJob` as data (pickled by the spawn) and trains it in-process; gloo on CPU,
 NCCL on GPU (chosen by the loop from the device). Nothing is parsed again in the ranks.
 
@@ -26,7 +26,7 @@ from torch.distributed.launcher.api import elastic_launch
 
 from fivefold.config import RunConfig
 from fivefold.errors import FivefoldError
-from fivefold.parallel.spawn import local_launch_config, quiet_launcher
+from fivefold.parallel.spawn import local_launcher
 from fivefold.train.loop import train
 
 
@@ -93,8 +93,8 @@ def launch(nproc: int, job: TrainJob) -> int:
     error_dir = Path(tempfile.mkdtemp(prefix="fivefold-ranks-"))
     keep_errors = False
     try:
-        with quiet_launcher():
-            elastic_launch(local_launch_config(nproc), _rank_entry)(job, str(error_dir))
+        with local_launcher(nproc) as config:
+            elastic_launch(config, _rank_entry)(job, str(error_dir))
         return 0
     except ChildFailedError as exc:
         failure = _first_failure(error_dir)

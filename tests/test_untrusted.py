@@ -133,3 +133,14 @@ def test_the_local_rendezvous_store_listens_on_loopback_only():
     for address, inside, outside in spawn_ranks(_store_reachability, 2, external):
         assert address == "127.0.0.1" and inside
         assert outside is (False if external else None)
+
+
+@pytest.mark.parametrize("name", ["config.toml", "trace.json"])
+def test_a_users_files_are_not_overwritten_by_a_new_run(tmp_path, capsys, corpus, name):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / name).write_text("# my own notes\n")
+    for nproc in ("1", "2"):  # refused in this process, before any rank would start
+        argv = ["train", "--model", "tiny", "--steps", "1", "--data", corpus, "--device", "cpu"]
+        _one_line_exit_2(capsys, argv + ["--nproc", nproc, "--run-dir", str(mine)], "would overwrite")
+    assert (mine / name).read_text() == "# my own notes\n"

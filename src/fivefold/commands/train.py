@@ -30,7 +30,7 @@ from fivefold.config import (
 )
 from fivefold.errors import FivefoldError
 from fivefold.train.launch import TrainJob, launch, run_job
-from fivefold.train.loop import runtime_layout
+from fivefold.train.loop import check_run_dir, runtime_layout
 
 # flag -> TrainSpec field (flags use dashes, the spec underscores)
 TRAIN_FLAGS: dict[str, tuple[type, str]] = {
@@ -152,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
 def start(job: TrainJob, nproc: int) -> int:
     """Train `job` here (one process, or one rank under torchrun) or on `nproc` local ranks."""
     if nproc > 1:
-        # an impossible layout is reported here, before any process starts
+        # an impossible layout or an occupied run directory is reported here, before any process starts
         runtime_layout(job.config.layout, nproc, job.config.model, job.config.train.seq_len)
+        check_run_dir(job.run_dir, job.resume)
         return launch(nproc, job)
     return run_job(job)

@@ -159,12 +159,36 @@ def build_runner(
     return apply.build_runner(model, mesh, layout, train), mesh
 
 
-def _setup_run_dir(run_dir: Path, cfg: RunConfig, resume: str | None, rank: int) -> None:
-    has_run = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
-    if has_run and resume is None:
+# what a run writes into its directory: a new run never replaces any of these
+RUN_FILES = (
+    "config.toml",
+    "metrics.jsonl",
+    "trace.json",
+    "ledger.json",
+    "loss.png",
+    "run.json",
+    "checkpoints",
+)
+
+
+def check_run_dir(run_dir: Path, resume: str | None) -> None:
+    """A new run goes into an empty place: never over another run or files someone else wrote."""
+    if resume is not None:
+        return
+    run_dir = Path(run_dir)
+    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
         raise FivefoldError(
             f"{run_dir} already holds a run; pass --resume to continue it or pick another --run-dir"
         )
+    if present := [name for name in RUN_FILES if (run_dir / name).exists()]:
+        raise FivefoldError(
+            f"{run_dir} already has {', '.join(present)}, which a new run would overwrite; "
+            "pick another --run-dir or move those files"
+        )
+
+
+def _setup_run_dir(run_dir: Path, cfg: RunConfig, resume: str | None, rank: int) -> None:
+    check_run_dir(run_dir, resume)
     if rank == 0:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import shutil
@@ -27,21 +28,16 @@ class _RunsCommand:
         return (os.system, (f"touch {self.marker}",))
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, corpus) -> Path:
-    root = tmp_path_factory.mktemp("untrusted")
-    run = root / "run"
-    argv = ["train", "--model", "tiny", "--steps", "1", "--seq-len", "16", "--micro-batch", "2"]
-    argv += ["--data", corpus, "--device", "cpu", "--no-progress", "--run-dir", str(run)]
-    assert main(argv) == 0
-    return run
+@pytest.fixture()
+def run_dir(tiny_run) -> Path:
+    return tiny_run
 
 
 def _one_line_exit_2(capsys, argv: list[str], words: str) -> None:
     code = main(argv)
     err = capsys.readouterr().err
     assert code == 2, err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err and "weights_only" not in err and len(err.strip().splitlines()) == 1, err
     assert words in err, err
 
 
@@ -74,13 +70,22 @@ def test_a_crafted_or_damaged_rng_file_is_one_line(run_dir, tmp_path, capsys):
     shutil.copytree(run_dir, run)
     marker = tmp_path / "ran"
     rng = run / "checkpoints" / "step_1" / "rng_rank0.pt"
-    torch.save({"cpu": _RunsCommand(marker)}, rng)
     argv = ["train", "--run-dir", str(run), "--resume", "--steps", "2", "--no-progress"]
-    _one_line_exit_2(capsys, argv, "RNG state")
-    assert not marker.exists()
-    rng.write_bytes(b"not a torch file")
-    _one_line_exit_2(capsys, argv, "RNG state")
-    assert "weights_only" not in capsys.readouterr().err
+    crafted = io.BytesIO()
+    torch.save({"cpu": _RunsCommand(marker)}, crafted)
+    for data in (crafted.getvalue(), b"not a torch file"):
+        rng.write_bytes(data)
+        _one_line_exit_2(capsys, argv, "incomplete (shard rng_rank0.pt is")  # not the size it was written at
+        _record_size(rng)  # the same file, as if written so: the loader itself must refuse it
+        _one_line_exit_2(capsys, argv, "RNG state")
+        assert not marker.exists()
+
+
+def _record_size(file: Path) -> None:
+    manifest = file.parent / "shards.json"
+    shards = json.loads(manifest.read_text())
+    shards["0"][file.name] = file.stat().st_size
+    manifest.write_text(json.dumps(shards))
 
 
 def test_non_tensor_checkpoint_values_are_not_unpickled_freely(tmp_path):

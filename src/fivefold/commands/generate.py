@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +55,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 0:
         raise FivefoldError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.temperature < 0 or args.top_k < 0:
-        raise FivefoldError("--temperature and --top-k must be >= 0")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0) or args.top_k < 0:
+        raise FivefoldError(
+            f"--temperature must be a finite number >= 0 and --top-k >= 0 (0: all), "
+            f"got {args.temperature} and {args.top_k}"
+        )
     device = _device(args.device)
     model, tokenizer, eos_ids = load_for_generation(Path(args.source), args.checkpoint, args.dtype, device)
     vocab = model.spec.vocab
@@ -115,6 +119,7 @@ def load_run(run_dir: Path, checkpoint: str = "latest", dtype: str | None = None
     import warnings
 
     import torch
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from fivefold.config import RunConfig
     from fivefold.model.hf import DTYPES, empty_model
@@ -142,7 +147,10 @@ def load_run(run_dir: Path, checkpoint: str = "latest", dtype: str | None = None
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         try:
             safe_load({"model": weights}, path)  # in place, cast to the model's dtype
-        except Exception as exc:  # a deleted or damaged shard: DCP raises several kinds
+        except (
+            Exception,
+            CheckpointException,
+        ) as exc:  # a deleted or damaged shard: DCP raises several kinds
             detail = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
             raise FivefoldError(f"checkpoint {path} is corrupt or incomplete ({detail})") from None
     with torch.no_grad():  # dcp.load may have replaced tensors in the dict instead of filling them

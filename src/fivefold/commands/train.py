@@ -30,7 +30,7 @@ from fivefold.config import (
 )
 from fivefold.errors import FivefoldError
 from fivefold.train.launch import TrainJob, launch, run_job
-from fivefold.train.loop import check_run_dir, runtime_layout
+from fivefold.train.loop import preflight
 
 # flag -> TrainSpec field (flags use dashes, the spec underscores)
 TRAIN_FLAGS: dict[str, tuple[type, str]] = {
@@ -98,7 +98,15 @@ def _config_file(path: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         raise FivefoldError(
             f"{path}: unknown table(s) {', '.join(unknown)}; a run config has model, train, layout"
         )
-    return data.get("model"), data.get("train", {}), data.get("layout", {})
+    model, train, layout = data.get("model"), data.get("train", {}), data.get("layout", {})
+    if model is not None and not isinstance(model, str | dict):
+        raise FivefoldError(
+            f"{path}: model must be a preset name, a model file path or a [model] table, got {model!r}"
+        )
+    for name, table in (("train", train), ("layout", layout)):
+        if not isinstance(table, dict):
+            raise FivefoldError(f"{path}: {name} must be a [{name}] table, got {table!r}")
+    return model, train, layout
 
 
 def build_run_config(args: argparse.Namespace) -> RunConfig:
@@ -151,9 +159,9 @@ def run(args: argparse.Namespace) -> int:
 
 def start(job: TrainJob, nproc: int) -> int:
     """Train `job` here (one process, or one rank under torchrun) or on `nproc` local ranks."""
+    world = int(os.environ.get("WORLD_SIZE", "1")) if _launched() else nproc
+    # an impossible layout, missing data or an occupied run directory: reported before any rank starts
+    preflight(job.config, job.run_dir, job.resume, world)
     if nproc > 1:
-        # an impossible layout or an occupied run directory is reported here, before any process starts
-        runtime_layout(job.config.layout, nproc, job.config.model, job.config.train.seq_len)
-        check_run_dir(job.run_dir, job.resume)
         return launch(nproc, job)
     return run_job(job)

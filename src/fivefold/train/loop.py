@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fivefold.config import AXES, Layout, ModelSpec, RunConfig, TrainSpec
+from fivefold.config import AXES, Layout, ModelSpec, RunConfig, TrainSpec, check_seq_len
 from fivefold.errors import FivefoldError
 from fivefold.model import build_model, materialize
 from fivefold.model.moe import moe_layers
@@ -34,7 +34,7 @@ from fivefold.parallel.ledger import CommLedger
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.timeline import write_trace
 from fivefold.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
-from fivefold.train.data import EVAL_STREAM, TokenData, load_data, sample_batch
+from fivefold.train.data import EVAL_STREAM, TokenData, check_data_source, load_data, sample_batch
 from fivefold.train.memory import ActivationMeter, device_memory, state_bytes
 from fivefold.train.metrics import MetricsLog, MfuMeter
 from fivefold.train.plots import plot_loss_curve
@@ -107,8 +107,29 @@ def runtime_layout(layout: Layout, world: int, model: ModelSpec, seq_len: int) -
     """The layout a training run uses: defaults filled, resolved, and checked against the model."""
     lay = default_layout(layout, world).resolve(world)
     lay.check_model(model, seq_len)
+    check_seq_len(model, seq_len)
     check_runtime_axes(lay)
     return lay
+
+
+def preflight(cfg: RunConfig, run_dir: Path, resume: str | None, world: int) -> None:
+    """What can be checked before any rank starts, so bad input never costs a launch."""
+    spec, tspec = cfg.model.validate(), cfg.train.validate()
+    layout = runtime_layout(cfg.layout, world, spec, tspec.seq_len)
+    tspec.grad_accum(layout.dp * layout.fsdp)
+    if tspec.device == "cuda" and not torch.cuda.is_available():
+        raise FivefoldError("device cuda was asked for but no CUDA GPU is visible; use --device cpu")
+    check_data_source(tspec.data)
+    tokenizer = load_tokenizer(tspec.tokenizer)
+    if tokenizer.vocab_size > spec.vocab:
+        raise FivefoldError(
+            f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens but model "
+            f"{spec.name} only {spec.vocab}; pick a model with vocab >= {tokenizer.vocab_size}"
+        )
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 speaks for the run directory
+        if resume is not None:
+            find_checkpoint(run_dir, resume, warn=False)
+        check_run_dir(run_dir, resume)
 
 
 def make_optimizer(module: torch.nn.Module, train: TrainSpec) -> torch.optim.Optimizer:
@@ -188,13 +209,53 @@ def check_run_dir(run_dir: Path, resume: str | None) -> None:
 
 
 def _setup_run_dir(run_dir: Path, cfg: RunConfig, resume: str | None, rank: int) -> None:
-    check_run_dir(run_dir, resume)
+    """Rank 0 checks and writes; every rank learns the outcome (a rank that checked after rank 0
+    wrote `config.toml` would take the run for someone else's)."""
+    problem = None
     if rank == 0:
         try:
+            check_run_dir(run_dir, resume)
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.toml").write_text(cfg.to_toml())
+        except FivefoldError as exc:
+            problem = str(exc)
         except OSError as exc:
-            raise FivefoldError(f"cannot write the run directory {run_dir}: {exc}") from None
+            problem = f"cannot write the run directory {run_dir}: {exc}"
+    problem = _broadcast(problem)
+    if problem is not None:
+        raise FivefoldError(problem)
+
+
+def _check_shared(run_dir: Path, rank: int, world: int) -> None:
+    """Every rank must see the run directory rank 0 writes: checkpoints are assembled there."""
+    if world == 1:
+        return
+    token = run_dir / ".fivefold-shared"
+    stamp = f"{os.getpid()}-{time.time_ns()}"
+    if rank == 0:
+        token.write_text(_broadcast(stamp))
+    else:
+        stamp = _broadcast(None)
+    _barrier()
+    try:
+        seen = token.read_text() == stamp
+    except OSError:
+        seen = False
+    blind = [r for r, ok in enumerate(_gather(seen)) if not ok]
+    _barrier()
+    if rank == 0:
+        token.unlink(missing_ok=True)
+    if blind:
+        raise FivefoldError(
+            f"rank(s) {', '.join(map(str, blind))} do not see the run directory {run_dir} that rank 0 "
+            "writes; put --run-dir on storage every node shares"
+        )
+
+
+def _gather(value: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def evaluate(
@@ -260,10 +321,13 @@ def _train(
             f"data {tspec.data} holds token id {data.max_token}, outside the model's vocab {spec.vocab}"
         )
     run_dir = Path(_broadcast(str(run_dir)))
-    checkpoint = find_checkpoint(run_dir, resume) if resume is not None else None
+    checkpoint = None
+    if resume is not None:  # rank 0 picks (and warns about skipped ones); every rank loads the same
+        checkpoint = Path(_broadcast(str(find_checkpoint(run_dir, resume, warn=rank == 0))))
     resolved = RunConfig(model=spec, train=tspec, layout=layout)
     _setup_run_dir(run_dir, resolved, resume, rank)
     _barrier()
+    _check_shared(run_dir, rank, world)
 
     torch.manual_seed(tspec.seed)
     tracer = Tracer(rank)

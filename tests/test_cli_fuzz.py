@@ -139,6 +139,7 @@ MUTATIONS: dict[str, dict[str, list[str]]] = {
         "--checkpoint-every": ["-1"],
         "--global-batch": ["-1", "3"],
         "--measure-memory-every": ["-1"],
+        "--watchdog": ["-1", "nan"],
         "--device": ["tpu", "cuda0"],
         "--dtype": ["fp16"],
         "--nproc": ["0", "-2"],

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(module.run(args) or 0)
     except FivefoldError as exc:
-        print(f"fivefold {name}: error: {exc}", file=sys.stderr)
+        print(f"fivefold {name}: {exc.label}: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"fivefold {name}: interrupted", file=sys.stderr)

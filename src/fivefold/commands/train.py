@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -85,6 +86,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue the run in --run-dir from its latest checkpoint (or STEP)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--watchdog",
+        type=float,
+        default=180.0,
+        metavar="SECONDS",
+        help="--nproc N: stop the run, naming the stuck rank, when no rank moves on for this long "
+        "(0: off; default 180)",
+    )
+    parser.add_argument(
+        "--checkpoint-on-interrupt",
+        action="store_true",
+        help="on SIGINT/SIGTERM, save a checkpoint at the step boundary before stopping",
+    )
     g = parser.add_argument_group("training")
     for name, (kind, text) in TRAIN_FLAGS.items():
         g.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=text)
@@ -153,7 +167,16 @@ def run(args: argparse.Namespace) -> int:
             args.config = str(saved)
             cfg = build_run_config(args)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg.model.name)
-    job = TrainJob(cfg, run_dir, resume=args.resume, progress=not args.no_progress)
+    if not (math.isfinite(args.watchdog) and args.watchdog >= 0):
+        raise FivefoldError(f"--watchdog must be a number of seconds >= 0 (0: off), got {args.watchdog}")
+    job = TrainJob(
+        cfg,
+        run_dir,
+        resume=args.resume,
+        progress=not args.no_progress,
+        watchdog=args.watchdog,
+        checkpoint_on_interrupt=args.checkpoint_on_interrupt,
+    )
     return start(job, 1 if _launched() else args.nproc)
 
 

@@ -11,7 +11,9 @@ import contextlib
 import datetime
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,12 +31,19 @@ _QUIET = (
 LOOPBACK = "127.0.0.1"
 
 
-def local_launch_config(nproc: int, port: int) -> Any:
+def local_launch_config(nproc: int, port: int, own_signals: bool = False, log_dir: str | None = None) -> Any:
     """torch's elastic launcher for `nproc` ranks on this machine, as `torchrun --standalone` sets it up:
-    c10d rendezvous on the loopback store at `port`, no restarts, fresh (spawned) interpreters."""
+    c10d rendezvous on the loopback store at `port`, no restarts, fresh (spawned) interpreters.
+    `own_signals`: the caller handles SIGINT/SIGTERM itself (torch's launcher would turn them into
+    an exception with a traceback)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
+    extra: dict[str, Any] = {"signals_to_handle": "SIGHUP,SIGQUIT"} if own_signals else {}
+    if log_dir is not None:
+        extra["logs_specs"] = DefaultLogsSpecs(log_dir=log_dir)
     return LaunchConfig(
+        **extra,
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
@@ -91,12 +100,16 @@ def loopback_store() -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def local_launcher(nproc: int) -> Iterator[Any]:
+def local_launcher(nproc: int, own_signals: bool = False) -> Iterator[Any]:
     """The launch config for `nproc` local ranks, with a loopback-only store and a quiet launcher."""
     if "GLOO_SOCKET_IFNAME" not in os.environ:  # gloo's own sockets on loopback too
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    with quiet_launcher(), loopback_store() as store:
-        yield local_launch_config(nproc, store.port)
+    log_dir = tempfile.mkdtemp(prefix="fivefold-launch-")  # torch's own per-run files, removed after
+    try:
+        with quiet_launcher(), loopback_store() as store:
+            yield local_launch_config(nproc, store.port, own_signals, log_dir)
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager

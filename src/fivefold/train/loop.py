@@ -33,6 +33,7 @@ from fivefold.parallel.device_mesh import build_runtime_mesh
 from fivefold.parallel.ledger import CommLedger
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.timeline import write_trace
+from fivefold.train import supervise
 from fivefold.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from fivefold.train.data import EVAL_STREAM, TokenData, check_data_source, load_data, sample_batch
 from fivefold.train.memory import ActivationMeter, device_memory, state_bytes
@@ -280,17 +281,41 @@ def evaluate(
 
 
 def train(
-    cfg: RunConfig, run_dir: str | Path, resume: str | None = None, progress: bool = True
+    cfg: RunConfig,
+    run_dir: str | Path,
+    resume: str | None = None,
+    progress: bool = True,
+    beat_folder: str | None = None,
+    checkpoint_on_interrupt: bool = False,
 ) -> TrainResult:
-    """Train `cfg` in this process (one rank of a launched world, or alone) and fill `run_dir`."""
+    """Train `cfg` in this process (one rank of a launched world, or alone) and fill `run_dir`.
+
+    SIGINT/SIGTERM stop it after the current step (`supervise.Interrupted`), with a checkpoint
+    first when `checkpoint_on_interrupt`; `beat_folder` is where the launcher's watchdog listens.
+    """
     spec, train_spec = cfg.model.validate(), cfg.train.validate()
     device = resolve_device(train_spec)
-    created_group = init_distributed(device)
-    try:
-        return _train(cfg, spec, train_spec, Path(run_dir), resume, device, progress)
-    finally:
-        if created_group and dist.is_initialized():
-            dist.destroy_process_group()
+    rank = int(os.environ.get("RANK", "0"))
+    with supervise.rank_supervision(beat_folder, rank):
+        supervise.mark(0, "joining the process group")
+        created_group = init_distributed(device)
+        try:
+            return _train(
+                cfg, spec, train_spec, Path(run_dir), resume, device, progress, checkpoint_on_interrupt
+            )
+        finally:
+            if created_group and dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _stop_signal(device: torch.device) -> int:
+    """The signal every rank agrees to stop for (the same answer on all of them), or 0."""
+    signum = supervise.stop_requested()
+    if not dist.is_initialized():
+        return signum
+    flag = torch.tensor([signum], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
 
 
 def _train(
@@ -301,6 +326,7 @@ def _train(
     resume: str | None,
     device: torch.device,
     progress: bool,
+    checkpoint_on_interrupt: bool = False,
 ) -> TrainResult:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -315,6 +341,7 @@ def _train(
             f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens but model "
             f"{spec.name} only {spec.vocab}; pick a model with vocab >= {tokenizer.vocab_size}"
         )
+    supervise.mark(0, "reading the data")
     data = load_data(tspec.data, tokenizer, tspec.seq_len)  # bad data fails before anything is written
     if data.max_token >= spec.vocab:
         raise FivefoldError(
@@ -329,6 +356,7 @@ def _train(
     _barrier()
     _check_shared(run_dir, rank, world)
 
+    supervise.mark(0, "building the model")
     torch.manual_seed(tspec.seed)
     tracer = Tracer(rank)
     model = build_model(spec, "meta")
@@ -346,6 +374,7 @@ def _train(
     optimizers = [build(part) for part in parts]
     start = 0
     if checkpoint is not None:
+        supervise.mark(0, f"loading checkpoint {checkpoint.name}")
         state = load_checkpoint(checkpoint, parts, optimizers)
         start = state["step"]
         if start >= tspec.steps:
@@ -377,8 +406,10 @@ def _train(
             t0 = time.perf_counter()
             acts = ActivationMeter() if _measures_memory(step, tspec) else None
             with _step_ledger(ledger), acts or contextlib.nullcontext():
+                supervise.mark(step, "forward_backward")
                 with tracer.span("forward_backward", step=step), autocast():
                     loss = runner.forward_backward(x, y)
+                supervise.mark(step, "optimizer")
                 with tracer.span("optimizer", cat="optimizer", step=step):
                     grad_norm = runner.clip_grad_norm(tspec.grad_clip)
                     for opt in optimizers:
@@ -408,6 +439,7 @@ def _train(
                 "memory": memory,
             }
             if step % tspec.eval_every == 0 or step == tspec.steps:
+                supervise.mark(step, "held-out evaluation")
                 with tracer.span("eval", cat="eval", step=step):
                     rec["held_out_loss"] = evaluate(
                         runner, data, tspec, global_batch, batch_rank, data_ranks, device, autocast
@@ -415,11 +447,25 @@ def _train(
                 result.held_out_loss = rec["held_out_loss"]
             metrics.record(rec)
             result.losses.append(loss_value)
+            saved = None
             if step == tspec.steps or (tspec.checkpoint_every and step % tspec.checkpoint_every == 0):
+                supervise.mark(step, "saving a checkpoint")
                 with tracer.span("checkpoint", cat="checkpoint", step=step):
-                    save_checkpoint(run_dir, step, parts, optimizers, {"seed": tspec.seed}, KEEP_CHECKPOINTS)
+                    saved = save_checkpoint(
+                        run_dir, step, parts, optimizers, {"seed": tspec.seed}, KEEP_CHECKPOINTS
+                    )
+            supervise.mark(step, "agreeing whether to stop")
+            signum = _stop_signal(device)
+            if signum and step < tspec.steps:
+                if checkpoint_on_interrupt and saved is None:
+                    supervise.mark(step, "saving a checkpoint on interrupt")
+                    saved = save_checkpoint(
+                        run_dir, step, parts, optimizers, {"seed": tspec.seed}, KEEP_CHECKPOINTS
+                    )
+                raise supervise.Interrupted(signum, step, saved)
     finally:
         metrics.close()
+    supervise.mark(tspec.steps, "writing the run's outputs")
     _write_outputs(run_dir, rank, world, tracer, ledger, runner, spec.vocab, mfu.hardware)
     return result
 

@@ -149,3 +149,35 @@ def test_pruned_and_replaced_checkpoints_leave_the_step_names_before_they_are_de
     assert all(name.endswith((".tmp", ".deleting")) for name in seen), seen
     retired = sorted({name.split(".")[0] for name in seen if name.endswith(".deleting")})
     assert retired == ["step_1", "step_2"]  # step 2 replaced by its repeat, step 1 pruned
+
+
+@pytest.mark.slow
+def test_resume_under_the_layout_flags_given_alone(tiny_run, tmp_path, capsys):
+    """`--resume --tp 2` means "tp 2 now": the saved layout is not merged in, and the change is said."""
+    import os
+    import subprocess
+    import sys
+
+    from fivefold.cli import main
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    shutil.copytree(tiny_run, one)
+    shutil.copytree(tiny_run, two)
+    saved = two / "config.toml"  # as a dp 2 run would have written it: the checkpoint is layout-free
+    saved.write_text(saved.read_text().replace("\ndp = 1\n", "\ndp = 2\n"))
+    assert main(["train", "--run-dir", str(one), "--resume", "--steps", "2", "--no-progress"]) == 0
+    done = subprocess.run(
+        [sys.executable, "-m", "fivefold", "train", "--run-dir", str(two), "--resume", "--steps", "2"]
+        + ["--nproc", "2", "--tp", "2", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "fivefold train: resuming under the layout given: dp 2 → 1, tp 1 → 2" in done.stderr
+    assert "tp = 2" in (two / "config.toml").read_text()
+    expected = read_metrics(one / "metrics.jsonl")[-1]
+    got = read_metrics(two / "metrics.jsonl")[-1]
+    assert got["step"] == expected["step"] == 2
+    assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)

@@ -82,6 +82,17 @@ def _unshared_save(rank: int, world: int, directory: str) -> dict:
     from fivefold.parallel.apply import build_runner
     from fivefold.parallel.device_mesh import build_runtime_mesh
     from fivefold.train import checkpoint as ckpt
+    from fivefold.train.loop import _check_shared
+
+    # a run directory each rank has its own copy of (a path on a disk that is not shared)
+    own = Path(directory) / f"node{rank}"
+    own.mkdir()
+    try:
+        _check_shared(own, rank, world)
+        start_error = None
+    except FivefoldError as exc:
+        start_error = str(exc)
+    _check_shared(Path(directory), rank, world)  # and the shared one passes
 
     spec = load_model("tiny")
     layout = Layout(fsdp=2).resolve(world)
@@ -108,16 +119,18 @@ def _unshared_save(rank: int, world: int, directory: str) -> dict:
         error = str(exc)
     torch.distributed.barrier()
     return {
+        "start_error": start_error,
         "error": error,
         "steps": [s for s, _ in ckpt.list_checkpoints(run)],
         "latest": ckpt.find_checkpoint(run).name,
     }
 
 
-def test_a_shard_rank_0_cannot_see_stops_the_rename() -> None:
+def test_unshared_run_directories_are_refused_and_a_shard_rank_0_cannot_see_stops_the_rename() -> None:
     with tempfile.TemporaryDirectory() as directory:
         per_rank = run_distributed(_unshared_save, 2, directory, timeout=300)
-    for got in per_rank:  # every rank fails the save, with the same one line
+    for got in per_rank:  # every rank refuses to start, and fails the save, with the same one line
+        assert "rank(s) 1 do not see the run directory" in got["start_error"]
         assert "rank 1's __1_0.distcp is not there" in got["error"]
         assert "storage every rank shares" in got["error"]
         assert got["steps"] == [1] and got["latest"] == "step_1"

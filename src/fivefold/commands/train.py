@@ -14,7 +14,8 @@ import argparse
 import datetime
 import math
 import os
-from dataclasses import replace
+import sys
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from fivefold.config import (
 )
 from fivefold.errors import FivefoldError
 from fivefold.train.launch import TrainJob, launch, run_job
-from fivefold.train.loop import preflight
+from fivefold.train.loop import preflight, runtime_layout
 
 # flag -> TrainSpec field (flags use dashes, the spec underscores)
 TRAIN_FLAGS: dict[str, tuple[type, str]] = {
@@ -123,8 +124,9 @@ def _config_file(path: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     return model, train, layout
 
 
-def build_run_config(args: argparse.Namespace) -> RunConfig:
-    """The run's configuration from `--config`, `--model` and the flags (not yet resolved)."""
+def build_run_config(args: argparse.Namespace, keep_layout: bool = True) -> RunConfig:
+    """The run's configuration from `--config`, `--model` and the flags (not yet resolved).
+    `keep_layout=False`: the config file's [layout] is left out, the flags alone say the layout."""
     model_entry, train_data, layout_data = (None, {}, {})
     if args.config:
         model_entry, train_data, layout_data = _config_file(args.config)
@@ -141,8 +143,24 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
             train = replace(train, **{_FIELD.get(name, name): value})
     if args.dtype:
         train = replace(train, dtype=args.dtype)
-    layout = layout_from_args(args, _from_dict(Layout, dict(layout_data), f"{args.config} [layout]"))
+    base = _from_dict(Layout, dict(layout_data), f"{args.config} [layout]") if keep_layout else None
+    layout = layout_from_args(args, base)
     return RunConfig(model=spec, train=train.validate(), layout=layout)
+
+
+def _say_layout_change(saved: Path, now: RunConfig, nproc: int) -> None:
+    """One line on what a resume under new layout flags changes (rank 0 only under torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", nproc))
+    old = RunConfig.from_toml(saved).layout  # as the run resolved it
+    new = runtime_layout(now.layout, world, now.model, now.train.seq_len)  # bad flags: one error line
+    changes = [
+        f"{f.name} {getattr(old, f.name)} → {getattr(new, f.name)}"
+        for f in fields(Layout)
+        if getattr(old, f.name) != getattr(new, f.name)
+    ]
+    if int(os.environ.get("RANK", "0")) == 0:
+        what = ", ".join(changes) if changes else "no change"
+        print(f"fivefold train: resuming under the layout given: {what}", file=sys.stderr, flush=True)
 
 
 def default_run_dir(model_name: str) -> Path:
@@ -165,7 +183,11 @@ def run(args: argparse.Namespace) -> int:
         saved = Path(args.run_dir) / "config.toml"
         if saved.exists():  # continue with the run's own settings; flags still override
             args.config = str(saved)
-            cfg = build_run_config(args)
+            # any layout flag means "this layout now": the saved one is not merged into it
+            new_layout = any(getattr(args, f.name, None) is not None for f in fields(Layout))
+            cfg = build_run_config(args, keep_layout=not new_layout)
+            if new_layout:
+                _say_layout_change(saved, cfg, 1 if _launched() else args.nproc)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg.model.name)
     if not (math.isfinite(args.watchdog) and args.watchdog >= 0):
         raise FivefoldError(f"--watchdog must be a number of seconds >= 0 (0: off), got {args.watchdog}")

@@ -43,15 +43,16 @@ class TrainJob:
     checkpoint_on_interrupt: bool = False  # SIGINT/SIGTERM: save a checkpoint at the step boundary
 
 
-def run_job(job: TrainJob, beat_folder: str | None = None) -> int:
+def run_job(job: TrainJob, control_folder: str | None = None) -> int:
     """Train `job` in this process: alone, or as one rank of a launched world."""
     result = train(
         job.config,
         job.run_dir,
         resume=job.resume,
         progress=job.progress,
-        beat_folder=beat_folder,
+        control_folder=control_folder,
         checkpoint_on_interrupt=job.checkpoint_on_interrupt,
+        heartbeat=job.watchdog > 0,
     )
     if int(os.environ.get("RANK", "0")) == 0:
         held = f"; held-out loss {result.held_out_loss:.4f}" if result.held_out_loss is not None else ""
@@ -64,7 +65,7 @@ def _rank_entry(job: TrainJob, error_dir: str) -> int:
     rank = os.environ.get("RANK", "?")
     (Path(error_dir) / f"rank{rank}.pid").write_text(str(os.getpid()))  # for forwarded signals
     try:
-        return run_job(job, error_dir if job.watchdog > 0 else None)
+        return run_job(job, error_dir)
     except FivefoldError as exc:
         _report(error_dir, rank, exc.exit_code, str(exc))
         sys.exit(exc.exit_code)

@@ -285,18 +285,20 @@ def train(
     run_dir: str | Path,
     resume: str | None = None,
     progress: bool = True,
-    beat_folder: str | None = None,
+    control_folder: str | None = None,
     checkpoint_on_interrupt: bool = False,
+    heartbeat: bool = True,
 ) -> TrainResult:
     """Train `cfg` in this process (one rank of a launched world, or alone) and fill `run_dir`.
 
     SIGINT/SIGTERM stop it after the current step (`supervise.Interrupted`), with a checkpoint
-    first when `checkpoint_on_interrupt`; `beat_folder` is where the launcher's watchdog listens.
+    first when `checkpoint_on_interrupt`. `control_folder`: where the launcher's stop file appears
+    and, with `heartbeat`, where its watchdog reads this rank's heartbeat.
     """
     spec, train_spec = cfg.model.validate(), cfg.train.validate()
     device = resolve_device(train_spec)
     rank = int(os.environ.get("RANK", "0"))
-    with supervise.rank_supervision(beat_folder, rank):
+    with supervise.rank_supervision(control_folder, rank, heartbeat):
         supervise.mark(0, "joining the process group")
         created_group = init_distributed(device)
         try:

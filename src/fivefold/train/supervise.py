@@ -2,9 +2,9 @@
 
 Signals. SIGINT or SIGTERM (to the launcher or to the ranks) does not kill a rank mid-step: the
 rank notes it, finishes the step, and the ranks agree (a max-reduce of the flag) to stop after the
-same step, optionally saving a checkpoint first. The launcher forwards the signal to its ranks and
-leaves them to finish; a second signal kills them at once. The run then ends with one line and exit
-code 128 + the signal (130 for SIGINT, 143 for SIGTERM).
+same step, optionally saving a checkpoint first. The launcher passes a signal on to its ranks (a
+stop file they read at each step boundary) and leaves them to finish; a second signal kills them.
+The run then ends with one line and exit code 128 + the signal (130 for SIGINT, 143 for SIGTERM).
 
 Watchdog. Each rank has a thread that writes a heartbeat file every second: the step it is on,
 what it is doing and when it last moved on. The launcher reads them; when a rank's heartbeat has
@@ -30,6 +30,7 @@ from typing import Any
 from fivefold.errors import FivefoldError
 
 BEAT_SECONDS = 1.0
+STOP_FILE = "stop"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -95,16 +96,26 @@ def mark(step: int, phase: str) -> None:
         _heartbeat.mark(step, phase)
 
 
+_stop_file: list[Path] = []
+
+
 def stop_requested() -> int:
-    """The signal that asked this rank to stop, or 0."""
-    return _stop_signal[0] if _stop_signal else 0
+    """The signal that asked this rank (or its launcher) to stop, or 0."""
+    if _stop_signal:
+        return _stop_signal[0]
+    for path in _stop_file:
+        with contextlib.suppress(OSError, ValueError):
+            return int(path.read_text())
+    return 0
 
 
 @contextlib.contextmanager
-def rank_supervision(beat_folder: str | None, rank: int) -> Iterator[None]:
-    """Inside a rank: heartbeat (when the launcher watches) and stop-at-a-step-boundary signals."""
+def rank_supervision(folder: str | None, rank: int, heartbeat: bool = True) -> Iterator[None]:
+    """Inside a rank: stop-at-a-step-boundary signals, the launcher's stop file in `folder` (its
+    forwarded signal) and, with `heartbeat`, the heartbeat its watchdog reads there."""
     global _heartbeat
     _stop_signal.clear()
+    _stop_file[:] = [Path(folder) / STOP_FILE] if folder is not None else []
     previous: dict[int, Any] = {}
 
     def note(signum: int, frame: Any) -> None:
@@ -116,8 +127,8 @@ def rank_supervision(beat_folder: str | None, rank: int) -> Iterator[None]:
     if threading.current_thread() is threading.main_thread():
         for sig in STOP_SIGNALS:
             previous[sig] = signal.signal(sig, note)
-    if beat_folder is not None:
-        _heartbeat = Heartbeat(Path(beat_folder), rank)
+    if folder is not None and heartbeat:
+        _heartbeat = Heartbeat(Path(folder), rank)
     try:
         yield
     finally:
@@ -149,14 +160,17 @@ def _kill(pids: dict[int, int], signum: int) -> None:
 
 @contextlib.contextmanager
 def forward_signals(folder: Path) -> Iterator[list[int]]:
-    """While ranks run: pass SIGINT/SIGTERM on to them (a second one kills them); yields the
-    signals received, for the caller's final word."""
+    """While ranks run: pass SIGINT/SIGTERM on to them through a stop file they read at each step
+    boundary (a second signal kills them); yields the signals received, for the caller's final word."""
     received: list[int] = []
     previous: dict[int, Any] = {}
 
     def forward(signum: int, frame: Any) -> None:
         received.append(signum)
-        _kill(rank_pids(folder), signum if len(received) == 1 else signal.SIGKILL)
+        if len(received) == 1:  # a file, not the signal: with Ctrl-C the ranks have it already,
+            (Path(folder) / STOP_FILE).write_text(str(signum))  # and a second one means "now"
+        else:
+            _kill(rank_pids(folder), signal.SIGKILL)
 
     # the launch config tells torch's launcher to leave these two alone (`local_launcher(own_signals)`)
     if threading.current_thread() is threading.main_thread():

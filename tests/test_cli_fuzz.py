@@ -274,3 +274,33 @@ def test_invalid_invocations_exit_2_with_one_line(inputs, tmp_path, capsys, monk
         if code != 2 or len(lines) != 1 or "Traceback" in err or "error" not in err:
             failures.append(f"{' '.join(argv)}\n    -> {code}: {err.strip()[-300:]}")
     assert not failures, f"{len(failures)} of {len(invocations)}:\n" + "\n".join(failures)
+
+
+def test_a_usage_error_is_one_line_with_a_pointer_to_help(capsys):
+    for argv in (["train", "--stepz", "3"], ["bogus"], ["plan", "--gpus", "eight"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "--help`" in err and "usage:" not in err
+
+
+def test_a_closed_pipe_ends_quietly():
+    import os
+    import subprocess
+    import sys
+
+    # `fivefold presets --json | head`, with the reader already gone: every write fails
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        writer = subprocess.run(
+            [sys.executable, "-m", "fivefold", "presets", "--json"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert writer.returncode == 0 and writer.stderr == "", writer.stderr

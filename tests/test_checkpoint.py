@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,10 +93,12 @@ def test_corrupt_or_missing_checkpoints_are_clear_errors(tmp_path, corpus):
     step = run / "checkpoints" / "step_3"
     for data_file in step.glob("*.distcp"):
         data_file.write_bytes(data_file.read_bytes()[:100])  # truncated on disk
-    with pytest.raises(FivefoldError, match="corrupt or incomplete"):
+    with pytest.raises(FivefoldError, match="step_3 is incomplete .shard __0_0.distcp is 100 bytes"):
         train(config(corpus, steps=6), run, resume="latest", progress=False)
+    with pytest.raises(FivefoldError, match="corrupt or incomplete"):  # asked for by step: loaded as is
+        train(config(corpus, steps=6), run, resume="3", progress=False)
     (step / ".metadata").unlink()
-    with pytest.raises(FivefoldError, match="corrupt or incomplete"):
+    with pytest.raises(FivefoldError, match=r"\.metadata is missing"):
         train(config(corpus, steps=6), run, resume="latest", progress=False)
     with pytest.raises(FivefoldError, match="not found; available steps: 3"):
         ckpt.find_checkpoint(run, "5")
@@ -107,3 +110,74 @@ def test_a_finished_run_directory_is_not_overwritten(tmp_path, corpus):
     train(config(corpus, steps=3), tmp_path / "r", progress=False)
     with pytest.raises(FivefoldError, match="--resume"):
         train(config(corpus, steps=3), tmp_path / "r", progress=False)
+
+
+def test_resume_falls_back_past_an_incomplete_checkpoint_and_a_half_written_metrics_line(
+    tmp_path, corpus, capsys
+):
+    whole = train(config(corpus, steps=4, checkpoint_every=1), tmp_path / "whole", progress=False)
+    run = tmp_path / "run"
+    train(config(corpus, steps=4, checkpoint_every=1), run, progress=False)
+    assert [s for s, _ in ckpt.list_checkpoints(run)] == [3, 4]
+    newest = run / "checkpoints" / "step_4"
+    next(newest.glob("*.distcp")).unlink()  # a shard lost after the rename
+    assert "is missing" in ckpt.checkpoint_problem(newest)
+    with (run / "metrics.jsonl").open("a") as fh:
+        fh.write('{"step": 5, "lo')  # killed while writing a line
+    capsys.readouterr()
+    resumed = train(config(corpus, steps=4), run, resume="latest", progress=False)
+    err = capsys.readouterr().err
+    assert "step_4 is incomplete" in err and "falling back to step_3" in err
+    assert resumed.first_step == 4 and resumed.losses == whole.losses[3:]
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert ckpt.checkpoint_problem(run / "checkpoints" / "step_4") is None  # saved again, whole
+
+
+def test_pruned_and_replaced_checkpoints_leave_the_step_names_before_they_are_deleted(
+    tmp_path, corpus, monkeypatch
+):
+    run = tmp_path / "run"
+    train(config(corpus, steps=2, checkpoint_every=1), run, progress=False)
+    seen: list[str] = []
+
+    def record_rmtree(path, ignore_errors=False):
+        seen.append(Path(path).name)
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", record_rmtree)  # deletions that never finish
+    train(config(corpus, steps=3, checkpoint_every=1), run, resume="1", progress=False)
+    assert [s for s, _ in ckpt.list_checkpoints(run)] == [2, 3]
+    assert all(name.endswith((".tmp", ".deleting")) for name in seen), seen
+    retired = sorted({name.split(".")[0] for name in seen if name.endswith(".deleting")})
+    assert retired == ["step_1", "step_2"]  # step 2 replaced by its repeat, step 1 pruned
+
+
+@pytest.mark.slow
+def test_resume_under_the_layout_flags_given_alone(tiny_run, tmp_path, capsys):
+    """`--resume --tp 2` means "tp 2 now": the saved layout is not merged in, and the change is said."""
+    import os
+    import subprocess
+    import sys
+
+    from fivefold.cli import main
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    shutil.copytree(tiny_run, one)
+    shutil.copytree(tiny_run, two)
+    saved = two / "config.toml"  # as a dp 2 run would have written it: the checkpoint is layout-free
+    saved.write_text(saved.read_text().replace("\ndp = 1\n", "\ndp = 2\n"))
+    assert main(["train", "--run-dir", str(one), "--resume", "--steps", "2", "--no-progress"]) == 0
+    done = subprocess.run(
+        [sys.executable, "-m", "fivefold", "train", "--run-dir", str(two), "--resume", "--steps", "2"]
+        + ["--nproc", "2", "--tp", "2", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "fivefold train: resuming under the layout given: dp 2 → 1, tp 1 → 2" in done.stderr
+    assert "tp = 2" in (two / "config.toml").read_text()
+    expected = read_metrics(one / "metrics.jsonl")[-1]
+    got = read_metrics(two / "metrics.jsonl")[-1]
+    assert got["step"] == expected["step"] == 2
+    assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)

@@ -152,6 +152,9 @@ def test_nproc_2_starts_agrees_on_a_layout_and_exits_cleanly(files, tmp_path):
 
 @pytest.mark.slow
 def test_a_failing_rank_is_reported_once(files, tmp_path):
+    # data that is there but malformed: found out by the ranks as they read it, not before
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"no text": 1}\n')
     proc = _fivefold(
         "train",
         "--model",
@@ -161,7 +164,7 @@ def test_a_failing_rank_is_reported_once(files, tmp_path):
         "--device",
         "cpu",
         "--data",
-        f"{files['root']}/nothing-here",
+        str(bad),
         "--run-dir",
         str(tmp_path / "r"),
         cwd=tmp_path,
@@ -170,7 +173,7 @@ def test_a_failing_rank_is_reported_once(files, tmp_path):
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert "data not found" in lines[0] and "rank" in lines[0]
+    assert '"text" field' in lines[0] and "rank" in lines[0]
 
 
 @pytest.mark.parametrize(("flags", "axis"), [(["--fsdp", "2", "--tp", "2", "--ep", "2"], "--ep 2")])

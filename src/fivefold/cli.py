@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from typing import NoReturn
 
 from fivefold import __version__
 from fivefold.errors import FivefoldError
@@ -58,10 +60,17 @@ class DefaultsShown(argparse.HelpFormatter):
         return f"{text} (default {default})" if text else f"(default {default})"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A usage error is one line and a pointer to --help, not the whole usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
 def _top_parser() -> argparse.ArgumentParser:
     steps = "\n".join(f"  {what:<24} {example}" for what, example in FIRST_STEPS)
     commands = "\n".join(f"  {k:<10} {v}" for k, v in COMMANDS.items())
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fivefold",
         description="What do you split, and what does it cost to stitch back together?",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -84,19 +93,30 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     module = importlib.import_module(f"fivefold.commands.{name}")
-    parser = argparse.ArgumentParser(
-        prog=f"fivefold {name}", description=COMMANDS[name], formatter_class=DefaultsShown
-    )
+    parser = OneLineParser(prog=f"fivefold {name}", description=COMMANDS[name], formatter_class=DefaultsShown)
     module.add_arguments(parser)
     args = parser.parse_args(rest)
     try:
         return int(module.run(args) or 0)
     except FivefoldError as exc:
-        print(f"fivefold {name}: error: {exc}", file=sys.stderr)
+        print(f"fivefold {name}: {exc.label}: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print(f"fivefold {name}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as other tools do
+        _silence_stdout()
+        return 0
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout is not a real file (captured in tests)
+        pass
 
 
 if __name__ == "__main__":

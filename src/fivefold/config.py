@@ -54,6 +54,10 @@ def _from_dict(cls: type[T], data: dict[str, Any], what: str) -> T:
 def _coerce(value: Any, f: dataclasses.Field, what: str) -> Any:
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     try:
+        if kind.startswith(("int", "float")) and isinstance(value, str):
+            raise ValueError  # a number written as a string is a mistake, not a number
+        if kind.startswith("str") and value is not None and not isinstance(value, str):
+            raise FivefoldError(f"{what}: {f.name} must be a string, got {value!r}")
         if kind.startswith("int") and not isinstance(value, bool) and value is not None:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
@@ -378,6 +382,8 @@ class Layout:
             raise FivefoldError(f"--pp-schedule {lay.pp_schedule} uses exactly 2 virtual stages per rank")
         if lay.pp_schedule in ("zbv", "dualpipev") and lay.pp > 1:
             lay.virtual_stages = 2
+        if lay.microbatches < 0:
+            raise FivefoldError(f"--microbatches must be >= 1 (or 0: the default), got {lay.microbatches}")
         if lay.microbatches == 0:
             lay.microbatches = max(lay.pp, 1) * (1 if lay.pp == 1 else 2)
         if lay.sp and lay.tp == 1:
@@ -470,7 +476,35 @@ class TrainSpec:
                 f"got {self.measure_memory_every}"
             )
         if not 0 <= self.min_lr_ratio <= 1:
-            raise FivefoldError("min_lr_ratio must be in [0, 1]")
+            raise FivefoldError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        positive = {"lr": "--lr", "eps": "eps"}
+        for name, flag in positive.items():
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise FivefoldError(f"{flag} must be a positive finite number, got {value}")
+        for name in ("weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise FivefoldError(f"{name} must be a finite number >= 0 (0: off), got {value}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise FivefoldError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        at_least = {
+            "eval_every": 1,
+            "eval_batches": 1,
+            "log_every": 1,
+            "warmup_steps": 0,
+            "checkpoint_every": 0,
+        }
+        for name, low in at_least.items():
+            if getattr(self, name) < low:
+                flag = {"warmup_steps": "--warmup"}.get(name, f"--{name.replace('_', '-')}")
+                hint = " (0: only at the end)" if name == "checkpoint_every" else ""
+                raise FivefoldError(f"{flag} must be >= {low}{hint}, got {getattr(self, name)}")
+        if not 0 <= self.seed < 2**63:
+            raise FivefoldError(f"--seed must be in 0..2^63-1, got {self.seed}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise FivefoldError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         return self
 
     def grad_accum(self, data_parallel: int) -> int:
@@ -552,8 +586,32 @@ _HF_ARCH = (
 )
 
 
+def check_seq_len(model: ModelSpec, seq_len: int) -> None:
+    """A run's sequences fit the model's positions (RoPE tables and HF configs are sized for them)."""
+    if seq_len > model.max_seq_len:
+        raise FivefoldError(
+            f"--seq-len {seq_len} exceeds the {model.max_seq_len} positions of model {model.name} "
+            f"(max_seq_len); valid: 1..{model.max_seq_len}"
+        )
+
+
 def model_spec_from_hf(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
     """Translate an HF `config.json` dict (Llama, Mistral, Mixtral, Qwen3, Qwen3-MoE, DeepSeek-V3)."""
+    if not isinstance(cfg, dict):
+        raise FivefoldError(f"HF config {name}: expected a JSON object, got {type(cfg).__name__}")
+    try:
+        return _model_spec_from_hf(cfg, name)
+    except KeyError as exc:
+        raise FivefoldError(f"HF config {name}: missing key {exc}") from None
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as exc:  # wrong types or zeros
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise FivefoldError(
+            f"HF config {name}: a value has the wrong type or is zero ({reason}); sizes and counts "
+            "must be positive integers"
+        ) from None
+
+
+def _model_spec_from_hf(cfg: dict[str, Any], name: str) -> ModelSpec:
     archs = cfg.get("architectures") or []
     model_type = cfg.get("model_type", "")
     if archs and not any(a in _HF_ARCH for a in archs):

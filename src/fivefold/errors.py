@@ -9,6 +9,7 @@ class FivefoldError(Exception):
     """Bad input: the CLI prints the message (no traceback) and exits with code 2."""
 
     exit_code = 2
+    label = "error"  # the word after the command in its one line
 
 
 def suggest(values: Iterable[object], limit: int = 8) -> str:

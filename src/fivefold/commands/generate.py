@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     args.max_new_tokens = _parse_limits(args.max_new_tokens)
-    if args.temperature < 0 or args.top_k < 0:
-        raise FivefoldError("--temperature and --top-k must be >= 0")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0) or args.top_k < 0:
+        raise FivefoldError(
+            f"--temperature must be a finite number >= 0 and --top-k >= 0 (0: all), "
+            f"got {args.temperature} and {args.top_k}"
+        )
     from fivefold.parallel.serve import resolve_degrees
 
     tp, pp, dp = resolve_degrees(args.nproc, args.tp, args.pp, args.dp)
@@ -263,20 +267,22 @@ def load_run(run_dir: Path, checkpoint: str = "latest", dtype: str | None = None
     import warnings
 
     import torch
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from fivefold.config import RunConfig
     from fivefold.model.hf import DTYPES, empty_model
     from fivefold.train.checkpoint import find_checkpoint
+    from fivefold.train.safe_metadata import read_metadata, safe_load
 
     config = RunConfig.from_toml(run_dir / "config.toml")
     path = find_checkpoint(run_dir, checkpoint)
     model = empty_model(config.model, DTYPES[dtype or "fp32"], device)
     weights = model.state_dict()
     try:
-        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        stored = read_metadata(path).state_dict_metadata
     except Exception as exc:  # a missing or unreadable .metadata: DCP raises several kinds
-        raise FivefoldError(f"checkpoint {path} is unreadable ({type(exc).__name__}: {exc})") from None
+        reason = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise FivefoldError(f"checkpoint {path} is unreadable ({type(exc).__name__}: {reason})") from None
     if config.model.tie_embeddings and "model.lm_head.weight" not in stored:
         weights.pop("lm_head.weight", None)  # the same tensor as the embedding
     missing = sorted(k for k in weights if f"model.{k}" not in stored)
@@ -287,7 +293,14 @@ def load_run(run_dir: Path, checkpoint: str = "latest", dtype: str | None = None
         )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load({"model": weights}, checkpoint_id=str(path))  # in place, cast to the model's dtype
+        try:
+            safe_load({"model": weights}, path)  # in place, cast to the model's dtype
+        except (
+            Exception,
+            CheckpointException,
+        ) as exc:  # a deleted or damaged shard: DCP raises several kinds
+            detail = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
+            raise FivefoldError(f"checkpoint {path} is corrupt or incomplete ({detail})") from None
     with torch.no_grad():  # dcp.load may have replaced tensors in the dict instead of filling them
         for name, tensor in model.state_dict().items():
             if name in weights and weights[name] is not tensor:

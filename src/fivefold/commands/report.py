@@ -101,6 +101,8 @@ def _read_json(path: Path) -> Any:
 def _pick_step(events: list[dict], wanted: int | None) -> int | None:
     steps = sorted({e["args"]["step"] for e in events if e["args"].get("kind") == "step"})
     if not steps:
+        if wanted is not None:
+            raise FivefoldError(f"--step {wanted}: this run recorded no pipeline steps (it ran without --pp)")
         return None
     if wanted is None:
         return steps[-1]

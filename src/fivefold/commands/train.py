@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
-from dataclasses import replace
+import sys
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,7 @@ from fivefold.config import (
 )
 from fivefold.errors import FivefoldError
 from fivefold.train.launch import TrainJob, launch, run_job
-from fivefold.train.loop import runtime_layout
+from fivefold.train.loop import preflight, runtime_layout
 
 # flag -> TrainSpec field (flags use dashes, the spec underscores)
 TRAIN_FLAGS: dict[str, tuple[type, str]] = {
@@ -85,6 +87,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="continue the run in --run-dir from its latest checkpoint (or STEP)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--watchdog",
+        type=float,
+        default=180.0,
+        metavar="SECONDS",
+        help="--nproc N: stop the run, naming the stuck rank, when no rank moves on for this long "
+        "(0: off; default 180)",
+    )
+    parser.add_argument(
+        "--checkpoint-on-interrupt",
+        action="store_true",
+        help="on SIGINT/SIGTERM, save a checkpoint at the step boundary before stopping",
+    )
     g = parser.add_argument_group("training")
     for name, (kind, text) in TRAIN_FLAGS.items():
         g.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=text)
@@ -98,11 +113,20 @@ def _config_file(path: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         raise FivefoldError(
             f"{path}: unknown table(s) {', '.join(unknown)}; a run config has model, train, layout"
         )
-    return data.get("model"), data.get("train", {}), data.get("layout", {})
+    model, train, layout = data.get("model"), data.get("train", {}), data.get("layout", {})
+    if model is not None and not isinstance(model, str | dict):
+        raise FivefoldError(
+            f"{path}: model must be a preset name, a model file path or a [model] table, got {model!r}"
+        )
+    for name, table in (("train", train), ("layout", layout)):
+        if not isinstance(table, dict):
+            raise FivefoldError(f"{path}: {name} must be a [{name}] table, got {table!r}")
+    return model, train, layout
 
 
-def build_run_config(args: argparse.Namespace) -> RunConfig:
-    """The run's configuration from `--config`, `--model` and the flags (not yet resolved)."""
+def build_run_config(args: argparse.Namespace, keep_layout: bool = True) -> RunConfig:
+    """The run's configuration from `--config`, `--model` and the flags (not yet resolved).
+    `keep_layout=False`: the config file's [layout] is left out, the flags alone say the layout."""
     model_entry, train_data, layout_data = (None, {}, {})
     if args.config:
         model_entry, train_data, layout_data = _config_file(args.config)
@@ -119,8 +143,24 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
             train = replace(train, **{_FIELD.get(name, name): value})
     if args.dtype:
         train = replace(train, dtype=args.dtype)
-    layout = layout_from_args(args, _from_dict(Layout, dict(layout_data), f"{args.config} [layout]"))
+    base = _from_dict(Layout, dict(layout_data), f"{args.config} [layout]") if keep_layout else None
+    layout = layout_from_args(args, base)
     return RunConfig(model=spec, train=train.validate(), layout=layout)
+
+
+def _say_layout_change(saved: Path, now: RunConfig, nproc: int) -> None:
+    """One line on what a resume under new layout flags changes (rank 0 only under torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", nproc))
+    old = RunConfig.from_toml(saved).layout  # as the run resolved it
+    new = runtime_layout(now.layout, world, now.model, now.train.seq_len)  # bad flags: one error line
+    changes = [
+        f"{f.name} {getattr(old, f.name)} → {getattr(new, f.name)}"
+        for f in fields(Layout)
+        if getattr(old, f.name) != getattr(new, f.name)
+    ]
+    if int(os.environ.get("RANK", "0")) == 0:
+        what = ", ".join(changes) if changes else "no change"
+        print(f"fivefold train: resuming under the layout given: {what}", file=sys.stderr, flush=True)
 
 
 def default_run_dir(model_name: str) -> Path:
@@ -143,16 +183,30 @@ def run(args: argparse.Namespace) -> int:
         saved = Path(args.run_dir) / "config.toml"
         if saved.exists():  # continue with the run's own settings; flags still override
             args.config = str(saved)
-            cfg = build_run_config(args)
+            # any layout flag means "this layout now": the saved one is not merged into it
+            new_layout = any(getattr(args, f.name, None) is not None for f in fields(Layout))
+            cfg = build_run_config(args, keep_layout=not new_layout)
+            if new_layout:
+                _say_layout_change(saved, cfg, 1 if _launched() else args.nproc)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg.model.name)
-    job = TrainJob(cfg, run_dir, resume=args.resume, progress=not args.no_progress)
+    if not (math.isfinite(args.watchdog) and args.watchdog >= 0):
+        raise FivefoldError(f"--watchdog must be a number of seconds >= 0 (0: off), got {args.watchdog}")
+    job = TrainJob(
+        cfg,
+        run_dir,
+        resume=args.resume,
+        progress=not args.no_progress,
+        watchdog=args.watchdog,
+        checkpoint_on_interrupt=args.checkpoint_on_interrupt,
+    )
     return start(job, 1 if _launched() else args.nproc)
 
 
 def start(job: TrainJob, nproc: int) -> int:
     """Train `job` here (one process, or one rank under torchrun) or on `nproc` local ranks."""
+    world = int(os.environ.get("WORLD_SIZE", "1")) if _launched() else nproc
+    # an impossible layout, missing data or an occupied run directory: reported before any rank starts
+    preflight(job.config, job.run_dir, job.resume, world)
     if nproc > 1:
-        # an impossible layout is reported here, before any process starts
-        runtime_layout(job.config.layout, nproc, job.config.model, job.config.train.seq_len)
         return launch(nproc, job)
     return run_job(job)

@@ -37,6 +37,7 @@ from fivefold.config import (
     ModelSpec,
     TrainSpec,
     add_layout_arguments,
+    check_seq_len,
     layout_from_args,
     load_model,
 )
@@ -107,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
     ).validate()
     layout.check_model(spec, train.seq_len)
+    check_seq_len(spec, train.seq_len)
+    if args.accumulation < 0:
+        raise FivefoldError(f"--accumulation must be >= 1 (or 0: the default), got {args.accumulation}")
     from fivefold.train.loop import check_runtime_axes
 
     check_runtime_axes(layout)

@@ -8,8 +8,12 @@ naming the rank and the exception; the launcher's own log chatter is silenced.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
+import shutil
+import socket
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,23 +28,88 @@ _QUIET = (
 )
 
 
-def local_launch_config(nproc: int) -> Any:
+LOOPBACK = "127.0.0.1"
+
+
+def local_launch_config(nproc: int, port: int, own_signals: bool = False, log_dir: str | None = None) -> Any:
     """torch's elastic launcher for `nproc` ranks on this machine, as `torchrun --standalone` sets it up:
-    c10d rendezvous on an OS-chosen port, no restarts, fresh (spawned) interpreters."""
+    c10d rendezvous on the loopback store at `port`, no restarts, fresh (spawned) interpreters.
+    `own_signals`: the caller handles SIGINT/SIGTERM itself (torch's launcher would turn them into
+    an exception with a traceback)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
+    extra: dict[str, Any] = {"signals_to_handle": "SIGHUP,SIGQUIT"} if own_signals else {}
+    if log_dir is not None:
+        extra["logs_specs"] = DefaultLogsSpecs(log_dir=log_dir)
     return LaunchConfig(
+        **extra,
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
         run_id=f"fivefold-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        rdzv_configs={"timeout": 120},
+        rdzv_endpoint=f"{LOOPBACK}:{port}",
+        rdzv_configs={"timeout": 120, "is_host": True},
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
+        local_addr=LOOPBACK,
     )
+
+
+@contextlib.contextmanager
+def loopback_store() -> Iterator[Any]:
+    """A TCPStore server that listens on 127.0.0.1 only, for a run that stays on this machine.
+
+    torch's TCPStore listens on every interface whatever host it is given, so anyone who can reach
+    the machine could write into a local run's rendezvous. Here the listening socket is bound to the
+    loopback address first and handed to the store; the launcher's rendezvous and the workers' store
+    then share this one server (same port, `multi_tenant`) instead of opening their own."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((LOOPBACK, 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(
+        LOOPBACK,
+        port,
+        is_master=True,
+        multi_tenant=True,
+        master_listen_fd=sock.fileno(),
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    handler = dynamic_rendezvous.DynamicRendezvousHandler
+    own_server = handler._create_tcp_store_server
+
+    def shared_server(self: Any, master_addr: str, master_port: int) -> Any:
+        # the workers' store: torch would open a second server on every interface
+        return dist.TCPStore(LOOPBACK, port, is_master=True, multi_tenant=True, wait_for_workers=False)
+
+    handler._create_tcp_store_server = shared_server
+    try:
+        yield store
+    finally:
+        handler._create_tcp_store_server = own_server
+        del store
+        sock.close()
+
+
+@contextlib.contextmanager
+def local_launcher(nproc: int, own_signals: bool = False) -> Iterator[Any]:
+    """The launch config for `nproc` local ranks, with a loopback-only store and a quiet launcher."""
+    if "GLOO_SOCKET_IFNAME" not in os.environ:  # gloo's own sockets on loopback too
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    log_dir = tempfile.mkdtemp(prefix="fivefold-launch-")  # torch's own per-run files, removed after
+    try:
+        with quiet_launcher(), loopback_store() as store:
+            yield local_launch_config(nproc, store.port, own_signals, log_dir)
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -87,10 +156,9 @@ def spawn_ranks(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
-        with quiet_launcher():
-            returned = elastic_launch(local_launch_config(nproc), _entry)(fn, args, backend)
+        with local_launcher(nproc) as config:
+            returned = elastic_launch(config, _entry)(fn, args, backend)
     except ChildFailedError as exc:
         rank, failure = next(iter(sorted(exc.failures.items())))
         message = str(failure.message or f"exit code {failure.exitcode}").strip().splitlines()

@@ -9,18 +9,28 @@ A checkpoint is a directory `checkpoints/step_<N>/` holding
     batches are a function of (seed, step), so the step is the data state);
   * `rng_rank<R>.pt`: each rank's torch RNG state.
 
-Atomic: everything is written into `step_<N>.tmp/`, and only when every rank has finished does
-rank 0 rename it to `step_<N>/` (a rename within one directory is atomic on POSIX). A crash while
-saving leaves the previous checkpoints untouched; a stale `.tmp` is removed by the next save.
-Only the newest `keep` checkpoints are kept.
+Complete or absent: everything is written into `step_<N>.tmp/`; each rank then reports the files it
+wrote and their sizes, rank 0 records them in `shards.json` and checks that it sees every one of
+them, whole, before it renames the directory to `step_<N>/` (a rename within one directory is
+atomic on POSIX). A rank whose files rank 0 cannot see (a run directory that is not on storage all
+ranks share) fails the save instead of leaving a checkpoint that only looks finished. A crash while
+saving leaves the previous checkpoints untouched; a stale `.tmp` is removed by the next save. Only
+the newest `keep` checkpoints are kept, and a checkpoint that goes (pruned, or replaced by the same
+step saved again) is renamed out of the `step_<N>` namespace before it is deleted.
+
+Resuming from `latest` takes the newest checkpoint that is whole (its index, every file the index
+names, at the recorded sizes), with a warning for each newer one it has to pass over.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
+import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -39,6 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fivefold.errors import FivefoldError
+from fivefold.train.safe_metadata import read_metadata, safe_load
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -57,20 +68,64 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def find_checkpoint(run_dir: Path, which: str = "latest") -> Path:
-    """`latest`, a step number, or a path to a `step_<N>` directory."""
+def find_checkpoint(run_dir: Path, which: str = "latest", warn: bool = True) -> Path:
+    """`latest` (the newest whole checkpoint), a step number, or a path to a `step_<N>` directory."""
     if which not in ("latest", "") and Path(which).is_dir():
         return Path(which)
     found = list_checkpoints(run_dir)
     if not found:
         raise FivefoldError(f"no checkpoint to resume from in {checkpoints_root(run_dir)}")
     if which in ("latest", ""):
-        return found[-1][1]
+        skipped: list[str] = []
+        for _, path in reversed(found):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                for text in skipped if warn and int(os.environ.get("RANK", "0")) == 0 else []:
+                    print(f"warning: {text}; falling back to {path.name}", file=sys.stderr, flush=True)
+                return path
+            skipped.append(f"checkpoint {path.name} is incomplete ({problem})")
+        raise FivefoldError(
+            f"no whole checkpoint in {checkpoints_root(run_dir)} ({skipped[0]}); start a new run"
+        )
     if which.isdigit() and (match := [p for s, p in found if s == int(which)]):
         return match[0]
     raise FivefoldError(
         f"checkpoint {which!r} not found; available steps: {', '.join(str(s) for s, _ in found)}"
     )
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why `path` is not a whole checkpoint, or None. Reads only the index and the file sizes."""
+    path = Path(path)
+    try:
+        json.loads((path / "trainer.json").read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "trainer.json is missing or unreadable"
+    try:
+        metadata = read_metadata(path)
+    except FileNotFoundError:
+        return ".metadata is missing"
+    except Exception as exc:  # noqa: BLE001 - refused, truncated or not a pickle: all mean unreadable
+        return f".metadata is unreadable ({(str(exc).splitlines() or [type(exc).__name__])[0][:120]})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = str(info.relative_path)
+        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    manifest = path / "shards.json"
+    if manifest.exists():
+        try:
+            for files in json.loads(manifest.read_text()).values():
+                for name, size in files.items():
+                    needed[name] = max(needed.get(name, 0), int(size))
+        except (ValueError, AttributeError, TypeError):
+            return "shards.json is unreadable"
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            return f"shard {name} is missing"
+        if file.stat().st_size < size:
+            return f"shard {name} is {file.stat().st_size} bytes, {size} were written"
+    return None
 
 
 def _barrier() -> None:
@@ -106,6 +161,8 @@ def save_checkpoint(
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        for stale in root.glob("step_*.deleting"):  # left by a kill during an earlier prune
+            shutil.rmtree(stale, ignore_errors=True)
     _barrier()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # one process: fine
@@ -114,17 +171,74 @@ def save_checkpoint(
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state()
     torch.save(rng, tmp / f"rng_rank{rank}.pt")
-    _barrier()
+    shards = _gather(_own_files(tmp, rank))  # every rank's files as it sees them: names and sizes
+    problem = None
+    if rank == 0:
+        (tmp / "shards.json").write_text(json.dumps({str(r): f for r, f in enumerate(shards)}, indent=1))
+        problem = _unseen(tmp, shards)
+    problem = _broadcast(problem)
+    if problem is not None:
+        raise FivefoldError(
+            f"checkpoint {final.name} is incomplete from rank 0's view: {problem}; the run directory "
+            f"must be on storage every rank shares (the previous checkpoint is kept)"
+        )
     if rank == 0:
         (tmp / "trainer.json").write_text(json.dumps(dict(trainer_state, step=step), indent=1))
-        if final.exists():  # the same step saved again (a resumed run repeating it)
-            shutil.rmtree(final)
+        replaced = _retire(final) if final.exists() else None  # the same step saved again
         os.replace(tmp, final)
         _fsync_dir(root)
-        for _, old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        gone = [_retire(old) for _, old in (list_checkpoints(run_dir)[:-keep] if keep > 0 else [])]
+        for old in [replaced, *gone]:
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def _own_files(directory: Path, rank: int) -> dict[str, int]:
+    """The files this rank wrote into a checkpoint directory (DCP names them `__<rank>_<i>.distcp`)."""
+    own = [
+        p for p in directory.iterdir() if p.name.startswith(f"__{rank}_") or p.name == f"rng_rank{rank}.pt"
+    ]
+    return {p.name: p.stat().st_size for p in sorted(own)}
+
+
+def _unseen(directory: Path, shards: list[dict[str, int]]) -> str | None:
+    """The first file some rank wrote that rank 0 does not see whole."""
+    for r, files in enumerate(shards):
+        if not files:
+            return f"rank {r} reported no files"
+        for name, size in files.items():
+            file = directory / name
+            if not file.is_file():
+                return f"rank {r}'s {name} is not there"
+            if file.stat().st_size != size:
+                return f"rank {r}'s {name} is {file.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def _retire(path: Path) -> Path:
+    """Move a finished checkpoint out of the `step_<N>` names first: a kill while deleting it then
+    leaves a directory nothing will mistake for a checkpoint."""
+    gone = path.with_name(f"{path.name}.{time.time_ns()}.deleting")
+    os.replace(path, gone)
+    return gone
+
+
+def _gather(value: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _broadcast(value: Any) -> Any:
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def load_checkpoint(
@@ -141,7 +255,7 @@ def load_checkpoint(
         state = _state(model_parts, optimizers)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(state, checkpoint_id=str(path))
+            safe_load(state, path)
     except (Exception, CheckpointException) as exc:  # DCP raises several kinds; all mean the same here
         detail = _first_cause(exc)
         raise FivefoldError(
@@ -154,12 +268,28 @@ def load_checkpoint(
         set_optimizer_state_dict(part, opt, state["optim"], options=_OPTIONS)
     rng_file = path / f"rng_rank{_rank()}.pt"
     if rng_file.exists():
+        _restore_rng(rng_file)
+    trainer_state["step"] = step
+    return trainer_state
+
+
+def _restore_rng(rng_file: Path) -> None:
+    """Each rank's RNG state: tensors only (`weights_only`), checked before it is applied."""
+    try:
         rng = torch.load(rng_file, weights_only=True)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    trainer_state["step"] = step
-    return trainer_state
+    except Exception as exc:  # noqa: BLE001 - unreadable, refused or the wrong shape: all mean corrupt
+        # torch's own message about a refused file advises turning the safety off: not repeated here
+        if isinstance(exc, pickle.UnpicklingError) and "Weights only load failed" in str(exc):
+            reason = "it holds objects other than tensors, which are not loaded"
+        else:
+            reason = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:100]}"
+        raise FivefoldError(
+            f"RNG state {rng_file} is corrupt or not a fivefold RNG file ({reason}); "
+            f"resume from another step_<N> directory or start a new run"
+        ) from None
 
 
 def _fsync_dir(path: Path) -> None:

@@ -106,12 +106,17 @@ def jsonl_documents(path: Path) -> list[tuple[str, bytes]]:
     return docs
 
 
+def check_data_source(source: str) -> None:
+    """The cheap part of reading `source`: it names something that is there."""
+    if source != "stdlib" and not Path(source).exists():
+        raise FivefoldError(f"data not found: {source} (use 'stdlib', a text file or folder, .jsonl or .bin)")
+
+
 def read_documents(source: str) -> list[tuple[str, bytes]]:
     if source == "stdlib":
         return stdlib_documents()
     path = Path(source)
-    if not path.exists():
-        raise FivefoldError(f"data not found: {path} (use 'stdlib', a text file or folder, .jsonl or .bin)")
+    check_data_source(source)
     if path.is_dir():
         return folder_documents(path)
     if path.suffix == ".jsonl":

@@ -1,6 +1,6 @@
 """`fivefold train --nproc N`: N local ranks through torch's own elastic launcher.
 
-Rendezvous is c10d on localhost with an OS-chosen port (as `torchrun --standalone` does). Each rank
+Rendezvous is c10d on a store that listens on 127.0.0.1 only, at an OS-chosen port. Each rank
 gets the resolved `TrainJob` as data (pickled by the spawn) and trains it in-process; gloo on CPU,
 NCCL on GPU (chosen by the loop from the device). Nothing is parsed again in the ranks.
 
@@ -26,8 +26,9 @@ from torch.distributed.launcher.api import elastic_launch
 
 from fivefold.config import RunConfig
 from fivefold.errors import FivefoldError
-from fivefold.parallel.spawn import local_launch_config, quiet_launcher
+from fivefold.parallel.spawn import local_launcher
 from fivefold.train.loop import train
+from fivefold.train.supervise import Watchdog, forward_signals, signal_name
 
 
 @dataclass(frozen=True)
@@ -38,11 +39,21 @@ class TrainJob:
     run_dir: Path
     resume: str | None = None  # None: a new run; "latest" or a step number: continue
     progress: bool = True
+    watchdog: float = 180.0  # seconds without progress on any rank before the run is stopped; 0: off
+    checkpoint_on_interrupt: bool = False  # SIGINT/SIGTERM: save a checkpoint at the step boundary
 
 
-def run_job(job: TrainJob) -> int:
+def run_job(job: TrainJob, control_folder: str | None = None) -> int:
     """Train `job` in this process: alone, or as one rank of a launched world."""
-    result = train(job.config, job.run_dir, resume=job.resume, progress=job.progress)
+    result = train(
+        job.config,
+        job.run_dir,
+        resume=job.resume,
+        progress=job.progress,
+        control_folder=control_folder,
+        checkpoint_on_interrupt=job.checkpoint_on_interrupt,
+        heartbeat=job.watchdog > 0,
+    )
     if int(os.environ.get("RANK", "0")) == 0:
         held = f"; held-out loss {result.held_out_loss:.4f}" if result.held_out_loss is not None else ""
         print(f"run directory: {result.run_dir}{held}")
@@ -52,11 +63,15 @@ def run_job(job: TrainJob) -> int:
 def _rank_entry(job: TrainJob, error_dir: str) -> int:
     """Runs in each spawned rank."""
     rank = os.environ.get("RANK", "?")
+    (Path(error_dir) / f"rank{rank}.pid").write_text(str(os.getpid()))  # for forwarded signals
     try:
-        return run_job(job)
+        return run_job(job, error_dir)
     except FivefoldError as exc:
-        _report(error_dir, rank, 2, str(exc))
-        sys.exit(2)
+        _report(error_dir, rank, exc.exit_code, str(exc))
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:  # SIGINT before the loop took over the signal
+        _report(error_dir, rank, 130, "interrupted by SIGINT before the first step")
+        sys.exit(130)
     except BaseException as exc:  # noqa: BLE001 - anything else is reported with its traceback
         trace = Path(error_dir) / f"rank{rank}.traceback"
         trace.write_text(traceback.format_exc())
@@ -92,12 +107,27 @@ def launch(nproc: int, job: TrainJob) -> int:
         )
     error_dir = Path(tempfile.mkdtemp(prefix="fivefold-ranks-"))
     keep_errors = False
+    watchdog = None
+    received: list[int] = []
     try:
-        with quiet_launcher():
-            elastic_launch(local_launch_config(nproc), _rank_entry)(job, str(error_dir))
+        with forward_signals(error_dir) as received, local_launcher(nproc, own_signals=True) as config:
+            watchdog = Watchdog(error_dir, nproc, job.watchdog)
+            try:
+                elastic_launch(config, _rank_entry)(job, str(error_dir))
+            finally:
+                watchdog.close()
         return 0
     except ChildFailedError as exc:
+        if watchdog is not None and watchdog.verdict is not None:
+            print(f"fivefold train: {watchdog.verdict}", file=sys.stderr)
+            return 1
         failure = _first_failure(error_dir)
+        stopped = [f for f in (failure,) if f is not None and f[1] > 128]
+        if received or stopped:  # a signal: the ranks stopped at a step boundary (or were killed)
+            signum = received[0] if received else stopped[0][1] - 128
+            message = stopped[0][2] if stopped else f"interrupted by {signal_name(signum)}"
+            print(f"fivefold train: stopped: {message}", file=sys.stderr)
+            return 128 + signum
         if failure is None:  # died without reporting (killed, out of memory, a signal)
             rank, info = next(iter(sorted(exc.failures.items())))
             print(

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fivefold.config import AXES, Layout, ModelSpec, RunConfig, TrainSpec
+from fivefold.config import AXES, Layout, ModelSpec, RunConfig, TrainSpec, check_seq_len
 from fivefold.errors import FivefoldError
 from fivefold.measure.ledger import CommLedger
 from fivefold.measure.memory import ActivationMeter, device_memory, state_bytes
@@ -33,8 +33,9 @@ from fivefold.parallel import apply
 from fivefold.parallel.api import LocalRunner
 from fivefold.parallel.device_mesh import build_runtime_mesh
 from fivefold.parallel.recompute import apply_recompute
+from fivefold.train import supervise
 from fivefold.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
-from fivefold.train.data import EVAL_STREAM, TokenData, load_data, sample_batch
+from fivefold.train.data import EVAL_STREAM, TokenData, check_data_source, load_data, sample_batch
 from fivefold.train.metrics import MetricsLog, MfuMeter
 from fivefold.train.plots import plot_loss_curve
 from fivefold.train.tokenizer import load_tokenizer
@@ -106,8 +107,29 @@ def runtime_layout(layout: Layout, world: int, model: ModelSpec, seq_len: int) -
     """The layout a training run uses: defaults filled, resolved, and checked against the model."""
     lay = default_layout(layout, world).resolve(world)
     lay.check_model(model, seq_len)
+    check_seq_len(model, seq_len)
     check_runtime_axes(lay)
     return lay
+
+
+def preflight(cfg: RunConfig, run_dir: Path, resume: str | None, world: int) -> None:
+    """What can be checked before any rank starts, so bad input never costs a launch."""
+    spec, tspec = cfg.model.validate(), cfg.train.validate()
+    layout = runtime_layout(cfg.layout, world, spec, tspec.seq_len)
+    tspec.grad_accum(layout.dp * layout.fsdp)
+    if tspec.device == "cuda" and not torch.cuda.is_available():
+        raise FivefoldError("device cuda was asked for but no CUDA GPU is visible; use --device cpu")
+    check_data_source(tspec.data)
+    tokenizer = load_tokenizer(tspec.tokenizer)
+    if tokenizer.vocab_size > spec.vocab:
+        raise FivefoldError(
+            f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens but model "
+            f"{spec.name} only {spec.vocab}; pick a model with vocab >= {tokenizer.vocab_size}"
+        )
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 speaks for the run directory
+        if resume is not None:
+            find_checkpoint(run_dir, resume, warn=False)
+        check_run_dir(run_dir, resume)
 
 
 def _broadcast(value: Any) -> Any:
@@ -140,18 +162,82 @@ def build_runner(
     return apply.build_runner(model, mesh, layout, train), mesh
 
 
-def _setup_run_dir(run_dir: Path, cfg: RunConfig, resume: str | None, rank: int) -> None:
-    has_run = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
-    if has_run and resume is None:
+# what a run writes into its directory: a new run never replaces any of these
+RUN_FILES = (
+    "config.toml",
+    "metrics.jsonl",
+    "trace.json",
+    "ledger.json",
+    "loss.png",
+    "run.json",
+    "checkpoints",
+)
+
+
+def check_run_dir(run_dir: Path, resume: str | None) -> None:
+    """A new run goes into an empty place: never over another run or files someone else wrote."""
+    if resume is not None:
+        return
+    run_dir = Path(run_dir)
+    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
         raise FivefoldError(
             f"{run_dir} already holds a run; pass --resume to continue it or pick another --run-dir"
         )
+    if present := [name for name in RUN_FILES if (run_dir / name).exists()]:
+        raise FivefoldError(
+            f"{run_dir} already has {', '.join(present)}, which a new run would overwrite; "
+            "pick another --run-dir or move those files"
+        )
+
+
+def _setup_run_dir(run_dir: Path, cfg: RunConfig, resume: str | None, rank: int) -> None:
+    """Rank 0 checks and writes; every rank learns the outcome (a rank that checked after rank 0
+    wrote `config.toml` would take the run for someone else's)."""
+    problem = None
     if rank == 0:
         try:
+            check_run_dir(run_dir, resume)
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.toml").write_text(cfg.to_toml())
+        except FivefoldError as exc:
+            problem = str(exc)
         except OSError as exc:
-            raise FivefoldError(f"cannot write the run directory {run_dir}: {exc}") from None
+            problem = f"cannot write the run directory {run_dir}: {exc}"
+    problem = _broadcast(problem)
+    if problem is not None:
+        raise FivefoldError(problem)
+
+
+def _check_shared(run_dir: Path, rank: int, world: int) -> None:
+    """Every rank must see the run directory rank 0 writes: checkpoints are assembled there."""
+    if world == 1:
+        return
+    token = run_dir / ".fivefold-shared"
+    stamp = f"{os.getpid()}-{time.time_ns()}"
+    if rank == 0:
+        token.write_text(_broadcast(stamp))
+    else:
+        stamp = _broadcast(None)
+    _barrier()
+    try:
+        seen = token.read_text() == stamp
+    except OSError:
+        seen = False
+    blind = [r for r, ok in enumerate(_gather(seen)) if not ok]
+    _barrier()
+    if rank == 0:
+        token.unlink(missing_ok=True)
+    if blind:
+        raise FivefoldError(
+            f"rank(s) {', '.join(map(str, blind))} do not see the run directory {run_dir} that rank 0 "
+            "writes; put --run-dir on storage every node shares"
+        )
+
+
+def _gather(value: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def evaluate(
@@ -176,17 +262,43 @@ def evaluate(
 
 
 def train(
-    cfg: RunConfig, run_dir: str | Path, resume: str | None = None, progress: bool = True
+    cfg: RunConfig,
+    run_dir: str | Path,
+    resume: str | None = None,
+    progress: bool = True,
+    control_folder: str | None = None,
+    checkpoint_on_interrupt: bool = False,
+    heartbeat: bool = True,
 ) -> TrainResult:
-    """Train `cfg` in this process (one rank of a launched world, or alone) and fill `run_dir`."""
+    """Train `cfg` in this process (one rank of a launched world, or alone) and fill `run_dir`.
+
+    SIGINT/SIGTERM stop it after the current step (`supervise.Interrupted`), with a checkpoint
+    first when `checkpoint_on_interrupt`. `control_folder`: where the launcher's stop file appears
+    and, with `heartbeat`, where its watchdog reads this rank's heartbeat.
+    """
     spec, train_spec = cfg.model.validate(), cfg.train.validate()
     device = resolve_device(train_spec)
-    created_group = init_distributed(device)
-    try:
-        return _train(cfg, spec, train_spec, Path(run_dir), resume, device, progress)
-    finally:
-        if created_group and dist.is_initialized():
-            dist.destroy_process_group()
+    rank = int(os.environ.get("RANK", "0"))
+    with supervise.rank_supervision(control_folder, rank, heartbeat):
+        supervise.mark(0, "joining the process group")
+        created_group = init_distributed(device)
+        try:
+            return _train(
+                cfg, spec, train_spec, Path(run_dir), resume, device, progress, checkpoint_on_interrupt
+            )
+        finally:
+            if created_group and dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _stop_signal(device: torch.device) -> int:
+    """The signal every rank agrees to stop for (the same answer on all of them), or 0."""
+    signum = supervise.stop_requested()
+    if not dist.is_initialized():
+        return signum
+    flag = torch.tensor([signum], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
 
 
 def _train(
@@ -197,6 +309,7 @@ def _train(
     resume: str | None,
     device: torch.device,
     progress: bool,
+    checkpoint_on_interrupt: bool = False,
 ) -> TrainResult:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -211,17 +324,22 @@ def _train(
             f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens but model "
             f"{spec.name} only {spec.vocab}; pick a model with vocab >= {tokenizer.vocab_size}"
         )
+    supervise.mark(0, "reading the data")
     data = load_data(tspec.data, tokenizer, tspec.seq_len)  # bad data fails before anything is written
     if data.max_token >= spec.vocab:
         raise FivefoldError(
             f"data {tspec.data} holds token id {data.max_token}, outside the model's vocab {spec.vocab}"
         )
     run_dir = Path(_broadcast(str(run_dir)))
-    checkpoint = find_checkpoint(run_dir, resume) if resume is not None else None
+    checkpoint = None
+    if resume is not None:  # rank 0 picks (and warns about skipped ones); every rank loads the same
+        checkpoint = Path(_broadcast(str(find_checkpoint(run_dir, resume, warn=rank == 0))))
     resolved = RunConfig(model=spec, train=tspec, layout=layout)
     _setup_run_dir(run_dir, resolved, resume, rank)
     _barrier()
+    _check_shared(run_dir, rank, world)
 
+    supervise.mark(0, "building the model")
     torch.manual_seed(tspec.seed)
     tracer = Tracer(rank)
     model = build_model(spec, "meta")
@@ -238,6 +356,7 @@ def _train(
     optimizers = [runner.build_optimizer(part) for part in parts]
     start = 0
     if checkpoint is not None:
+        supervise.mark(0, f"loading checkpoint {checkpoint.name}")
         state = load_checkpoint(checkpoint, parts, optimizers)
         start = state["step"]
         if start >= tspec.steps:
@@ -269,8 +388,10 @@ def _train(
             t0 = time.perf_counter()
             acts = ActivationMeter() if _measures_memory(step, tspec) else None
             with _step_ledger(ledger), acts or contextlib.nullcontext():
+                supervise.mark(step, "forward_backward")
                 with tracer.span("forward_backward", step=step), autocast():
                     loss = runner.forward_backward(x, y)
+                supervise.mark(step, "optimizer")
                 with tracer.span("optimizer", cat="optimizer", step=step):
                     grad_norm = runner.clip_grad_norm(tspec.grad_clip)
                     for opt in optimizers:
@@ -300,6 +421,7 @@ def _train(
                 "memory": memory,
             }
             if step % tspec.eval_every == 0 or step == tspec.steps:
+                supervise.mark(step, "held-out evaluation")
                 with tracer.span("eval", cat="eval", step=step):
                     rec["held_out_loss"] = evaluate(
                         runner, data, tspec, global_batch, batch_rank, data_ranks, device, autocast
@@ -307,11 +429,25 @@ def _train(
                 result.held_out_loss = rec["held_out_loss"]
             metrics.record(rec)
             result.losses.append(loss_value)
+            saved = None
             if step == tspec.steps or (tspec.checkpoint_every and step % tspec.checkpoint_every == 0):
+                supervise.mark(step, "saving a checkpoint")
                 with tracer.span("checkpoint", cat="checkpoint", step=step):
-                    save_checkpoint(run_dir, step, parts, optimizers, {"seed": tspec.seed}, KEEP_CHECKPOINTS)
+                    saved = save_checkpoint(
+                        run_dir, step, parts, optimizers, {"seed": tspec.seed}, KEEP_CHECKPOINTS
+                    )
+            supervise.mark(step, "agreeing whether to stop")
+            signum = _stop_signal(device)
+            if signum and step < tspec.steps:
+                if checkpoint_on_interrupt and saved is None:
+                    supervise.mark(step, "saving a checkpoint on interrupt")
+                    saved = save_checkpoint(
+                        run_dir, step, parts, optimizers, {"seed": tspec.seed}, KEEP_CHECKPOINTS
+                    )
+                raise supervise.Interrupted(signum, step, saved)
     finally:
         metrics.close()
+    supervise.mark(tspec.steps, "writing the run's outputs")
     _write_outputs(run_dir, rank, world, tracer, ledger, runner, spec.vocab, mfu.hardware)
     return result
 

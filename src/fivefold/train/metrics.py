@@ -114,7 +114,12 @@ class MetricsLog:
 def _truncate_after(path: Path, step: int) -> None:
     if not path.exists():
         return
-    keep = [
-        line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
-    ]
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+            if record["step"] <= step:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):  # a line half-written when the run was killed
+            continue
     path.write_text("".join(line + "\n" for line in keep))

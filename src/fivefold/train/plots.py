@@ -10,7 +10,13 @@ from pathlib import Path
 def read_metrics(path: Path) -> list[dict]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # a line half-written when the run was killed
+            continue
+    return records
 
 
 def plot_loss_curve(metrics_path: Path, out_path: Path, vocab: int | None = None) -> Path | None:

@@ -1,0 +1,108 @@
+"""Signals and stalls end a multi-rank run cleanly: one line, the right exit code, nothing left over.
+
+Each case starts `fivefold train --nproc 2` on the tiny model with more steps than it will run,
+waits for the first metrics line, then interrupts (Ctrl-C to the whole process group, or SIGTERM
+to the launcher only) or stops one rank with SIGSTOP.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fivefold.train.checkpoint import checkpoint_problem, list_checkpoints
+
+
+def _start(tmp_path: Path, corpus: str, *extra: str) -> tuple[subprocess.Popen, Path, Path]:
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    run = tmp_path / "run"
+    argv = ["train", "--model", "tiny", "--nproc", "2", "--steps", "100000", "--seq-len", "16"]
+    argv += ["--micro-batch", "2", "--device", "cpu", "--no-progress", "--data", corpus]
+    argv += ["--eval-every", "100000", "--run-dir", str(run), *extra]
+    env = dict(os.environ, TMPDIR=str(temp), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fivefold", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal would make it
+    )
+    deadline = time.monotonic() + 240
+    while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").stat().st_size):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _end(proc)
+            pytest.fail(f"the run did not start: {proc.communicate()[1][-2000:]}")
+        time.sleep(0.2)
+    return proc, run, temp
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """Leave nothing behind, whatever happened."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+def _own_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if not line.startswith("rank ")]  # not the step log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("how", "code", "word"),
+    [("ctrl-c", 130, "SIGINT"), ("sigterm", 143, "SIGTERM")],
+)
+def test_an_interrupt_stops_every_rank_at_a_step_boundary(tmp_path, corpus, how, code, word):
+    flags = ["--checkpoint-on-interrupt"] if how == "ctrl-c" else []
+    proc, run, temp = _start(tmp_path, corpus, *flags)
+    try:
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)  # the launcher and every rank get it
+        else:
+            os.kill(proc.pid, signal.SIGTERM)  # the launcher only: it passes it on
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        _end(proc)
+    assert proc.returncode == code, stderr[-3000:]
+    assert "Traceback" not in stderr and "SignalException" not in stderr
+    lines = _own_lines(stderr)
+    assert len(lines) == 1 and lines[0].startswith(f"fivefold train: stopped: interrupted by {word}"), stderr
+    assert not list(temp.glob("fivefold-*")), list(temp.iterdir())  # no rank or launcher folders left
+    saved = list_checkpoints(run)
+    if flags:
+        step, path = saved[-1]
+        assert f"after step {step}; checkpoint saved: {path}" in lines[0]
+        assert checkpoint_problem(path) is None
+    else:
+        assert saved == []
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_run_within_the_watchdog_time(tmp_path, corpus):
+    watchdog = 5
+    proc, run, temp = _start(tmp_path, corpus, "--watchdog", str(watchdog))
+    try:
+        (ranks,) = temp.glob("fivefold-ranks-*")
+        stopped = int((ranks / "rank1.pid").read_text())
+        os.kill(stopped, signal.SIGSTOP)
+        t0 = time.monotonic()
+        _, stderr = proc.communicate(timeout=watchdog + 60)
+        elapsed = time.monotonic() - t0
+    finally:
+        _end(proc)
+    assert proc.returncode not in (0, None), stderr[-3000:]
+    assert elapsed < watchdog + 10, elapsed
+    lines = _own_lines(stderr)
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert lines[0].startswith("fivefold train: watchdog: rank 1 stopped responding"), lines[0]
+    assert "while in" in lines[0] and "at step" in lines[0]
+    with pytest.raises(ProcessLookupError):  # killed, not left stopped
+        os.kill(stopped, 0)

@@ -1,0 +1,151 @@
+"""Run directories are untrusted input: reading a checkpoint never runs code from it."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from fivefold.cli import main
+from fivefold.parallel.spawn import loopback_store, spawn_ranks
+from fivefold.train.safe_metadata import SafeLoadPlanner, UnsafeMetadata, load_metadata
+
+
+class _RunsCommand:
+    """Pickles to a call of os.system: what a crafted checkpoint index would hold."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture()
+def run_dir(tiny_run) -> Path:
+    return tiny_run
+
+
+def _one_line_exit_2(capsys, argv: list[str], words: str) -> None:
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and "weights_only" not in err and len(err.strip().splitlines()) == 1, err
+    assert words in err, err
+
+
+def test_the_real_index_reads_and_a_crafted_one_is_refused(run_dir, tmp_path):
+    real = (run_dir / "checkpoints" / "step_1" / ".metadata").read_bytes()
+    stored = load_metadata(real).state_dict_metadata
+    assert any(key.startswith("model.") for key in stored) and any(key.startswith("optim.") for key in stored)
+    marker = tmp_path / "ran"
+    with pytest.raises(UnsafeMetadata, match="posix.system|os.system"):
+        load_metadata(pickle.dumps(_RunsCommand(marker)))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("command", ["resume", "generate"])
+def test_a_crafted_checkpoint_index_does_not_run(run_dir, tmp_path, capsys, command):
+    run = tmp_path / "copy"
+    shutil.copytree(run_dir, run)
+    marker = tmp_path / "ran"
+    (run / "checkpoints" / "step_1" / ".metadata").write_bytes(pickle.dumps(_RunsCommand(marker)))
+    if command == "resume":
+        argv = ["train", "--run-dir", str(run), "--resume", "--steps", "2", "--no-progress"]
+    else:
+        argv = ["generate", "--from", str(run), "--prompt", "x", "--max-new-tokens", "2"]
+    _one_line_exit_2(capsys, argv, "refused")
+    assert not marker.exists()
+
+
+def test_a_crafted_or_damaged_rng_file_is_one_line(run_dir, tmp_path, capsys):
+    run = tmp_path / "copy"
+    shutil.copytree(run_dir, run)
+    marker = tmp_path / "ran"
+    rng = run / "checkpoints" / "step_1" / "rng_rank0.pt"
+    argv = ["train", "--run-dir", str(run), "--resume", "--steps", "2", "--no-progress"]
+    crafted = io.BytesIO()
+    torch.save({"cpu": _RunsCommand(marker)}, crafted)
+    for data in (crafted.getvalue(), b"not a torch file"):
+        rng.write_bytes(data)
+        _one_line_exit_2(capsys, argv, "incomplete (shard rng_rank0.pt is")  # not the size it was written at
+        _record_size(rng)  # the same file, as if written so: the loader itself must refuse it
+        _one_line_exit_2(capsys, argv, "RNG state")
+        assert not marker.exists()
+
+
+def _record_size(file: Path) -> None:
+    manifest = file.parent / "shards.json"
+    shards = json.loads(manifest.read_text())
+    shards["0"][file.name] = file.stat().st_size
+    manifest.write_text(json.dumps(shards))
+
+
+def test_non_tensor_checkpoint_values_are_not_unpickled_freely(tmp_path):
+    marker = tmp_path / "ran"
+    buffer = io.BytesIO()
+    torch.save(_RunsCommand(marker), buffer)
+    buffer.seek(0)
+    planner = SafeLoadPlanner()
+    planner.flatten_state_dict = False
+    planner.state_dict = {}
+    with pytest.raises(pickle.UnpicklingError):
+        planner.load_bytes(None, buffer)
+    assert not marker.exists()
+
+
+def _external_address() -> str | None:
+    """This machine's address on its default route, if it has one (nothing is sent)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("8.8.8.8", 9))
+        address = probe.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return None if address.startswith("127.") else address
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def _store_reachability(rank: int, world: int, external: str | None) -> tuple[str, bool, bool | None]:
+    port = int(os.environ["MASTER_PORT"])
+    outside = _reachable(external, port) if external else None
+    return os.environ["MASTER_ADDR"], _reachable("127.0.0.1", port), outside
+
+
+def test_the_local_rendezvous_store_listens_on_loopback_only():
+    external = _external_address()
+    with loopback_store() as store:
+        assert _reachable("127.0.0.1", store.port)
+        if external:
+            assert not _reachable(external, store.port)
+    # and the launcher's ranks meet on it: the address they are given, and what answers there
+    for address, inside, outside in spawn_ranks(_store_reachability, 2, external):
+        assert address == "127.0.0.1" and inside
+        assert outside is (False if external else None)
+
+
+@pytest.mark.parametrize("name", ["config.toml", "trace.json"])
+def test_a_users_files_are_not_overwritten_by_a_new_run(tmp_path, capsys, corpus, name):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / name).write_text("# my own notes\n")
+    for nproc in ("1", "2"):  # refused in this process, before any rank would start
+        argv = ["train", "--model", "tiny", "--steps", "1", "--data", corpus, "--device", "cpu"]
+        _one_line_exit_2(capsys, argv + ["--nproc", nproc, "--run-dir", str(mine)], "would overwrite")
+    assert (mine / name).read_text() == "# my own notes\n"

@@ -98,7 +98,8 @@ BASES: dict[str, list[str]] = {
     "train": TRAIN_BASE,
     "demo": ["--steps", "1", "--no-progress", "--run-dir", "{fresh}"],
     "verify": ["--model", "tiny", "--nproc", "2", "--steps", "1"],
-    "plan": ["--model", "llama3-8b", "--hardware", "h100-80gb", "--gpus", "8", "--seq-len", "4096"],
+    "plan": ["--model", "llama3-8b", "--hardware", "h100-80gb", "--gpus", "8", "--seq-len", "4096"]
+    + ["--global-batch", "64"],
     "mesh": ["--gpus", "8", "--tp", "2"],
     "explore": ["--model", "tiny", "--gpus", "4", "--no-lab", "--top", "0", "--out", "{fresh}.html"],
     "generate": ["--from", "{run}", "--prompt", "ab", "--max-new-tokens", "2"],
@@ -304,3 +305,10 @@ def test_a_closed_pipe_ends_quietly():
     finally:
         os.close(write_end)
     assert writer.returncode == 0 and writer.stderr == "", writer.stderr
+
+
+@pytest.mark.parametrize("command", ["plan", "mesh", "explore"])
+def test_each_base_invocation_is_valid(command, tmp_path, capsys):
+    """The mutations above must be what makes an invocation invalid, not a broken base."""
+    argv = [a.format(fresh=str(tmp_path / "fresh")) for a in [command, *BASES[command]]]
+    assert main(argv) == 0, capsys.readouterr().err

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         if base
         else defaults.global_batch(gpus, seq_len)
     )
-    defaults.say_assumed(assumed)
+
     micro = args.micro_batch or (base.train.micro_batch if base else 1)
     shape = TrainShape(seq_len=seq_len, global_batch=global_batch, micro_batch=micro).validate()
     if given and args.dp is None and args.fsdp is None and not base:
@@ -129,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         if tmp.exists():
             tmp.unlink()
         raise FivefoldError(f"--out {out}: cannot write the page there ({exc.strerror or exc})") from None
+    defaults.say_assumed(assumed)
     print(f"wrote {out} ({len(html) / 1e3:.0f} kB): open it in a browser")
     return 0
 

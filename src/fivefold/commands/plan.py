@@ -124,14 +124,20 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     if args.gpus <= 0:
         raise FivefoldError(f"--gpus must be positive, got {args.gpus}")
+    for flag in ("gpus_per_node", "seq_len", "global_batch", "micro_batch"):
+        value = getattr(args, flag, None)
+        if value is not None and value <= 0:
+            raise FivefoldError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    if args.top < 0:
+        raise FivefoldError(f"--top must be >= 0 (0: every layout that fits), got {args.top}")
+    # said on stderr once the plan stands, so that an error stays the only line
     assumed: dict[str, object] = {}
     if args.hardware is None:
         args.hardware = assumed["hardware"] = defaults.HARDWARE
     hw = load_hardware(args.hardware)
     gpn = args.gpus_per_node or hw.gpus_per_node
     if args.mode == "inference":
-        defaults.say_assumed(assumed)
-        return _inference(args, model, hw, gpn)
+        return _inference(args, model, hw, gpn, assumed)
     from fivefold.plan import TrainShape, plan
     from fivefold.plan import text as view
     from fivefold.plan.search import search
@@ -140,7 +146,6 @@ def run(args: argparse.Namespace) -> int:
         args.seq_len = assumed["seq_len"] = defaults.SEQ_LEN
     if args.global_batch is None:
         args.global_batch = assumed["global_batch"] = defaults.global_batch(args.gpus, args.seq_len)
-    defaults.say_assumed(assumed)
     shape = TrainShape(
         seq_len=args.seq_len,
         global_batch=args.global_batch,
@@ -157,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
         pins = {k: getattr(args, k, None) for k in PINNABLE}
         pins["micro_batch"] = args.micro_batch
         result = search(model, hw, args.gpus, shape, gpn, top=args.top, pins=pins)
+        defaults.say_assumed(assumed)
         if args.json:
             print(
                 json.dumps(
@@ -189,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
                 "drop --microbatches or change --global-batch/--micro-batch"
             )
     p = plan(model, hw, layout, shape, gpn)
+    defaults.say_assumed(assumed)
     if args.json:
         print(json.dumps(p.to_json()))
         return 0
@@ -229,7 +236,7 @@ def _does_not_fit(p, args: argparse.Namespace, pinned) -> str:  # noqa: ANN001 -
     return "\n".join(lines) + "\n"
 
 
-def _inference(args: argparse.Namespace, model, hw, gpn: int) -> int:
+def _inference(args: argparse.Namespace, model, hw, gpn: int, assumed: dict) -> int:
     import json
 
     from fivefold.config import layout_from_args
@@ -253,6 +260,7 @@ def _inference(args: argparse.Namespace, model, hw, gpn: int) -> int:
 
         pins = {k: getattr(args, k, None) for k in ("tp", "pp", "cp", "ep")}
         result = search_serving(model, hw, args.gpus, shape, gpn, args.objective, args.top, pins)
+        defaults.say_assumed(assumed)
         if args.json:
             print(
                 json.dumps(
@@ -275,5 +283,6 @@ def _inference(args: argparse.Namespace, model, hw, gpn: int) -> int:
         layout.fsdp, layout.dp = (layout.dp if args.dp is not None else -1), 1
     layout = resolve_layout(layout, args.gpus, gpn, model, args.seq_len)
     p = inference_plan(model, hw, layout, shape, gpn)
+    defaults.say_assumed(assumed)
     print(json.dumps(p.to_json()) if args.json else view.inference_text(p))
     return 0

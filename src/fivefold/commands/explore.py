@@ -81,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
     hw = load_hardware(args.hardware or ("cpu" if base and not args.model else defaults.HARDWARE))
     layout = layout_from_args(args, base.layout if base else None)
     given = base is not None or any(getattr(args, f) is not None for f in _LAYOUT_FLAGS)
+    if args.top < 0:
+        raise FivefoldError(f"--top must be >= 0 (0: no search), got {args.top}")
     for flag in ("gpus", "gpus_per_node", "seq_len", "global_batch", "micro_batch"):
         value = getattr(args, flag)
         if value is not None and value <= 0:

@@ -29,6 +29,7 @@ from fivefold.config import (
     read_toml,
 )
 from fivefold.errors import FivefoldError
+from fivefold.parallel.compile import check_compile
 from fivefold.train.launch import TrainJob, launch, run_job
 from fivefold.train.loop import runtime_layout
 
@@ -73,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=("fp32", "bf16"),
         help="compute dtype; bf16 keeps fp32 master weights and reductions (default fp32)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        default=None,
+        help="torch.compile each transformer block (dp, fsdp, tp, pp; not with ep or cp)",
     )
     parser.add_argument("--nproc", type=int, default=1, help="local ranks to start (default 1)")
     parser.add_argument("--run-dir", default=None, help="run directory (default runs/<model>-<time>)")
@@ -119,6 +126,8 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
             train = replace(train, **{_FIELD.get(name, name): value})
     if args.dtype:
         train = replace(train, dtype=args.dtype)
+    if getattr(args, "compile", None):
+        train = replace(train, compile=True)
     layout = layout_from_args(args, _from_dict(Layout, dict(layout_data), f"{args.config} [layout]"))
     return RunConfig(model=spec, train=train.validate(), layout=layout)
 
@@ -153,6 +162,8 @@ def start(job: TrainJob, nproc: int) -> int:
     """Train `job` here (one process, or one rank under torchrun) or on `nproc` local ranks."""
     if nproc > 1:
         # an impossible layout is reported here, before any process starts
-        runtime_layout(job.config.layout, nproc, job.config.model, job.config.train.seq_len)
+        layout = runtime_layout(job.config.layout, nproc, job.config.model, job.config.train.seq_len)
+        if job.config.train.compile:
+            check_compile(layout)
         return launch(nproc, job)
     return run_job(job)

@@ -12,8 +12,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from fivefold.config import Layout
 from fivefold.model.moe import set_aux_loss_scale
 from fivefold.model.transformer import lm_loss
+from fivefold.parallel.precision import forward_context
 
 
 class StepRunner(Protocol):
@@ -54,10 +56,15 @@ class StepRunner(Protocol):
 class LocalRunner:
     """One process, one device: micro-batches accumulated in a plain loop."""
 
-    def __init__(self, model: nn.Module, micro_batch: int) -> None:
+    def __init__(self, model: nn.Module, micro_batch: int, dtype: str = "fp32") -> None:
         self.model = model
         self.model_parts = [model]
         self.micro_batch = micro_batch
+        self.dtype = dtype  # bf16: autocast around each forward (fivefold.parallel.precision)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        with forward_context(self.dtype, Layout(), x.device.type):
+            return self.model(x)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         chunks = list(zip(inputs.split(self.micro_batch), labels.split(self.micro_batch)))
@@ -65,7 +72,7 @@ class LocalRunner:
         set_aux_loss_scale(self.model, scale)
         total = torch.zeros((), device=inputs.device)
         for x, y in chunks:
-            loss = lm_loss(self.model(x), y)
+            loss = lm_loss(self._forward(x), y)
             (loss * scale).backward()
             total += loss.detach() * scale
         return total
@@ -81,7 +88,7 @@ class LocalRunner:
         was_training = self.model.training
         self.model.eval()
         losses = [
-            lm_loss(self.model(x), y)
+            lm_loss(self._forward(x), y)
             for x, y in zip(inputs.split(self.micro_batch), labels.split(self.micro_batch))
         ]
         self.model.train(was_training)

@@ -31,6 +31,7 @@ from fivefold.model.moe import moe_layers, set_aux_loss_scale
 from fivefold.model.transformer import lm_loss
 from fivefold.parallel.data import make_optimizer
 from fivefold.parallel.gradnorm import grad_norm_squared
+from fivefold.parallel.precision import forward_context
 from fivefold.parallel.tensor import loss_context
 
 
@@ -54,13 +55,8 @@ class ParallelRunner:
         self.replicas = runtime_mesh.size(replicas)
         self.replica_group = runtime_mesh.group(replicas) if self.replicas > 1 else None
         self.cp, self.cp_rank = layout.cp, runtime_mesh.coord("cp")
-        device_type = runtime_mesh.device_mesh.device_type
-        # bf16 without FSDP: autocast (FSDP casts through its MixedPrecisionPolicy instead)
-        self.autocast = (
-            torch.autocast(device_type, dtype=torch.bfloat16)
-            if train.dtype == "bf16" and not self.is_fsdp
-            else contextlib.nullcontext()
-        )
+        # bf16: autocast around each forward, or nothing where FSDP2's policy casts the weights
+        self.autocast = forward_context(train.dtype, layout, runtime_mesh.device_mesh.device_type)
 
     # ---- the StepRunner contract
 

@@ -24,6 +24,17 @@ _QUIET = (
 )
 
 
+def threads_per_rank(local_ranks: int) -> int:
+    """Intra-op threads for each of `local_ranks` ranks on this machine: OMP_NUM_THREADS when the
+    user set it, else the cores this process may run on divided among the ranks (at least 1), so
+    ranks do not oversubscribe the cores and a lone rank uses all of them."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_ranks))
+
+
 def local_launch_config(nproc: int) -> Any:
     """torch's elastic launcher for `nproc` ranks on this machine, as `torchrun --standalone` sets it up:
     c10d rendezvous on an OS-chosen port, no restarts, fresh (spawned) interpreters."""
@@ -64,7 +75,7 @@ def _entry(fn: Callable[..., Any], args: tuple) -> Any:
 
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     dist.init_process_group("gloo")
     try:
         rank, world = dist.get_rank(), dist.get_world_size()

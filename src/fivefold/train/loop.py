@@ -29,12 +29,13 @@ from fivefold.model import build_model, materialize
 from fivefold.model.moe import moe_layers
 from fivefold.parallel import apply
 from fivefold.parallel.api import LocalRunner
+from fivefold.parallel.compile import check_compile, compile_blocks
 from fivefold.parallel.device_mesh import build_runtime_mesh
 from fivefold.parallel.ledger import CommLedger
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.timeline import write_trace
 from fivefold.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
-from fivefold.train.data import EVAL_STREAM, TokenData, load_data, sample_batch
+from fivefold.train.data import EVAL_STREAM, BatchPrefetcher, TokenData, load_data, sample_batch
 from fivefold.train.memory import ActivationMeter, device_memory, state_bytes
 from fivefold.train.metrics import MetricsLog, MfuMeter
 from fivefold.train.plots import plot_loss_curve
@@ -154,7 +155,9 @@ def build_runner(
     if world == 1:
         materialize(model, device, train.seed)
         apply_recompute(model, layout.recompute)
-        return LocalRunner(model, train.micro_batch), None
+        if train.compile:
+            compile_blocks(model)
+        return LocalRunner(model, train.micro_batch, train.dtype), None
     mesh = build_runtime_mesh(layout, device.type)
     return apply.build_runner(model, mesh, layout, train), mesh
 
@@ -181,7 +184,6 @@ def evaluate(
     rank: int,
     ranks: int,
     device: torch.device,
-    autocast: Any,
 ) -> float:
     """Mean loss over `eval_batches` fixed held-out batches (the same ones at every evaluation)."""
     losses = []
@@ -189,8 +191,7 @@ def evaluate(
         x, y = sample_batch(
             data.held_out, train.seq_len, global_batch, train.seed, i, rank, ranks, EVAL_STREAM
         )
-        with autocast():
-            losses.append(float(runner.eval_loss(x.to(device), y.to(device))))
+        losses.append(float(runner.eval_loss(x.to(device), y.to(device))))
     return sum(losses) / len(losses)
 
 
@@ -220,6 +221,8 @@ def _train(
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     layout = runtime_layout(cfg.layout, world, spec, tspec.seq_len)
+    if tspec.compile:
+        check_compile(layout)
     data_ranks = layout.dp * layout.fsdp
     accum = tspec.grad_accum(data_ranks)
     global_batch = tspec.micro_batch * data_ranks * accum
@@ -263,11 +266,6 @@ def _train(
         if start >= tspec.steps:
             log(f"checkpoint is at step {start}, at or past --steps {tspec.steps}: nothing to train")
 
-    use_autocast = tspec.dtype == "bf16" and layout.fsdp == 1  # FSDP runs carry their own policy
-
-    def autocast() -> Any:
-        return torch.autocast(device.type, dtype=torch.bfloat16) if use_autocast else contextlib.nullcontext()
-
     ledger = _make_ledger(mesh)
     mfu = MfuMeter(spec, tspec.seq_len, world, device)
     metrics = MetricsLog(
@@ -275,21 +273,24 @@ def _train(
     )
     result = TrainResult(run_dir, layout, first_step=start + 1)
     tokens_per_step = global_batch * tspec.seq_len
+
+    def fetch(step: int) -> tuple[torch.Tensor, ...]:
+        return sample_batch(data.train, tspec.seq_len, global_batch, tspec.seed, step, batch_rank, data_ranks)
+
+    batches = BatchPrefetcher(fetch, device, tspec.steps)
     try:
         for step in range(start + 1, tspec.steps + 1):
             lr = lr_at(step, tspec)
             for opt in optimizers:
                 for group in opt.param_groups:
                     group["lr"] = lr
-            x, y = sample_batch(
-                data.train, tspec.seq_len, global_batch, tspec.seed, step, batch_rank, data_ranks
-            )
-            x, y = x.to(device), y.to(device)
+            x, y = batches.get(step)  # sampled while the previous step ran
             _sync(device)
             t0 = time.perf_counter()
             acts = ActivationMeter() if _measures_memory(step, tspec) else None
             with _step_ledger(ledger), acts or contextlib.nullcontext():
-                with tracer.span("forward_backward", step=step), autocast():
+                # precision is the runner's (fivefold.parallel.precision): no autocast here
+                with tracer.span("forward_backward", step=step):
                     loss = runner.forward_backward(x, y)
                 with tracer.span("optimizer", cat="optimizer", step=step):
                     grad_norm = runner.clip_grad_norm(tspec.grad_clip)
@@ -322,7 +323,7 @@ def _train(
             if step % tspec.eval_every == 0 or step == tspec.steps:
                 with tracer.span("eval", cat="eval", step=step):
                     rec["held_out_loss"] = evaluate(
-                        runner, data, tspec, global_batch, batch_rank, data_ranks, device, autocast
+                        runner, data, tspec, global_batch, batch_rank, data_ranks, device
                     )
                 result.held_out_loss = rec["held_out_loss"]
             metrics.record(rec)
@@ -331,6 +332,7 @@ def _train(
                 with tracer.span("checkpoint", cat="checkpoint", step=step):
                     save_checkpoint(run_dir, step, parts, optimizers, {"seed": tspec.seed}, KEEP_CHECKPOINTS)
     finally:
+        batches.close()
         metrics.close()
     _write_outputs(run_dir, rank, world, tracer, ledger, runner, spec.vocab, mfu.hardware)
     return result

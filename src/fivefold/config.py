@@ -461,6 +461,7 @@ class TrainSpec:
     device: str = "auto"  # auto | cpu | cuda
     # saved-activation meter: a hook on every tensor autograd saves, so it is off unless asked for
     measure_memory_every: int = 0  # 0: never; N: steps 1, N+1, 2N+1, ... (and the last)
+    compile: bool = False  # torch.compile each transformer block (fivefold.parallel.compile)
 
     def validate(self) -> TrainSpec:
         if self.dtype not in DTYPES:

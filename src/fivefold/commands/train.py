@@ -31,6 +31,7 @@ from fivefold.config import (
     read_toml,
 )
 from fivefold.errors import FivefoldError
+from fivefold.parallel.compile import check_compile
 from fivefold.train.launch import TrainJob, launch, run_job
 from fivefold.train.loop import preflight, runtime_layout
 
@@ -75,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=("fp32", "bf16"),
         help="compute dtype; bf16 keeps fp32 master weights and reductions (default fp32)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        default=None,
+        help="torch.compile each transformer block (dp, fsdp, tp, pp; not with ep or cp)",
     )
     parser.add_argument("--nproc", type=int, default=1, help="local ranks to start (default 1)")
     parser.add_argument("--run-dir", default=None, help="run directory (default runs/<model>-<time>)")
@@ -143,6 +150,8 @@ def build_run_config(args: argparse.Namespace, keep_layout: bool = True) -> RunC
             train = replace(train, **{_FIELD.get(name, name): value})
     if args.dtype:
         train = replace(train, dtype=args.dtype)
+    if getattr(args, "compile", None):
+        train = replace(train, compile=True)
     base = _from_dict(Layout, dict(layout_data), f"{args.config} [layout]") if keep_layout else None
     layout = layout_from_args(args, base)
     return RunConfig(model=spec, train=train.validate(), layout=layout)
@@ -207,6 +216,8 @@ def start(job: TrainJob, nproc: int) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1")) if _launched() else nproc
     # an impossible layout, missing data or an occupied run directory: reported before any rank starts
     preflight(job.config, job.run_dir, job.resume, world)
+    if job.config.train.compile:  # axes torch cannot compile with, refused before any rank starts
+        check_compile(runtime_layout(job.config.layout, world, job.config.model, job.config.train.seq_len))
     if nproc > 1:
         return launch(nproc, job)
     return run_job(job)

@@ -16,6 +16,7 @@ from fivefold.config import Layout, TrainSpec
 from fivefold.model.moe import moe_layers, set_aux_loss_scale
 from fivefold.model.transformer import lm_loss
 from fivefold.parallel.data import make_optimizer
+from fivefold.parallel.precision import forward_context
 
 
 class StepRunner(Protocol):
@@ -65,6 +66,11 @@ class LocalRunner:
         self.model_parts = [model]
         self.micro_batch = micro_batch
         self.train = train or TrainSpec()
+        self.dtype = self.train.dtype  # bf16: autocast around each forward (fivefold.parallel.precision)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        with forward_context(self.dtype, Layout(), x.device.type):
+            return self.model(x)
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         chunks = list(zip(inputs.split(self.micro_batch), labels.split(self.micro_batch)))
@@ -72,7 +78,7 @@ class LocalRunner:
         set_aux_loss_scale(self.model, scale)
         total = torch.zeros((), device=inputs.device)
         for x, y in chunks:
-            loss = lm_loss(self.model(x), y)
+            loss = lm_loss(self._forward(x), y)
             (loss * scale).backward()
             total += loss.detach() * scale
         return total
@@ -97,7 +103,7 @@ class LocalRunner:
         was_training = self.model.training
         self.model.eval()
         losses = [
-            lm_loss(self.model(x), y)
+            lm_loss(self._forward(x), y)
             for x, y in zip(inputs.split(self.micro_batch), labels.split(self.micro_batch))
         ]
         self.model.train(was_training)

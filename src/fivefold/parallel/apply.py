@@ -18,21 +18,14 @@ from torch import nn
 from fivefold.config import Layout, TrainSpec
 from fivefold.errors import FivefoldError
 from fivefold.model.transformer import materialize
+from fivefold.parallel.compile import check_compile, compile_blocks
 from fivefold.parallel.context import apply_context_parallel
 from fivefold.parallel.data import apply_ddp, apply_fsdp, apply_replicate
 from fivefold.parallel.expert import apply_expert_parallel, check_expert_layout, reduce_after_backward
+from fivefold.parallel.precision import uses_fsdp, uses_replicate
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.runner import ParallelRunner
 from fivefold.parallel.tensor import apply_tensor_parallel
-
-
-def uses_fsdp(layout: Layout) -> bool:
-    return layout.fsdp > 1
-
-
-def uses_replicate(layout: Layout) -> bool:
-    """Replicas of tensor-parallel weights: torch's FSDP2-based `replicate` rather than DDP."""
-    return layout.fsdp == 1 and layout.tp > 1 and layout.dp * layout.cp > 1
 
 
 def check_layout(layout: Layout) -> None:
@@ -67,6 +60,8 @@ def parallelize_chunk(module: nn.Module, runtime_mesh: Any, layout: Layout, trai
         apply_context_parallel(module, runtime_mesh.group("cp"), layout.cp, layout.cp_impl)
     if layout.recompute != "none":
         apply_recompute(module, layout.recompute)
+    if train.compile:  # after TP and recompute, before FSDP wraps the blocks
+        compile_blocks(module)
     device = torch.device(runtime_mesh.device_mesh.device_type)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
@@ -90,6 +85,8 @@ def build_runner(model: nn.Module, runtime_mesh: Any, layout: Layout, train: Tra
     """A StepRunner for any layout; `model` is built on meta (or materialised identically on every rank)."""
     layout.check_model(model.spec, train.seq_len)
     check_layout(layout)
+    if train.compile:
+        check_compile(layout)
     if layout.ep > 1:
         check_expert_layout(layout)
     if layout.pp > 1:

@@ -12,7 +12,7 @@
 * `dp × fsdp`: HSDP, the same calls on the 2-D (dp, fsdp_cp) mesh: shard inside a replica group,
   all-reduce the reduced-scattered shard across replicas.
 * bf16: FSDP2's MixedPrecisionPolicy computes in bf16 from fp32 master weights and reduces
-  gradients in fp32. (Without FSDP the runner uses autocast instead.)
+  gradients in fp32 (the rule for every layout: `fivefold.parallel.precision`).
 """
 
 from __future__ import annotations
@@ -22,18 +22,13 @@ import warnings
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from fivefold.config import Layout, TrainSpec
-
-
-def mixed_precision(train: TrainSpec) -> MixedPrecisionPolicy:
-    if train.dtype == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+from fivefold.parallel.precision import mp_policy
 
 
 def apply_fsdp(
@@ -44,7 +39,7 @@ def apply_fsdp(
     `mesh` is 1-D (fsdp_cp) for FSDP or 2-D (dp, fsdp_cp) for HSDP; `ignored` parameters (experts
     sharded over ep) are neither sharded nor reduced by FSDP.
     """
-    policy = mixed_precision(train)
+    policy = mp_policy(train.dtype)
     reshard = zero == 3
     for unit in _units(model):
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
@@ -69,7 +64,7 @@ def apply_replicate(model: nn.Module, mesh: DeviceMesh, train: TrainSpec) -> Non
     """
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    policy = mixed_precision(train)
+    policy = mp_policy(train.dtype)
     for unit in _units(model):
         replicate(unit, mesh=mesh, mp_policy=policy)
     replicate(model, mesh=mesh, mp_policy=policy)

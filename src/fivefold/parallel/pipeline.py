@@ -173,6 +173,7 @@ def build_pipeline_runner(model, runtime_mesh, layout: Layout, train: TrainSpec)
     """The `StepRunner` for a layout with pp > 1 (see fivefold.parallel.api)."""
     from fivefold.model import materialize
     from fivefold.parallel.pipeline_runner import PipelineRunner
+    from fivefold.parallel.precision import precision_mode
 
     counts = check_pipeline(model.spec, layout, train)
     pp, sched = layout.pp, layout.pp_schedule
@@ -190,7 +191,7 @@ def build_pipeline_runner(model, runtime_mesh, layout: Layout, train: TrainSpec)
         if not source_is_meta:
             _copy_from(chunk, model)
         parts.append(chunk)
-        autocast = train.dtype == "bf16" and layout.fsdp == 1
+        autocast = precision_mode(train.dtype, layout) == "autocast"
         modules.append(_with_autocast(module, device) if autocast else module)
     return PipelineRunner(parts, modules, stage_ids, counts, runtime_mesh, layout, device, train)
 
@@ -206,6 +207,10 @@ def _parallelize(chunk, runtime_mesh, layout: Layout, train: TrainSpec):
             from fivefold.parallel.recompute import apply_recompute
 
             apply_recompute(chunk, layout.recompute)
+        if train.compile:
+            from fivefold.parallel.compile import compile_blocks
+
+            compile_blocks(chunk)
         return chunk
     from fivefold.parallel.apply import parallelize_chunk
 
@@ -213,8 +218,8 @@ def _parallelize(chunk, runtime_mesh, layout: Layout, train: TrainSpec):
 
 
 def _with_autocast(module, device):
-    """bf16 without FSDP (whose mixed-precision policy casts instead): autocast inside the stage's
-    module, so the schedule's own forwards (and its shape inference) see bf16 activations."""
+    """bf16 by autocast (see fivefold.parallel.precision): entered inside the stage's module, so
+    the schedule's own forwards (and its shape inference) see bf16 activations."""
     import torch
     from torch import nn
 

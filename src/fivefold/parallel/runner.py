@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from fivefold.config import Layout, TrainSpec
 from fivefold.model.moe import set_aux_loss_scale
 from fivefold.model.transformer import lm_loss
+from fivefold.parallel.precision import forward_context
 from fivefold.parallel.runner_core import RunnerCore, plain
 from fivefold.parallel.tensor import loss_context
 
@@ -38,13 +39,8 @@ class ParallelRunner(RunnerCore):
         self.is_fsdp_module = isinstance(model, FSDPModule)  # FSDP, HSDP or `replicate`
         self.is_ddp = isinstance(wrapped, DistributedDataParallel)
         self.cp, self.cp_rank = layout.cp, runtime_mesh.coord("cp")
-        device_type = runtime_mesh.device_mesh.device_type
-        # bf16 without FSDP: autocast (FSDP casts through its MixedPrecisionPolicy instead)
-        self.autocast = (
-            torch.autocast(device_type, dtype=torch.bfloat16)
-            if train.dtype == "bf16" and not self.is_fsdp
-            else contextlib.nullcontext()
-        )
+        # bf16: autocast around each forward, or nothing where FSDP2's policy casts the weights
+        self.autocast = forward_context(train.dtype, layout, runtime_mesh.device_mesh.device_type)
 
     # ---- the StepRunner contract
 

@@ -31,6 +31,17 @@ _QUIET = (
 LOOPBACK = "127.0.0.1"
 
 
+def threads_per_rank(local_ranks: int) -> int:
+    """Intra-op threads for each of `local_ranks` ranks on this machine: OMP_NUM_THREADS when the
+    user set it, else the cores this process may run on divided among the ranks (at least 1), so
+    ranks do not oversubscribe the cores and a lone rank uses all of them."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_ranks))
+
+
 def local_launch_config(nproc: int, port: int, own_signals: bool = False, log_dir: str | None = None) -> Any:
     """torch's elastic launcher for `nproc` ranks on this machine, as `torchrun --standalone` sets it up:
     c10d rendezvous on the loopback store at `port`, no restarts, fresh (spawned) interpreters.
@@ -133,7 +144,7 @@ def _entry(fn: Callable[..., Any], args: tuple, backend: str = "gloo") -> Any:
 
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import sysconfig
 import zlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -250,3 +252,37 @@ def sample_batch(
     windows = np.stack([np.asarray(tokens[s : s + seq_len + 1]) for s in starts]).astype(np.int64)
     block = torch.from_numpy(windows)
     return block[:, :-1].contiguous(), block[:, 1:].contiguous()
+
+
+class BatchPrefetcher:
+    """Batches of consecutive steps, each sampled on a worker thread while the step before it runs.
+
+    `get(step)` returns `fetch(step)` on `device` and starts `fetch(step + 1)` (up to `last`) in the
+    background, so the loop never waits for sampling, copying or pinning between two steps. A step
+    asked for out of order (resume) is fetched on the spot. The batches are the same as without it:
+    `fetch` is a pure function of the step.
+    """
+
+    def __init__(
+        self, fetch: Callable[[int], tuple[torch.Tensor, ...]], device: torch.device, last: int
+    ) -> None:
+        self._fetch, self._device, self._last = fetch, device, last
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fivefold-batches")
+        self._pending: tuple[int, Future] | None = None
+
+    def _load(self, step: int) -> tuple[torch.Tensor, ...]:
+        batch = self._fetch(step)
+        if self._device.type == "cuda":  # pinned host memory: the copy below overlaps compute
+            batch = tuple(t.pin_memory() for t in batch)
+        return batch
+
+    def get(self, step: int) -> tuple[torch.Tensor, ...]:
+        if self._pending is not None and self._pending[0] == step:
+            batch = self._pending[1].result()
+        else:
+            batch = self._load(step)
+        self._pending = (step + 1, self._pool.submit(self._load, step + 1)) if step < self._last else None
+        return tuple(t.to(self._device, non_blocking=True) for t in batch)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

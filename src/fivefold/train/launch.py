@@ -26,7 +26,7 @@ from torch.distributed.launcher.api import elastic_launch
 
 from fivefold.config import RunConfig
 from fivefold.errors import FivefoldError
-from fivefold.parallel.spawn import local_launcher
+from fivefold.parallel.spawn import local_launcher, threads_per_rank
 from fivefold.train.loop import train
 from fivefold.train.supervise import Watchdog, forward_signals, signal_name
 
@@ -98,8 +98,8 @@ def _first_failure(error_dir: Path) -> tuple[int, int, str] | None:
 
 def launch(nproc: int, job: TrainJob) -> int:
     """Start `nproc` local ranks training `job`; 0 when all of them succeed."""
-    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    # each spawned rank reads it when torch starts: cores ÷ ranks, unless the user set it
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
     if torch.cuda.is_available() and nproc > torch.cuda.device_count() and job.config.train.device != "cpu":
         raise FivefoldError(
             f"--nproc {nproc} needs {nproc} GPUs but {torch.cuda.device_count()} are visible; "

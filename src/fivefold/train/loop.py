@@ -31,11 +31,19 @@ from fivefold.measure.timeline import write_trace
 from fivefold.model import build_model, materialize
 from fivefold.parallel import apply
 from fivefold.parallel.api import LocalRunner
+from fivefold.parallel.compile import check_compile, compile_blocks
 from fivefold.parallel.device_mesh import build_runtime_mesh
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.train import supervise
 from fivefold.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
-from fivefold.train.data import EVAL_STREAM, TokenData, check_data_source, load_data, sample_batch
+from fivefold.train.data import (
+    EVAL_STREAM,
+    BatchPrefetcher,
+    TokenData,
+    check_data_source,
+    load_data,
+    sample_batch,
+)
 from fivefold.train.metrics import MetricsLog, MfuMeter
 from fivefold.train.plots import plot_loss_curve
 from fivefold.train.tokenizer import load_tokenizer
@@ -157,6 +165,8 @@ def build_runner(
     if world == 1:
         materialize(model, device, train.seed)
         apply_recompute(model, layout.recompute)
+        if train.compile:
+            compile_blocks(model)
         return LocalRunner(model, train.micro_batch, train), None
     mesh = build_runtime_mesh(layout, device.type)
     return apply.build_runner(model, mesh, layout, train), mesh
@@ -248,7 +258,6 @@ def evaluate(
     rank: int,
     ranks: int,
     device: torch.device,
-    autocast: Any,
 ) -> float:
     """Mean loss over `eval_batches` fixed held-out batches (the same ones at every evaluation)."""
     losses = []
@@ -256,8 +265,7 @@ def evaluate(
         x, y = sample_batch(
             data.held_out, train.seq_len, global_batch, train.seed, i, rank, ranks, EVAL_STREAM
         )
-        with autocast():
-            losses.append(float(runner.eval_loss(x.to(device), y.to(device))))
+        losses.append(float(runner.eval_loss(x.to(device), y.to(device))))
     return sum(losses) / len(losses)
 
 
@@ -314,6 +322,8 @@ def _train(
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     layout = runtime_layout(cfg.layout, world, spec, tspec.seq_len)
+    if tspec.compile:
+        check_compile(layout)
     data_ranks = layout.dp * layout.fsdp
     accum = tspec.grad_accum(data_ranks)
     global_batch = tspec.micro_batch * data_ranks * accum
@@ -362,11 +372,6 @@ def _train(
         if start >= tspec.steps:
             log(f"checkpoint is at step {start}, at or past --steps {tspec.steps}: nothing to train")
 
-    use_autocast = tspec.dtype == "bf16" and layout.fsdp == 1  # FSDP runs carry their own policy
-
-    def autocast() -> Any:
-        return torch.autocast(device.type, dtype=torch.bfloat16) if use_autocast else contextlib.nullcontext()
-
     ledger = _make_ledger(mesh)
     mfu = MfuMeter(spec, tspec.seq_len, world, device)
     metrics = MetricsLog(
@@ -374,22 +379,25 @@ def _train(
     )
     result = TrainResult(run_dir, layout, first_step=start + 1)
     tokens_per_step = global_batch * tspec.seq_len
+
+    def fetch(step: int) -> tuple[torch.Tensor, ...]:
+        return sample_batch(data.train, tspec.seq_len, global_batch, tspec.seed, step, batch_rank, data_ranks)
+
+    batches = BatchPrefetcher(fetch, device, tspec.steps)
     try:
         for step in range(start + 1, tspec.steps + 1):
             lr = lr_at(step, tspec)
             for opt in optimizers:
                 for group in opt.param_groups:
                     group["lr"] = lr
-            x, y = sample_batch(
-                data.train, tspec.seq_len, global_batch, tspec.seed, step, batch_rank, data_ranks
-            )
-            x, y = x.to(device), y.to(device)
+            x, y = batches.get(step)  # sampled while the previous step ran
             _sync(device)
             t0 = time.perf_counter()
             acts = ActivationMeter() if _measures_memory(step, tspec) else None
             with _step_ledger(ledger), acts or contextlib.nullcontext():
                 supervise.mark(step, "forward_backward")
-                with tracer.span("forward_backward", step=step), autocast():
+                # precision is the runner's (fivefold.parallel.precision): no autocast here
+                with tracer.span("forward_backward", step=step):
                     loss = runner.forward_backward(x, y)
                 supervise.mark(step, "optimizer")
                 with tracer.span("optimizer", cat="optimizer", step=step):
@@ -424,7 +432,7 @@ def _train(
                 supervise.mark(step, "held-out evaluation")
                 with tracer.span("eval", cat="eval", step=step):
                     rec["held_out_loss"] = evaluate(
-                        runner, data, tspec, global_batch, batch_rank, data_ranks, device, autocast
+                        runner, data, tspec, global_batch, batch_rank, data_ranks, device
                     )
                 result.held_out_loss = rec["held_out_loss"]
             metrics.record(rec)
@@ -446,6 +454,7 @@ def _train(
                     )
                 raise supervise.Interrupted(signum, step, saved)
     finally:
+        batches.close()
         metrics.close()
     supervise.mark(tspec.steps, "writing the run's outputs")
     _write_outputs(run_dir, rank, world, tracer, ledger, runner, spec.vocab, mfu.hardware)

@@ -97,21 +97,13 @@ def _candidate(rng: random.Random, world: int) -> Case:
 
 def check(case: Case) -> None:
     """Raise FivefoldError when the runtime refuses the case (the same checks `verify` runs)."""
-    from fivefold.parallel.apply import check_layout
-    from fivefold.parallel.expert import check_expert_layout
     from fivefold.parallel.pipeline import check_pipeline
-    from fivefold.parallel.tensor import check_tensor_parallel
+    from fivefold.support import check_trainable
 
     spec = load_model(case.model)
     lay = case.resolved()
     train = case.train()
-    lay.check_model(spec, SEQ)
-    check_layout(lay)
-    check_expert_layout(lay)
-    if lay.tp > 1:
-        check_tensor_parallel(spec, lay.tp)
-    if lay.cp_impl == "ulysses" and lay.cp > 1 and (spec.heads // lay.tp) % lay.cp:
-        raise FivefoldError("ulysses needs local heads divisible by cp")
+    check_trainable(spec, lay, SEQ)
     if lay.pp > 1:
         check_pipeline(spec, lay, train)
     # excluded on purpose (see the module docstring): the planner does not yet replay a schedule's

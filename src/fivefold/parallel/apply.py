@@ -16,14 +16,14 @@ import torch
 from torch import nn
 
 from fivefold.config import Layout, TrainSpec
-from fivefold.errors import FivefoldError
 from fivefold.model.transformer import materialize
 from fivefold.parallel.context import apply_context_parallel
 from fivefold.parallel.data import apply_ddp, apply_fsdp, apply_replicate
-from fivefold.parallel.expert import apply_expert_parallel, check_expert_layout, reduce_after_backward
+from fivefold.parallel.expert import apply_expert_parallel, reduce_after_backward
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.runner import ParallelRunner
 from fivefold.parallel.tensor import apply_tensor_parallel
+from fivefold.support import check_trainable
 
 
 def uses_fsdp(layout: Layout) -> bool:
@@ -35,26 +35,20 @@ def uses_replicate(layout: Layout) -> bool:
     return layout.fsdp == 1 and layout.tp > 1 and layout.dp * layout.cp > 1
 
 
-def check_layout(layout: Layout) -> None:
-    if layout.zero == 1 and layout.tp > 1 and layout.dp > 1:
-        raise FivefoldError(
-            f"--zero 1 (ZeroRedundancyOptimizer) works on DDP's plain replicated weights, not on the "
-            f"tensor-parallel shards of --tp {layout.tp}; use --fsdp to shard optimizer state with TP, "
-            "or --zero 0"
-        )
-
-
 def replica_dim(layout: Layout) -> str:
     """The mesh dim DDP averages over when nothing is sharded: every rank holding the same weights."""
     return "dp_fsdp_cp" if layout.cp > 1 else "dp"
 
 
-def parallelize_chunk(module: nn.Module, runtime_mesh: Any, layout: Layout, train: TrainSpec) -> nn.Module:
-    """Apply TP(+SP), CP, recompute and FSDP/HSDP/DDP to one model chunk (a Transformer, maybe partial).
+def parallelize_chunk(
+    module: nn.Module, runtime_mesh: Any, layout: Layout, train: TrainSpec, ddp: bool = True
+) -> nn.Module:
+    """Apply TP(+SP), EP, CP, recompute and FSDP/HSDP/DDP to one model chunk (a Transformer, maybe partial).
 
     Returns the module to call: a DDP wrapper around `module` for replicated data parallelism
-    without TP, else `module` itself (TP, FSDP and `replicate` work in place). The parameters are
-    always those of `module`.
+    without TP (unless `ddp` is False: pipeline stages average plain replicas themselves), else
+    `module` itself (TP, FSDP and `replicate` work in place). The parameters are always those of
+    `module`.
     """
     spec = module.spec
     on_meta = any(p.is_meta for p in module.parameters())
@@ -78,20 +72,17 @@ def parallelize_chunk(module: nn.Module, runtime_mesh: Any, layout: Layout, trai
         return module
     replicas = replica_dim(layout)
     if runtime_mesh.size(replicas) > 1 and uses_replicate(layout):
-        apply_replicate(module, runtime_mesh.get(replicas), train)
+        apply_replicate(module, runtime_mesh.get(replicas), train, ignored=expert_params)
     if on_meta:
         materialize(module, device, train.seed)
-    if runtime_mesh.size(replicas) > 1 and layout.tp == 1:
-        return apply_ddp(module, runtime_mesh.group(replicas))
+    if runtime_mesh.size(replicas) > 1 and layout.tp == 1 and ddp:
+        return apply_ddp(module, runtime_mesh.group(replicas), ignored=expert_params)
     return module
 
 
 def build_runner(model: nn.Module, runtime_mesh: Any, layout: Layout, train: TrainSpec):
     """A StepRunner for any layout; `model` is built on meta (or materialised identically on every rank)."""
-    layout.check_model(model.spec, train.seq_len)
-    check_layout(layout)
-    if layout.ep > 1:
-        check_expert_layout(layout)
+    check_trainable(model.spec, layout, train.seq_len)
     if layout.pp > 1:
         from fivefold.parallel.pipeline import build_pipeline_runner
 

@@ -27,21 +27,10 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard
 
-from fivefold.config import Layout
 from fivefold.errors import FivefoldError
 from fivefold.model.moe import GroupedExperts, moe_layers
 
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
-
-
-def check_expert_layout(layout: Layout) -> None:
-    if layout.ep == 1:
-        return
-    if layout.tp > 1 or layout.cp > 1 or layout.pp > 1:
-        raise FivefoldError(
-            f"--ep {layout.ep} runs with data-parallel layouts only (dp, fsdp) for now, not with "
-            f"--tp {layout.tp} --cp {layout.cp} --pp {layout.pp}; use --tp 1 --cp 1 --pp 1, or --ep 1"
-        )
 
 
 def apply_expert_parallel(model: nn.Module, runtime_mesh: Any) -> list[nn.Parameter]:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
+from torch.distributed.tensor import DTensor
 
 from fivefold.config import Layout, TrainSpec
 from fivefold.errors import FivefoldError
@@ -65,14 +66,18 @@ class PipelineRunner:
 
         target = self.stages[0] if layout.pp_schedule in SINGLE_STAGE else self.stages
         self.schedule = schedule_cls(target, m, loss_fn=loss_fn, scale_grads=False)
-        batch_size = runtime_mesh.size("batch")
-        self.batch_group = runtime_mesh.group("batch") if batch_size > 1 else None
-        plain_replicas = layout.dp > 1 and layout.fsdp == 1 and layout.tp == 1
-        self.replica_group = runtime_mesh.group("dp") if plain_replicas else None
+        # ranks whose losses (and MoE token counts) differ: other data, and other sequence shards
+        replicas = "dp_fsdp_cp" if layout.cp > 1 else "batch"
+        self.batch_group = runtime_mesh.group(replicas) if runtime_mesh.size(replicas) > 1 else None
+        # plain replicas (no fsdp, no tp): their gradients are averaged by hand after the schedule
+        plain = layout.fsdp == 1 and layout.tp == 1 and runtime_mesh.size(replicas) > 1
+        self.replica_group = self.batch_group if plain else None
+        self.cp, self.cp_rank = layout.cp, runtime_mesh.coord("cp")
 
     # ---- StepRunner
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         self._check_batch(inputs)
+        inputs, labels = self._sequence_shard(inputs, labels)
         for part in self.model_parts:
             part.train()
             set_aux_loss_scale(part, 1.0 / self.microbatches)
@@ -81,6 +86,11 @@ class PipelineRunner:
             self._step(inputs, labels, losses, train=True)
         self._finish_partial_grads()
         self._average_replica_grads()
+        if self.layout.ep > 1:
+            from fivefold.parallel.expert import reduce_expert_grads
+
+            for part in self.model_parts:
+                reduce_expert_grads(part, self.mesh)
         return self._global_loss(losses)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -117,6 +127,7 @@ class PipelineRunner:
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         self._check_batch(inputs)
+        inputs, labels = self._sequence_shard(inputs, labels)
         modes = [part.training for part in self.model_parts]
         for part in self.model_parts:
             part.eval()
@@ -183,13 +194,26 @@ class PipelineRunner:
                 if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
                     p.grad = grad.redistribute(placements=p.placements)
 
+    def _sequence_shard(
+        self, inputs: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context parallel: this rank's load-balanced columns; each stage adds their positions."""
+        if self.cp == 1:
+            return inputs, labels
+        from fivefold.parallel.context import split_sequence
+
+        return split_sequence(inputs, self.cp, self.cp_rank)[0], split_sequence(
+            labels, self.cp, self.cp_rank
+        )[0]
+
     def _average_replica_grads(self) -> None:
-        """Plain data-parallel replicas: one all-reduce per gradient after the whole schedule."""
+        """Plain data-parallel replicas: one all-reduce per gradient after the whole schedule
+        (expert weights, sharded over ep, are summed by `reduce_expert_grads` instead)."""
         if self.replica_group is None:
             return
         for part in self.model_parts:
             for p in part.parameters():
-                if p.grad is not None:
+                if p.grad is not None and not isinstance(p, DTensor):
                     dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=self.replica_group)
 
     def _check_batch(self, inputs: torch.Tensor) -> None:

@@ -31,14 +31,12 @@ from fivefold.plan.memory import (
 from fivefold.plan.pipeline import bubble_time, p2p_on_critical_path
 from fivefold.plan.result import Plan, capacity
 from fivefold.plan.spec import Arch, TrainShape, matmul_params, resolve_arch, total_params
+from fivefold.support import check_trainable
 
 
 def check_plan_inputs(model: ModelSpec, layout: Layout, shape: TrainShape) -> None:
-    layout.check_model(model, shape.seq_len)
-    if layout.pp > 1 and layout.pp_schedule == "interleaved-1f1b" and layout.virtual_stages < 2:
-        raise FivefoldError(
-            "--pp-schedule interleaved-1f1b needs --virtual-stages >= 2 (model chunks per rank)"
-        )
+    """What `train` accepts (`check_trainable`, shared with the search), and the plan's own rules."""
+    check_trainable(model, layout, shape.seq_len)
     if layout.pp == 1 and layout.virtual_stages > 1:
         raise FivefoldError("--virtual-stages > 1 needs --pp > 1")
 

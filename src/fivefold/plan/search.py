@@ -25,6 +25,7 @@ from fivefold.plan.memory import Memory, memory, model_state, shard_group, stage
 from fivefold.plan.report import _plan, check_plan_inputs, model_facts, step_lower_bound
 from fivefold.plan.result import Plan, capacity
 from fivefold.plan.spec import TrainShape, resolve_arch
+from fivefold.support import check_microbatches
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 
@@ -199,7 +200,7 @@ def search(
         data = base.dp * base.fsdp
         if shape.global_batch % data:
             continue
-        try:  # model constraints depend on the axes only, not on recompute or batch
+        try:  # what `train` refuses (check_trainable), never proposed; independent of recompute and batch
             check_plan_inputs(model, base, shape)
         except FivefoldError:
             continue
@@ -209,6 +210,11 @@ def search(
             m = shape.global_batch // (data * b)
             if base.pp_schedule == "interleaved-1f1b" and m % base.pp:
                 continue
+            if base.pp > 1:
+                try:
+                    check_microbatches(base.pp, m, base.pp_schedule)
+                except FivefoldError:
+                    continue
             for rc in recomputes:
                 considered += 1
                 lay = copy.copy(base)

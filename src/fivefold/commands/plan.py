@@ -164,6 +164,13 @@ def run(args: argparse.Namespace) -> int:
             )
     p = plan(model, hw, layout, shape, gpn)
     print(json.dumps(p.to_json()) if args.json else view.plan_text(p))
+    if not args.json:  # a plan may predict what only other frameworks run; say so
+        from fivefold.support import check_trainable
+
+        try:
+            check_trainable(model, layout, args.seq_len)
+        except FivefoldError as exc:
+            print(f"note: fivefold train refuses this layout: {exc}")
     return 0
 
 

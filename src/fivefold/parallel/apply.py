@@ -18,8 +18,8 @@ from torch import nn
 from fivefold.config import Layout, TrainSpec
 from fivefold.model.transformer import materialize
 from fivefold.parallel.context import apply_context_parallel
-from fivefold.parallel.data import apply_ddp, apply_fsdp, apply_replicate
-from fivefold.parallel.expert import apply_expert_parallel, reduce_after_backward
+from fivefold.parallel.data import apply_ddp, apply_fsdp, apply_replicate, mixed_precision
+from fivefold.parallel.expert import apply_expert_parallel, reduce_after_backward, shard_experts
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.runner import ParallelRunner
 from fivefold.parallel.tensor import apply_tensor_parallel
@@ -65,6 +65,9 @@ def parallelize_chunk(
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     if uses_fsdp(layout):
+        if expert_params and runtime_mesh.size("expert_fsdp") > 1:  # experts: FSDP on their own mesh
+            shard_experts(module, runtime_mesh, layout.zero, mixed_precision(train))
+            expert_params = None
         mesh = runtime_mesh.get("fsdp_cp") if layout.dp == 1 else runtime_mesh.submesh("dp", "fsdp_cp")
         apply_fsdp(module, mesh, layout.zero, train, ignored=expert_params)
         if on_meta:

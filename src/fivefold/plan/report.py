@@ -31,12 +31,16 @@ from fivefold.plan.memory import (
 from fivefold.plan.pipeline import bubble_time, p2p_on_critical_path
 from fivefold.plan.result import Plan, capacity
 from fivefold.plan.spec import Arch, TrainShape, matmul_params, resolve_arch, total_params
-from fivefold.support import check_trainable
 
 
 def check_plan_inputs(model: ModelSpec, layout: Layout, shape: TrainShape) -> None:
-    """What `train` accepts (`check_trainable`, shared with the search), and the plan's own rules."""
-    check_trainable(model, layout, shape.seq_len)
+    """What the model allows (a plan may predict layouts other frameworks run, e.g. ZeRO-1 with tp);
+    the search also applies `check_trainable`, so it proposes only what `train` runs."""
+    layout.check_model(model, shape.seq_len)
+    if layout.pp > 1 and layout.pp_schedule == "interleaved-1f1b" and layout.virtual_stages < 2:
+        raise FivefoldError(
+            "--pp-schedule interleaved-1f1b needs --virtual-stages >= 2 (model chunks per rank)"
+        )
     if layout.pp == 1 and layout.virtual_stages > 1:
         raise FivefoldError("--virtual-stages > 1 needs --pp > 1")
 
@@ -261,9 +265,8 @@ def _plan(
                     ("cp", ALL_TO_ALL, payload, c, cp_link, 4 * n * (passes + 1), (passes + 1) * t4, "none")
                 )
         if layout.ep > 1 and n_moe:  # dispatch and combine, forward and backward
-            payload = (
-                BYTES * tokens / layout.tp * model.experts_per_token * model.hidden
-            )  # tp ranks split the tokens
+            # every tp rank dispatches all its tokens (the MoE block is replicated over tp)
+            payload = BYTES * tokens * model.experts_per_token * model.hidden
             t2 = 2 * n_moe * t_of(ALL_TO_ALL, payload, layout.ep, exp_link)
             hidden = layout.pp_schedule == "dualpipev" and layout.pp > 1  # overlapped with the paired chunk
             passes = 2 if full else 1

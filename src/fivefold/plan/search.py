@@ -25,7 +25,7 @@ from fivefold.plan.memory import Memory, memory, model_state, shard_group, stage
 from fivefold.plan.report import _plan, check_plan_inputs, model_facts, step_lower_bound
 from fivefold.plan.result import Plan, capacity
 from fivefold.plan.spec import TrainShape, resolve_arch
-from fivefold.support import check_microbatches
+from fivefold.support import check_microbatches, check_trainable
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 
@@ -202,6 +202,7 @@ def search(
             continue
         try:  # what `train` refuses (check_trainable), never proposed; independent of recompute and batch
             check_plan_inputs(model, base, shape)
+            check_trainable(model, base, shape.seq_len)
         except FivefoldError:
             continue
         for b, sh in shapes:

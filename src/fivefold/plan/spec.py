@@ -136,8 +136,8 @@ def layer_shard(model: ModelSpec, arch: Arch, layout: Layout, moe: bool) -> Laye
         kv_local = max(model.kv_heads / tp, 1.0)  # kv heads are replicated when tp > kv_heads
         attn = (2 * model.heads * d * h) / tp + 2 * kv_local * d * h
     norms = 2 * h
-    if moe:
-        shared = model.shared_experts * model.expert_params() / tp
-        routed = model.experts * model.expert_params() / (layout.ep * tp)
+    if moe:  # the MoE block stays whole on every tp rank (experts split over ep only), as trained
+        shared = model.shared_experts * model.expert_params()
+        routed = model.experts * model.expert_params() / layout.ep
         return LayerShard(attn + shared, routed, norms + h * model.experts)
     return LayerShard(attn + mlp_params(model, arch) / tp, 0.0, norms)

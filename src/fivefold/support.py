@@ -7,7 +7,7 @@ the search calls it on every candidate: nothing the planner proposes is refused 
 Refused on purpose (torch cannot, or not exactly):
   * split-backward schedules (zero-bubble, zbv, dualpipev) with FSDP at ZeRO-3: the weight-gradient
     pass walks the graph from the parameters, which ZeRO-3 has swapped back to shards by then;
-  * DualPipeV with sequence parallelism or full recompute: torch's schedule detaches a view in place;
+  * DualPipeV with full recompute: torch's schedule detaches a view in place;
   * ZeRO-1 (ZeroRedundancyOptimizer) over tensor-parallel shards.
 """
 
@@ -90,19 +90,14 @@ def check_pipeline_shape(model: ModelSpec, layout: Layout) -> None:
             f"{model.layers} layers of {model.name} (interleaved chunks must be alike); valid virtual "
             f"stages: {suggest([d // pp for d in ok]) or 'none'}, or give --pp-split"
         )
-    if model.tie_embeddings:
-        raise FivefoldError(
-            f"{model.name} ties the embedding and the output head, which pipelining puts on different "
-            "stages; use a model with tie_embeddings = false, or --pp 1"
-        )
     if layout.fsdp > 1 and layout.zero == 3 and sched in SPLIT_BACKWARD:
         raise FivefoldError(
             f"--pp-schedule {sched} computes weight gradients after the input gradients, which needs "
             f"FSDP's gathered parameters kept from forward to backward: use --zero 2 with --fsdp "
             f"{layout.fsdp}, or a schedule without the split (gpipe, 1f1b, interleaved-1f1b)"
         )
-    if sched == "dualpipev" and (layout.sp or layout.recompute == "full"):
-        what = "--sp" if layout.sp else "--recompute full"
+    if sched == "dualpipev" and layout.recompute == "full":
+        what = "--recompute full"
         raise FivefoldError(
             f"--pp-schedule dualpipev cannot run with {what} (torch's schedule detaches an activation "
             "view in place); use zbv or interleaved-1f1b, or drop " + what

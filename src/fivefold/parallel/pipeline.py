@@ -97,6 +97,8 @@ def _copy_from(chunk, source) -> None:
     from fivefold.model.transformer import _copy_into
 
     full = dict(source.named_parameters()) | dict(source.named_buffers())
+    if source.spec.tie_embeddings:  # the shared weight is listed once, under the embedding's name
+        full["lm_head.weight"] = full["model.embed_tokens.weight"]
     with torch.no_grad():
         for name, tensor in list(chunk.named_parameters()) + list(chunk.named_buffers()):
             if name in full:
@@ -106,6 +108,7 @@ def _copy_from(chunk, source) -> None:
 def build_pipeline_runner(model, runtime_mesh, layout: Layout, train: TrainSpec):
     """The `StepRunner` for a layout with pp > 1 (see fivefold.parallel.api)."""
     from fivefold.model import materialize
+    from fivefold.model.transformer import init_tied_head
     from fivefold.parallel.pipeline_runner import PipelineRunner
 
     counts = check_pipeline(model.spec, layout, train)
@@ -121,6 +124,8 @@ def build_pipeline_runner(model, runtime_mesh, layout: Layout, train: TrainSpec)
         module = _parallelize(chunk, runtime_mesh, layout, train)  # materialises it when it shards
         if any(p.is_meta for p in chunk.parameters()):
             materialize(chunk, device, train.seed)
+        if model.spec.tie_embeddings and chunk.lm_head is not None and chunk.model.embed_tokens is None:
+            init_tied_head(chunk, train.seed)  # the tied weight's other copy: the first chunk's embedding
         if not source_is_meta:
             _copy_from(chunk, model)
         parts.append(chunk)

@@ -73,6 +73,7 @@ class PipelineRunner:
         plain = layout.fsdp == 1 and layout.tp == 1 and runtime_mesh.size(replicas) > 1
         self.replica_group = self.batch_group if plain else None
         self.cp, self.cp_rank = layout.cp, runtime_mesh.coord("cp")
+        self.tie_group = self._tie_group(parts[0].spec.tie_embeddings)
 
     # ---- StepRunner
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -85,6 +86,7 @@ class PipelineRunner:
         with self.timeline.step(), self._loss_context():
             self._step(inputs, labels, losses, train=True)
         self._finish_partial_grads()
+        self._sum_tied_grads()
         self._average_replica_grads()
         if self.layout.ep > 1:
             from fivefold.parallel.expert import reduce_expert_grads
@@ -95,7 +97,9 @@ class PipelineRunner:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         params = [p for part in self.model_parts for p in part.parameters() if p.grad is not None]
-        squares = grad_norm_squared(params, self._device())
+        # a tied head's gradient equals the embedding's (summed between them): count the weight once
+        norm_params = [p for p in params if not any(p is h for h in self._tied_heads())]
+        squares = grad_norm_squared(norm_params, self._device())
         dist.all_reduce(squares, group=self.pp_group)  # the stages hold disjoint parameters
         total = squares.sqrt().float()
         if max_norm > 0:
@@ -205,6 +209,44 @@ class PipelineRunner:
         return split_sequence(inputs, self.cp, self.cp_rank)[0], split_sequence(
             labels, self.cp, self.cp_rank
         )[0]
+
+    def _tie_group(self, tied: bool):
+        """Tied embeddings: the first chunk's embedding and the last chunk's head are copies of one
+        weight, kept equal as Megatron does: their gradients summed between the two pp ranks (a
+        group of those two per position on the other axes), or locally when one rank holds both."""
+        first = stage_to_rank(0, self.layout.pp, self.layout.pp_schedule)
+        last = stage_to_rank(self.num_stages - 1, self.layout.pp, self.layout.pp_schedule)
+        if not tied or first == last:
+            return None
+        pairs = [[g[first], g[last]] for g in self.mesh.info.dims["pp"].groups]
+        own, _ = dist.new_subgroups_by_enumeration(pairs)
+        self.mesh.group_axes[own] = "pp"
+        return own
+
+    def _tied_heads(self) -> list[nn.Parameter]:
+        if not self.model_parts[0].spec.tie_embeddings:
+            return []
+        return [part.lm_head.weight for part in self.model_parts if part.lm_head is not None]
+
+    def _sum_tied_grads(self) -> None:
+        if not self.model_parts[0].spec.tie_embeddings:
+            return
+        copies = [
+            part.model.embed_tokens.weight for part in self.model_parts if part.model.embed_tokens is not None
+        ]
+        copies += self._tied_heads()
+        grads = []
+        for p in copies:
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(placements=p.placements)
+            grads.append(p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad)
+        if self.tie_group is not None:
+            for g in grads:
+                dist.all_reduce(g, group=self.tie_group)
+        elif len(grads) == 2:
+            total = grads[0] + grads[1]
+            for g in grads:
+                g.copy_(total)
 
     def _average_replica_grads(self) -> None:
         """Plain data-parallel replicas: one all-reduce per gradient after the whole schedule

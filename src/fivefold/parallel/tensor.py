@@ -180,7 +180,9 @@ def _hand_over_sequence_shards(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     if decoder.norm is None and model.lm_head is None:
 
         def to_local(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-            return output.to_local() if isinstance(output, DTensor) else output
+            # a fresh tensor, not a view of the DTensor: the V-shaped schedules hand it to the next
+            # chunk on the same rank and detach it in place there
+            return output.to_local().clone() if isinstance(output, DTensor) else output
 
         model.register_forward_hook(to_local)
 

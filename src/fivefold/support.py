@@ -8,6 +8,9 @@ Refused on purpose (torch cannot, or not exactly):
   * split-backward schedules (zero-bubble, zbv, dualpipev) with FSDP at ZeRO-3: the weight-gradient
     pass walks the graph from the parameters, which ZeRO-3 has swapped back to shards by then;
   * DualPipeV with full recompute: torch's schedule detaches a view in place;
+  * split-backward schedules over tensor-parallel weights replicated by torch's `replicate`
+    (tp with dp or cp replicas and no fsdp): its unsharded parameters are not the ones the
+    weight-gradient pass looks up;
   * ZeRO-1 (ZeroRedundancyOptimizer) over tensor-parallel shards.
 """
 
@@ -95,6 +98,13 @@ def check_pipeline_shape(model: ModelSpec, layout: Layout) -> None:
             f"--pp-schedule {sched} computes weight gradients after the input gradients, which needs "
             f"FSDP's gathered parameters kept from forward to backward: use --zero 2 with --fsdp "
             f"{layout.fsdp}, or a schedule without the split (gpipe, 1f1b, interleaved-1f1b)"
+        )
+    replicas = layout.dp * layout.cp
+    if sched in SPLIT_BACKWARD and layout.tp > 1 and layout.fsdp == 1 and replicas > 1:
+        raise FivefoldError(
+            f"--pp-schedule {sched} computes weight gradients in a pass of their own, which torch's "
+            f"replicate (tensor-parallel weights replicated over dp×cp = {replicas}) does not track; "
+            "shard them instead (--fsdp with --zero 2), or use gpipe, 1f1b or interleaved-1f1b"
         )
     if sched == "dualpipev" and layout.recompute == "full":
         what = "--recompute full"

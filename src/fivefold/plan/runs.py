@@ -273,6 +273,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         fp8="fp8" in precision or "float8" in precision,
         fused=bool(lt.get("torch_compile", trainer.get("fused", True))),
         grad_bytes=int(trainer.get("grad_bytes", 4)),
+        expert_tp=True,  # published MoE runs (Megatron and the like) split the experts over tp too
         tp_overlap=bool(lt.get("async_tp", trainer.get("tp_overlap", False))),
     )
     return RunInputs(model, hardware(run), layout, shape, recompute_known)

@@ -71,8 +71,12 @@ def clip_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
                 groups = tuple(a for a, on in ((fsdp_axis, fsdp_axis is not None), ("tp", tp_split)) if on)
                 shardings.add(groups)
         if lay.ep > 1 and any(spec.is_moe_layer(i) for i in chunk.layers):
-            # experts are sharded on the ep mesh; when ep spans all of fsdp×cp that is FSDP's group
-            shardings.add((fsdp_axis,) if lay.ep == lay.fsdp * lay.cp else ("ep",))
+            # experts are sharded on the ep mesh (and FSDP's expert_fsdp with fsdp); when ep spans
+            # all of fsdp×cp that is FSDP's group
+            if lay.fsdp > 1 and lay.fsdp * lay.cp > lay.ep:
+                shardings.add(("expert_fsdp", "ep"))
+            else:
+                shardings.add((fsdp_axis,) if lay.ep == lay.fsdp * lay.cp else ("ep",))
     out = Traffic()
     for groups in shardings:
         for axis in groups:

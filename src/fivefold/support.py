@@ -11,7 +11,7 @@ Refused on purpose (torch cannot, or not exactly):
   * split-backward schedules over tensor-parallel weights replicated by torch's `replicate`
     (tp with dp or cp replicas and no fsdp): its unsharded parameters are not the ones the
     weight-gradient pass looks up;
-  * ZeRO-1 (ZeroRedundancyOptimizer) over tensor-parallel shards.
+  * ZeRO-1 (ZeroRedundancyOptimizer) over tensor-parallel or expert-parallel shards (DTensors).
 """
 
 from __future__ import annotations
@@ -35,6 +35,11 @@ def check_trainable(model: ModelSpec, layout: Layout, seq_len: int | None = None
             f"--zero 1 (ZeroRedundancyOptimizer) works on DDP's plain replicated weights, not on the "
             f"tensor-parallel shards of --tp {layout.tp}; use --fsdp to shard optimizer state with TP, "
             "or --zero 0"
+        )
+    if layout.zero == 1 and layout.ep > 1 and layout.dp > 1:
+        raise FivefoldError(
+            f"--zero 1 (ZeroRedundancyOptimizer) broadcasts plain tensors, not the expert shards of "
+            f"--ep {layout.ep}; use --fsdp (--zero 2 or 3) for the data-parallel ranks, or --zero 0"
         )
     if layout.pp > 1:
         check_pipeline_shape(model, layout)

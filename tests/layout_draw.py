@@ -97,27 +97,30 @@ def _candidate(rng: random.Random, world: int) -> Case:
 
 def check(case: Case) -> None:
     """Raise FivefoldError when the runtime refuses the case (the same checks `verify` runs)."""
-    from fivefold.parallel.apply import check_layout
-    from fivefold.parallel.expert import check_expert_layout
     from fivefold.parallel.pipeline import check_pipeline
-    from fivefold.parallel.tensor import check_tensor_parallel
+    from fivefold.support import check_trainable
 
     spec = load_model(case.model)
     lay = case.resolved()
     train = case.train()
-    lay.check_model(spec, SEQ)
-    check_layout(lay)
-    check_expert_layout(lay)
-    if lay.tp > 1:
-        check_tensor_parallel(spec, lay.tp)
-    if lay.cp_impl == "ulysses" and lay.cp > 1 and (spec.heads // lay.tp) % lay.cp:
-        raise FivefoldError("ulysses needs local heads divisible by cp")
+    check_trainable(spec, lay, SEQ)
     if lay.pp > 1:
         check_pipeline(spec, lay, train)
     # excluded on purpose (see the module docstring): the planner does not yet replay a schedule's
     # FSDP unshard/reshard order, which sets ZeRO-3's gather count inside a pipeline
     if lay.pp > 1 and lay.fsdp > 1 and lay.zero == 3:
         raise FivefoldError("excluded: pp with ZeRO-3")
+    # these train exactly (tests/test_every_axis.py), but the planner's ledger or activation theory
+    # does not meet them yet (experts' grad-norm group inside stages and beside tp, DDP beside expert
+    # shards, the activations of cp inside stages): not judged here yet
+    if lay.pp > 1 and lay.ep > 1:
+        raise FivefoldError("excluded: pp with ep")
+    if lay.ep > 1 and lay.fsdp == 1:
+        raise FivefoldError("excluded: ep without fsdp")
+    if lay.ep > 1 and lay.tp > 1:
+        raise FivefoldError("excluded: ep with tp")
+    if lay.pp > 1 and lay.cp > 1:
+        raise FivefoldError("excluded: pp with cp")
     # DualPipeV with sequence parallelism fails inside torch's schedule (stage_backward_input
     # detaches a view in place); seen with and without full recompute
     if lay.pp_schedule == "dualpipev" and lay.pp > 1 and (lay.sp or lay.recompute == "full"):

@@ -10,8 +10,8 @@ import pytest
 
 from fivefold.config import Layout, load_model
 from fivefold.errors import FivefoldError
-from fivefold.parallel.apply import check_layout
 from fivefold.parallel.tensor import check_tensor_parallel
+from fivefold.support import check_trainable
 
 
 def test_tp_must_divide_query_heads() -> None:
@@ -34,8 +34,8 @@ def test_tp_must_divide_ffn_and_vocab() -> None:
 
 def test_zero1_needs_plain_replicas() -> None:
     with pytest.raises(FivefoldError, match=r"--zero 1 .*--fsdp"):
-        check_layout(Layout(dp=2, tp=2, zero=1).resolve(4))
-    check_layout(Layout(dp=2, zero=1).resolve(2))
+        check_trainable(load_model("tiny"), Layout(dp=2, tp=2, zero=1).resolve(4))
+    check_trainable(load_model("tiny"), Layout(dp=2, zero=1).resolve(2))
 
 
 def test_verify_rejects_bad_layout_without_traceback() -> None:

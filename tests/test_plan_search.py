@@ -66,16 +66,19 @@ def test_pinned_search_keeps_the_given_flags_and_searches_the_rest() -> None:
         assert (p.layout.tp, p.layout.pp) == (8, 16)
     # pinning may only cost time: the free search's best is at least as fast
     assert free.plans[0].step_time_s <= pinned.plans[0].step_time_s + 1e-9
-    # the rest is still searched: schedules, recompute and micro-batch vary among the results
-    assert (
-        len(
-            {
-                (p.layout.pp_schedule, p.layout.virtual_stages, p.layout.dp, p.layout.zero)
-                for p in pinned.plans
-            }
+    # the rest is still searched: the free axes and the micro-batch vary among the results
+    varied = {
+        (
+            p.layout.pp_schedule,
+            p.layout.virtual_stages,
+            p.layout.dp,
+            p.layout.zero,
+            p.layout.cp,
+            p.shape.micro_batch,
         )
-        > 1
-    )
+        for p in pinned.plans
+    }
+    assert len(varied) > 1
     one = search(
         model, hw, 16384, shape, top=2, pins={"tp": 8, "pp": 16, "recompute": "full", "micro_batch": 1}
     )

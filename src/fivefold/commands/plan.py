@@ -202,6 +202,12 @@ def run(args: argparse.Namespace) -> int:
     if p.margin_bytes < 0:
         print(_does_not_fit(p, args, search(model, hw, args.gpus, shape, gpn, top=1, pins=_given_pins(args))))
     print(view.plan_text(p))
+    from fivefold.support import check_trainable  # a plan may predict what only other frameworks run
+
+    try:
+        check_trainable(model, layout, args.seq_len)
+    except FivefoldError as exc:
+        print(f"note: fivefold train refuses this layout: {exc}")
     return 0
 
 

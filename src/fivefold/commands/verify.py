@@ -107,13 +107,12 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         dtype=args.dtype,
     ).validate()
-    layout.check_model(spec, train.seq_len)
     check_seq_len(spec, train.seq_len)
     if args.accumulation < 0:
         raise FivefoldError(f"--accumulation must be >= 1 (or 0: the default), got {args.accumulation}")
-    from fivefold.train.loop import check_runtime_axes
+    from fivefold.support import check_trainable
 
-    check_runtime_axes(layout)
+    check_trainable(spec, layout, train.seq_len)  # the planner's check: refused before any rank starts
     accumulation = args.accumulation or (layout.microbatches if layout.pp > 1 else 1)
     rows = train.micro_batch * layout.dp * layout.fsdp * accumulation
     train = dataclasses.replace(train, global_batch=rows)

@@ -115,6 +115,17 @@ class Transformer(nn.Module):
                 module.tokens_per_expert.zero_()
 
 
+@torch.no_grad()
+def init_tied_head(model: Transformer, seed: int = 0) -> None:
+    """A pipeline's last chunk holds the output head of a tied model without its embedding: give
+    the head the embedding's init, as the whole model's one shared weight has."""
+    name = "model.embed_tokens.weight"
+    gen = torch.Generator().manual_seed(_name_seed(seed, name))
+    _copy_into(
+        model.lm_head.weight, torch.randn(model.lm_head.weight.shape, generator=gen) * model.spec.init_std
+    )
+
+
 def _name_seed(seed: int, name: str) -> int:
     # FNV-1a over the name: stable across processes (unlike hash()) and cheap
     h = 0xCBF29CE484222325

@@ -16,25 +16,16 @@ import torch
 from torch import nn
 
 from fivefold.config import Layout, TrainSpec
-from fivefold.errors import FivefoldError
 from fivefold.model.transformer import materialize
 from fivefold.parallel.compile import check_compile, compile_blocks
 from fivefold.parallel.context import apply_context_parallel
 from fivefold.parallel.data import apply_ddp, apply_fsdp, apply_replicate
-from fivefold.parallel.expert import apply_expert_parallel, check_expert_layout, reduce_after_backward
-from fivefold.parallel.precision import uses_fsdp, uses_replicate
+from fivefold.parallel.expert import apply_expert_parallel, reduce_after_backward, shard_experts
+from fivefold.parallel.precision import mp_policy, uses_fsdp, uses_replicate
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.runner import ParallelRunner
 from fivefold.parallel.tensor import apply_tensor_parallel
-
-
-def check_layout(layout: Layout) -> None:
-    if layout.zero == 1 and layout.tp > 1 and layout.dp > 1:
-        raise FivefoldError(
-            f"--zero 1 (ZeroRedundancyOptimizer) works on DDP's plain replicated weights, not on the "
-            f"tensor-parallel shards of --tp {layout.tp}; use --fsdp to shard optimizer state with TP, "
-            "or --zero 0"
-        )
+from fivefold.support import check_trainable
 
 
 def replica_dim(layout: Layout) -> str:
@@ -42,12 +33,15 @@ def replica_dim(layout: Layout) -> str:
     return "dp_fsdp_cp" if layout.cp > 1 else "dp"
 
 
-def parallelize_chunk(module: nn.Module, runtime_mesh: Any, layout: Layout, train: TrainSpec) -> nn.Module:
-    """Apply TP(+SP), CP, recompute and FSDP/HSDP/DDP to one model chunk (a Transformer, maybe partial).
+def parallelize_chunk(
+    module: nn.Module, runtime_mesh: Any, layout: Layout, train: TrainSpec, ddp: bool = True
+) -> nn.Module:
+    """Apply TP(+SP), EP, CP, recompute and FSDP/HSDP/DDP to one model chunk (a Transformer, maybe partial).
 
     Returns the module to call: a DDP wrapper around `module` for replicated data parallelism
-    without TP, else `module` itself (TP, FSDP and `replicate` work in place). The parameters are
-    always those of `module`.
+    without TP (unless `ddp` is False: pipeline stages average plain replicas themselves), else
+    `module` itself (TP, FSDP and `replicate` work in place). The parameters are always those of
+    `module`.
     """
     spec = module.spec
     on_meta = any(p.is_meta for p in module.parameters())
@@ -66,6 +60,9 @@ def parallelize_chunk(module: nn.Module, runtime_mesh: Any, layout: Layout, trai
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     if uses_fsdp(layout):
+        if expert_params and runtime_mesh.size("expert_fsdp") > 1:  # experts: FSDP on their own mesh
+            shard_experts(module, runtime_mesh, layout.zero, mp_policy(train.dtype))
+            expert_params = None
         mesh = runtime_mesh.get("fsdp_cp") if layout.dp == 1 else runtime_mesh.submesh("dp", "fsdp_cp")
         apply_fsdp(module, mesh, layout.zero, train, ignored=expert_params)
         if on_meta:
@@ -73,22 +70,19 @@ def parallelize_chunk(module: nn.Module, runtime_mesh: Any, layout: Layout, trai
         return module
     replicas = replica_dim(layout)
     if runtime_mesh.size(replicas) > 1 and uses_replicate(layout):
-        apply_replicate(module, runtime_mesh.get(replicas), train)
+        apply_replicate(module, runtime_mesh.get(replicas), train, ignored=expert_params)
     if on_meta:
         materialize(module, device, train.seed)
-    if runtime_mesh.size(replicas) > 1 and layout.tp == 1:
-        return apply_ddp(module, runtime_mesh.group(replicas))
+    if runtime_mesh.size(replicas) > 1 and layout.tp == 1 and ddp:
+        return apply_ddp(module, runtime_mesh.group(replicas), ignored=expert_params)
     return module
 
 
 def build_runner(model: nn.Module, runtime_mesh: Any, layout: Layout, train: TrainSpec):
     """A StepRunner for any layout; `model` is built on meta (or materialised identically on every rank)."""
-    layout.check_model(model.spec, train.seq_len)
-    check_layout(layout)
+    check_trainable(model.spec, layout, train.seq_len)
     if train.compile:
         check_compile(layout)
-    if layout.ep > 1:
-        check_expert_layout(layout)
     if layout.pp > 1:
         from fivefold.parallel.pipeline import build_pipeline_runner
 

@@ -47,15 +47,23 @@ def apply_fsdp(
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
 
 
-def apply_ddp(model: nn.Module, group: torch.distributed.ProcessGroup) -> DistributedDataParallel:
-    """Wrap in torch DDP over `group`: bucketed gradient all-reduce overlapped with the backward."""
+def apply_ddp(
+    model: nn.Module, group: torch.distributed.ProcessGroup, ignored: set[nn.Parameter] | None = None
+) -> DistributedDataParallel:
+    """Wrap in torch DDP over `group`: bucketed gradient all-reduce overlapped with the backward
+    (`ignored` parameters, experts sharded over ep, are left to the expert axis)."""
+    if ignored:
+        names = [n for n, p in model.named_parameters() if p in ignored]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
     # buffers are deterministic (rotary tables) or per-rank statistics (MoE token counts): no broadcast
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers is being renamed
         return DistributedDataParallel(model, process_group=group, broadcast_buffers=False)
 
 
-def apply_replicate(model: nn.Module, mesh: DeviceMesh, train: TrainSpec) -> None:
+def apply_replicate(
+    model: nn.Module, mesh: DeviceMesh, train: TrainSpec, ignored: set[nn.Parameter] | None = None
+) -> None:
     """Replicated data parallelism for tensor-parallel (DTensor) weights, in place.
 
     torch's FSDP2-based `replicate` on the same units as FSDP (each block, the embedding,
@@ -66,8 +74,8 @@ def apply_replicate(model: nn.Module, mesh: DeviceMesh, train: TrainSpec) -> Non
 
     policy = mp_policy(train.dtype)
     for unit in _units(model):
-        replicate(unit, mesh=mesh, mp_policy=policy)
-    replicate(model, mesh=mesh, mp_policy=policy)
+        replicate(unit, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+    replicate(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
 
 
 def _units(model: nn.Module) -> list:

@@ -27,21 +27,10 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard
 
-from fivefold.config import Layout
 from fivefold.errors import FivefoldError
 from fivefold.model.moe import GroupedExperts, moe_layers
 
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
-
-
-def check_expert_layout(layout: Layout) -> None:
-    if layout.ep == 1:
-        return
-    if layout.tp > 1 or layout.cp > 1 or layout.pp > 1:
-        raise FivefoldError(
-            f"--ep {layout.ep} runs with data-parallel layouts only (dp, fsdp) for now, not with "
-            f"--tp {layout.tp} --cp {layout.cp} --pp {layout.pp}; use --tp 1 --cp 1 --pp 1, or --ep 1"
-        )
 
 
 def apply_expert_parallel(model: nn.Module, runtime_mesh: Any) -> list[nn.Parameter]:
@@ -124,12 +113,35 @@ def _local_experts(experts: GroupedExperts, x: torch.Tensor, counts: list[int]) 
     return torch.cat(outputs, dim=0)
 
 
+def shard_experts(model: nn.Module, runtime_mesh: Any, zero: int, policy: Any) -> None:
+    """FSDP over `expert_fsdp`: each MoE layer's experts (already split over ep) become one FSDP unit
+    of their own on the (expert_fsdp, ep) mesh, applied before the model's FSDP, which then skips
+    them. FSDP reduce-scatters (averages) their gradients over expert_fsdp; `reduce_expert_grads`
+    is left with the dp replicas and the 1/ep of the mean (gloo has no pre-scaled reduce op for
+    FSDP's own divide factor).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = runtime_mesh.get("expert_fsdp")
+    for moe in moe_layers(model):
+        fully_shard(moe.experts, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy)
+        moe.experts.fsdp_reduced = True
+
+
 @torch.no_grad()
 def reduce_expert_grads(model: nn.Module, runtime_mesh: Any) -> None:
-    """Sum expert gradients over the ranks holding the same experts; divide by the data ranks."""
-    data_ranks = runtime_mesh.size("dp") * runtime_mesh.size("fsdp_cp")
-    groups = [runtime_mesh.group(d) for d in ("expert_fsdp", "dp") if runtime_mesh.size(d) > 1]
+    """Sum expert gradients over the ranks holding the same experts; divide by the data ranks.
+
+    Experts FSDP-sharded over expert_fsdp (`shard_experts`) arrive averaged over expert_fsdp by
+    FSDP: only the dp replicas and the ep share of the mean remain.
+    """
     for moe in moe_layers(model):
+        by_fsdp = getattr(moe.experts, "fsdp_reduced", False)
+        dims = ("dp",) if by_fsdp else ("expert_fsdp", "dp")
+        groups = [runtime_mesh.group(d) for d in dims if runtime_mesh.size(d) > 1]
+        divide = runtime_mesh.size("dp") * (
+            runtime_mesh.size("ep") if by_fsdp else runtime_mesh.size("fsdp_cp")
+        )
         for name in EXPERT_WEIGHTS:
             grad = getattr(moe.experts, name).grad
             if grad is None:
@@ -137,7 +149,8 @@ def reduce_expert_grads(model: nn.Module, runtime_mesh: Any) -> None:
             local = grad._local_tensor if isinstance(grad, DTensor) else grad
             for group in groups:
                 dist.all_reduce(local, group=group)
-            local.div_(data_ranks)
+            if divide > 1:
+                local.div_(divide)
 
 
 def reduce_after_backward(runner: Any) -> Any:

@@ -40,6 +40,7 @@ from fivefold.layout_math import (  # noqa: F401
     stage_split,
     stage_to_rank,
 )
+from fivefold.support import check_microbatches, check_trainable, min_microbatches
 
 #: our schedule names -> torch.distributed.pipelining class names
 SCHEDULE_CLASSES = {
@@ -54,85 +55,18 @@ SCHEDULE_CLASSES = {
 
 def check_pipeline(spec: ModelSpec, layout: Layout, train: TrainSpec | None = None) -> list[int]:
     """Validate a pipelined layout against the model (and batch); return the layers per chunk."""
-    pp, v, m, sched = layout.pp, layout.virtual_stages, layout.microbatches, layout.pp_schedule
-    chunks = pp * v
-    if pp > spec.layers:
-        raise FivefoldError(
-            f"--pp {pp} exceeds the {spec.layers} layers of {spec.name}: every stage needs a layer; "
-            f"valid pp: {suggest(range(1, spec.layers + 1))}"
-        )
-    if sched in SINGLE_STAGE and v != 1:
-        raise FivefoldError(
-            f"--pp-schedule {sched} runs one chunk per rank, got --virtual-stages {v}; use "
-            "--virtual-stages 1 or an interleaved schedule (interleaved-1f1b, zero-bubble)"
-        )
-    if sched in V_SHAPED and v != 2:
-        raise FivefoldError(
-            f"--pp-schedule {sched} folds exactly 2 chunks per rank into a V; use --virtual-stages 2"
-        )
-    if chunks > spec.layers:
-        ok = [d for d in range(1, spec.layers // pp + 1)]
-        raise FivefoldError(
-            f"--pp {pp} × --virtual-stages {v} = {chunks} chunks exceeds the {spec.layers} layers of "
-            f"{spec.name}; valid virtual stages for pp {pp}: {suggest(ok)}"
-        )
-    if not layout.pp_split and v > 1 and spec.layers % chunks:
-        ok = [d for d in divisors(spec.layers) if d % pp == 0]
-        raise FivefoldError(
-            f"--virtual-stages {v} with --pp {pp} makes {chunks} chunks, which does not divide the "
-            f"{spec.layers} layers of {spec.name} (interleaved chunks must be alike); valid virtual stages: "
-            f"{suggest([d // pp for d in ok]) or 'none'}, or give --pp-split"
-        )
-    _check_microbatches(pp, m, sched)
-    if spec.tie_embeddings:
-        raise FivefoldError(
-            f"{spec.name} ties the embedding and the output head, which pipelining puts on different stages; "
-            "use a model with tie_embeddings = false, or --pp 1"
-        )
-    if layout.cp > 1:
-        raise FivefoldError("--pp with --cp is not supported yet; use --cp 1 with pipelining")
-    if layout.fsdp > 1 and layout.zero == 3 and sched in SPLIT_BACKWARD:
-        # the weight-gradient pass walks the autograd graph from the module's parameters; with ZeRO-3
-        # FSDP has swapped the gathered ones used in the forward back for shards by then
-        raise FivefoldError(
-            f"--pp-schedule {sched} computes weight gradients after the input gradients, which needs "
-            f"FSDP's gathered parameters kept from forward to backward: use --zero 2 with --fsdp "
-            f"{layout.fsdp}, or a schedule without the split (gpipe, 1f1b, interleaved-1f1b)"
-        )
+    check_trainable(spec, layout, train.seq_len if train else None)
+    check_microbatches(layout.pp, layout.microbatches, layout.pp_schedule)
     if train is not None:
         local = train.micro_batch * train.grad_accum(layout.data_parallel)
-        if local % m:
-            ok = [d for d in divisors(local) if d >= _min_microbatches(pp, sched)]
+        if local % layout.microbatches:
+            ok = [d for d in divisors(local) if d >= min_microbatches(layout.pp, layout.pp_schedule)]
             raise FivefoldError(
-                f"each data-parallel rank's batch of {local} sequences (micro_batch × accumulation) does not "
-                f"divide into --microbatches {m}; valid microbatches: {suggest(ok) or 'none'}"
+                f"each data-parallel rank's batch of {local} sequences (micro_batch × accumulation) does "
+                f"not divide into --microbatches {layout.microbatches}; valid microbatches: "
+                f"{suggest(ok) or 'none'}"
             )
     return stage_split(spec, layout, train.seq_len if train else spec.max_seq_len)
-
-
-def _min_microbatches(pp: int, schedule: str) -> int:
-    if schedule == "gpipe":
-        return 1
-    if schedule == "dualpipev":
-        return 2 * pp  # at least one micro-batch per chunk
-    return pp  # 1F1B and the interleaved family fill the pipeline before the steady state
-
-
-def _check_microbatches(pp: int, m: int, schedule: str) -> None:
-    need = _min_microbatches(pp, schedule)
-    if m < need:
-        raise FivefoldError(
-            f"--pp-schedule {schedule} needs at least {need} micro-batches with --pp {pp}, got "
-            f"--microbatches {m}; valid: {suggest([need * k for k in range(1, 5)])} or more"
-        )
-    if schedule in ("interleaved-1f1b", "zero-bubble"):
-        rounds = max(1, m // pp)
-        if m % rounds:
-            ok = [x for x in range(pp, 4 * pp + 1) if x % max(1, x // pp) == 0]
-            raise FivefoldError(
-                f"--pp-schedule {schedule} runs micro-batches in rounds of {pp}: --microbatches {m} must "
-                f"be a multiple of m // pp = {rounds}; valid: {suggest(ok)}"
-            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,6 +97,8 @@ def _copy_from(chunk, source) -> None:
     from fivefold.model.transformer import _copy_into
 
     full = dict(source.named_parameters()) | dict(source.named_buffers())
+    if source.spec.tie_embeddings:  # the shared weight is listed once, under the embedding's name
+        full["lm_head.weight"] = full["model.embed_tokens.weight"]
     with torch.no_grad():
         for name, tensor in list(chunk.named_parameters()) + list(chunk.named_buffers()):
             if name in full:
@@ -172,6 +108,7 @@ def _copy_from(chunk, source) -> None:
 def build_pipeline_runner(model, runtime_mesh, layout: Layout, train: TrainSpec):
     """The `StepRunner` for a layout with pp > 1 (see fivefold.parallel.api)."""
     from fivefold.model import materialize
+    from fivefold.model.transformer import init_tied_head
     from fivefold.parallel.pipeline_runner import PipelineRunner
     from fivefold.parallel.precision import precision_mode
 
@@ -188,33 +125,28 @@ def build_pipeline_runner(model, runtime_mesh, layout: Layout, train: TrainSpec)
         module = _parallelize(chunk, runtime_mesh, layout, train)  # materialises it when it shards
         if any(p.is_meta for p in chunk.parameters()):
             materialize(chunk, device, train.seed)
+        if model.spec.tie_embeddings and chunk.lm_head is not None and chunk.model.embed_tokens is None:
+            init_tied_head(chunk, train.seed)  # the tied weight's other copy: the first chunk's embedding
         if not source_is_meta:
             _copy_from(chunk, model)
         parts.append(chunk)
         autocast = precision_mode(train.dtype, layout) == "autocast"
-        modules.append(_with_autocast(module, device) if autocast else module)
+        module = _with_autocast(module, device) if autocast else module
+        if layout.cp > 1:  # the stage sees this rank's sequence shard: hand it its real positions
+            module = _with_positions(module, train.seq_len, layout.cp, runtime_mesh.coord("cp"))
+        modules.append(module)
     return PipelineRunner(parts, modules, stage_ids, counts, runtime_mesh, layout, device, train)
 
 
 def _parallelize(chunk, runtime_mesh, layout: Layout, train: TrainSpec):
-    """TP(+SP), recompute and FSDP on one chunk; returns the module the stage calls.
+    """TP(+SP), EP, CP, recompute and FSDP on one chunk; returns the module the stage calls.
 
     Plain replicas (dp without fsdp or tp) are not wrapped in DDP, whose reducer does not survive
-    the schedules' split backward: the runner averages those gradients over `dp` after the step.
+    the schedules' split backward: the runner averages those gradients after the step.
     """
-    if layout.tp == 1 and layout.fsdp == 1:
-        if layout.recompute != "none":
-            from fivefold.parallel.recompute import apply_recompute
-
-            apply_recompute(chunk, layout.recompute)
-        if train.compile:
-            from fivefold.parallel.compile import compile_blocks
-
-            compile_blocks(chunk)
-        return chunk
     from fivefold.parallel.apply import parallelize_chunk
 
-    return parallelize_chunk(chunk, runtime_mesh, layout, train)
+    return parallelize_chunk(chunk, runtime_mesh, layout, train, ddp=False)
 
 
 def _with_autocast(module, device):
@@ -233,6 +165,26 @@ def _with_autocast(module, device):
                 return self.inner(*args, **kwargs)
 
     return Autocast(module)
+
+
+def _with_positions(module, seq_len: int, cp: int, cp_rank: int):
+    """Context parallel: every stage's rotary tables and causal masks need the positions of this
+    rank's load-balanced columns, which the schedule's single tensor argument cannot carry."""
+    from torch import nn
+
+    from fivefold.parallel.context import shard_positions
+
+    class WithPositions(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+            self.register_buffer("positions", shard_positions(seq_len, cp, cp_rank), persistent=False)
+
+        def forward(self, x):
+            positions = self.positions.to(x.device).unsqueeze(0).expand(x.shape[0], -1)
+            return self.inner(x, position_ids=positions)
+
+    return WithPositions(module)
 
 
 def _device(runtime_mesh, train: TrainSpec):

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
+from torch.distributed.tensor import DTensor
 
 from fivefold.config import Layout, TrainSpec
 from fivefold.errors import FivefoldError
@@ -65,12 +66,17 @@ class PipelineRunner(RunnerCore):
 
         target = self.stages[0] if layout.pp_schedule in SINGLE_STAGE else self.stages
         self.schedule = schedule_cls(target, m, loss_fn=loss_fn, scale_grads=False)
-        plain_replicas = layout.dp > 1 and layout.fsdp == 1 and layout.tp == 1
-        self.dp_replica_group = runtime_mesh.group("dp") if plain_replicas else None
+        # plain replicas (no fsdp, no tp): their gradients are averaged by hand after the schedule,
+        # over every rank that saw other tokens (other data, other sequence shards)
+        plain_replicas = layout.fsdp == 1 and layout.tp == 1
+        self.dp_replica_group = self.replica_group if plain_replicas else None
+        self.cp, self.cp_rank = layout.cp, runtime_mesh.coord("cp")
+        self.tie_group = self._tie_group(parts[0].spec.tie_embeddings)
 
     # ---- StepRunner
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         self._check_batch(inputs)
+        inputs, labels = self._sequence_shard(inputs, labels)
         for part in self.model_parts:
             part.train()
             set_aux_loss_scale(part, 1.0 / self.microbatches)
@@ -78,12 +84,24 @@ class PipelineRunner(RunnerCore):
         with self.timeline.step(), self._loss_context():
             self._step(inputs, labels, losses, train=True)
         self.finish_gradients()
+        self._sum_tied_grads()
         self._average_replica_grads()
+        if self.layout.ep > 1:
+            from fivefold.parallel.expert import reduce_expert_grads
+
+            for part in self.model_parts:
+                reduce_expert_grads(part, self.mesh)
         return self._global_loss(losses)
+
+    def counted_once(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        """A tied head's gradient equals the embedding's (summed between them): count the weight once."""
+        heads = self._tied_heads()
+        return [p for p in params if not any(p is h for h in heads)]
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         self._check_batch(inputs)
+        inputs, labels = self._sequence_shard(inputs, labels)
         modes = [part.training for part in self.model_parts]
         for part in self.model_parts:
             part.eval()
@@ -139,13 +157,64 @@ class PipelineRunner(RunnerCore):
             return loss_context(self.model_parts[self.stage_ids.index(self.num_stages - 1)])
         return contextlib.nullcontext()
 
+    def _sequence_shard(
+        self, inputs: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context parallel: this rank's load-balanced columns; each stage adds their positions."""
+        if self.cp == 1:
+            return inputs, labels
+        from fivefold.parallel.context import split_sequence
+
+        return split_sequence(inputs, self.cp, self.cp_rank)[0], split_sequence(
+            labels, self.cp, self.cp_rank
+        )[0]
+
+    def _tie_group(self, tied: bool):
+        """Tied embeddings: the first chunk's embedding and the last chunk's head are copies of one
+        weight, kept equal as Megatron does: their gradients summed between the two pp ranks (a
+        group of those two per position on the other axes), or locally when one rank holds both."""
+        first = stage_to_rank(0, self.layout.pp, self.layout.pp_schedule)
+        last = stage_to_rank(self.num_stages - 1, self.layout.pp, self.layout.pp_schedule)
+        if not tied or first == last:
+            return None
+        pairs = [[g[first], g[last]] for g in self.mesh.info.dims["pp"].groups]
+        own, _ = dist.new_subgroups_by_enumeration(pairs)
+        self.mesh.group_axes[own] = "pp"
+        return own
+
+    def _tied_heads(self) -> list[nn.Parameter]:
+        if not self.model_parts[0].spec.tie_embeddings:
+            return []
+        return [part.lm_head.weight for part in self.model_parts if part.lm_head is not None]
+
+    def _sum_tied_grads(self) -> None:
+        if not self.model_parts[0].spec.tie_embeddings:
+            return
+        copies = [
+            part.model.embed_tokens.weight for part in self.model_parts if part.model.embed_tokens is not None
+        ]
+        copies += self._tied_heads()
+        grads = []
+        for p in copies:
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(placements=p.placements)
+            grads.append(p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad)
+        if self.tie_group is not None:
+            for g in grads:
+                dist.all_reduce(g, group=self.tie_group)
+        elif len(grads) == 2:
+            total = grads[0] + grads[1]
+            for g in grads:
+                g.copy_(total)
+
     def _average_replica_grads(self) -> None:
-        """Plain data-parallel replicas: one all-reduce per gradient after the whole schedule."""
+        """Plain data-parallel replicas: one all-reduce per gradient after the whole schedule
+        (expert weights, sharded over ep, are summed by `reduce_expert_grads` instead)."""
         if self.dp_replica_group is None:
             return
         for part in self.model_parts:
             for p in part.parameters():
-                if p.grad is not None:
+                if p.grad is not None and not isinstance(p, DTensor):
                     dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=self.dp_replica_group)
 
     def _check_batch(self, inputs: torch.Tensor) -> None:

@@ -58,7 +58,7 @@ class RunnerCore:
         return the norm before clipping: squares over every shard (fivefold.parallel.gradnorm),
         summed over the pipeline's stages, which hold disjoint parameters."""
         params = [p for p in self.parameters() if p.grad is not None]
-        squares = grad_norm_squared(params, self.device())
+        squares = grad_norm_squared(self.counted_once(params), self.device())
         if self.pp_group is not None:
             dist.all_reduce(squares, group=self.pp_group)
         norm = squares.sqrt().float()
@@ -68,6 +68,11 @@ class RunnerCore:
             for p in params:
                 _local(p.grad).mul_(coef.to(_local(p.grad).device))
         return norm
+
+    def counted_once(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        """The parameters whose gradients enter the norm (a runner holding two copies of one weight
+        leaves one out)."""
+        return params
 
     def build_optimizer(self, part: nn.Module) -> torch.optim.Optimizer:
         """AdamW for `part` (ZeroRedundancyOptimizer over `dp` with --zero 1)."""

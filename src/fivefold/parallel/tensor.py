@@ -38,8 +38,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from fivefold.config import ModelSpec
-from fivefold.errors import FivefoldError, divisors, suggest
 from fivefold.model.moe import MoE
+from fivefold.support import check_tensor_shapes
 
 
 class ReplicatedKVHead(ParallelStyle):
@@ -88,18 +88,7 @@ class ReplicatedKVHead(ParallelStyle):
 
 def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
     """Shapes TP can split; raises FivefoldError naming the constraint and valid degrees."""
-    valid = [d for d in divisors(spec.heads) if d <= spec.kv_heads or d % spec.kv_heads == 0]
-    if spec.heads % tp or (tp > spec.kv_heads and tp % spec.kv_heads):
-        raise FivefoldError(
-            f"--tp {tp} must divide the {spec.heads} query heads and either divide the {spec.kv_heads} KV "
-            f"heads or be a multiple of them (KV heads are then replicated); valid tp: {suggest(valid)}"
-        )
-    for name, size in (("ffn_hidden", spec.ffn_hidden), ("vocab", spec.vocab)):
-        if size % tp:
-            raise FivefoldError(
-                f"--tp {tp} must divide {name} = {size} of {spec.name}; valid tp: "
-                f"{suggest([d for d in valid if size % d == 0])}"
-            )
+    check_tensor_shapes(spec, tp)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, spec: ModelSpec, sp: bool) -> None:
@@ -191,7 +180,9 @@ def _hand_over_sequence_shards(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     if decoder.norm is None and model.lm_head is None:
 
         def to_local(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-            return output.to_local() if isinstance(output, DTensor) else output
+            # a fresh tensor, not a view of the DTensor: the V-shaped schedules hand it to the next
+            # chunk on the same rank and detach it in place there
+            return output.to_local().clone() if isinstance(output, DTensor) else output
 
         model.register_forward_hook(to_local)
 

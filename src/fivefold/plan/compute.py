@@ -130,14 +130,17 @@ def layer_time(
         k, fe, experts_local = model.experts_per_token, model.expert_ffn_hidden, model.experts / layout.ep
         routed_tokens = tokens * k  # balanced routing: each rank's experts see k·T tokens
         per_expert = routed_tokens / experts_local
-        mm(per_expert, h, 2 * fe / tp, experts_local)
-        mm(per_expert, fe / tp, h, experts_local)
+        # fivefold's MoE block is not tensor-parallel (every tp rank runs it whole on all the tokens);
+        # with expert tensor parallelism (published runs) the experts' ffn dim is split over tp
+        etp = tp if arch.expert_tp else 1
+        mm(per_expert, h, 2 * fe / etp, experts_local)
+        mm(per_expert, fe / etp, h, experts_local)
         if model.shared_experts:
             fs = model.shared_experts * fe
-            mm(tokens, h, 2 * fs / tp)
-            mm(tokens, fs / tp, h)
+            mm(tokens, h, 2 * fs / etp)
+            mm(tokens, fs / etp, h)
         mm(tokens, h, model.experts)  # router
-        act_elems = routed_tokens * fe / tp + tokens * model.shared_experts * fe / tp
+        act_elems = routed_tokens * fe / etp + tokens * model.shared_experts * fe / etp
         permute = 2 * 2 * routed_tokens * h * BYTES  # gather to experts and scatter back
     else:
         f = model.ffn_hidden

@@ -206,10 +206,10 @@ def data_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
     if replicas == 1:
         return out
     axis = replica_axis(lay, ("dp", "fsdp", "cp"))
-    if lay.pp > 1 and lay.tp == 1:  # plain pipeline replicas: one all_reduce per gradient (dp only)
+    if lay.pp > 1 and lay.tp == 1:  # plain pipeline replicas: one all_reduce per gradient (dp × cp)
         for chunk in chunks:
             for size in chunk_grads(run, chunk):
-                out.add("dp", ALL_REDUCE, 1, size * GRAD_BYTES)
+                out.add(axis, ALL_REDUCE, 1, size * GRAD_BYTES)
     elif lay.tp > 1:  # `replicate`: each unit's gradients at once
         for chunk in chunks:
             for unit in units(run, chunk):
@@ -240,6 +240,6 @@ def loss_traffic(run: RunShape) -> Traffic:
     """The reported loss: the global mean, all-reduced over the ranks holding different data."""
     lay = run.layout
     out = Traffic()
-    dims = ("dp", "fsdp", "cp") if lay.cp > 1 and lay.pp == 1 else ("dp", "fsdp")
+    dims = ("dp", "fsdp", "cp") if lay.cp > 1 else ("dp", "fsdp")
     out.add(replica_axis(lay, dims), ALL_REDUCE, 1, 4)
     return out

@@ -5,13 +5,15 @@ their experts' ranks and the results back (there: the rows this rank routes, b·
 rows its experts received), and in backward the reverse two. Full recompute dispatches again.
 Balanced routing receives as many rows as it sends; `received` gives the run's actual count (all
 dispatches of the step, recomputed ones included, as `GroupedExperts.rows_received` counts them).
-After the backward each expert weight's gradient (fp32) is all_reduce'd over the other ranks that
-hold the same experts: `expert_fsdp`, then `dp`.
+With fsdp, each MoE layer's experts are an FSDP unit of their own over `expert_fsdp` (gathered in
+the compute dtype as often as the model's units, gradients reduce-scattered in fp32 once a step),
+then each gradient shard is all_reduce'd over `dp`; without fsdp each expert gradient is
+all_reduce'd over `expert_fsdp`, then `dp`.
 """
 
 from __future__ import annotations
 
-from fivefold.layout_math import ALL_REDUCE, ALL_TO_ALL
+from fivefold.layout_math import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, padded
 from fivefold.plan.runshape import Chunk, RunShape, Traffic
 
 
@@ -41,7 +43,18 @@ def expert_traffic(run: RunShape, chunks: list[Chunk], received: int | None = No
     out.add("ep", ALL_TO_ALL, calls * (3 * forwards + 2), 0)
     out.rows[("ep", ALL_TO_ALL)][1] += calls * forwards * spec.experts * 8  # the counts
     out.rows[("ep", ALL_TO_ALL)][1] += (forwards + 1) * (sent + got) * row
-    for axis, size in (("expert_fsdp", lay.fsdp * lay.cp // lay.ep), ("dp", lay.dp)):
+    expert_fsdp = lay.fsdp * lay.cp // lay.ep
+    if lay.fsdp > 1 and expert_fsdp > 1:  # fivefold.parallel.expert.shard_experts
+        from fivefold.plan.dataparallel import fsdp_gathers
+
+        h, fe, local = spec.hidden, spec.expert_ffn_hidden, spec.experts // lay.ep
+        full = 3 * padded((local, fe, h), expert_fsdp)
+        out.add("expert_fsdp", ALL_GATHER, fsdp_gathers(run) * moe, full * run.act_bytes)
+        out.add("expert_fsdp", REDUCE_SCATTER, moe, full * 4)
+        if lay.dp > 1:
+            out.add("dp", ALL_REDUCE, 3 * moe, full // 3 // expert_fsdp * 4)
+        return out
+    for axis, size in (("expert_fsdp", expert_fsdp), ("dp", lay.dp)):
         if size > 1:
             out.add(axis, ALL_REDUCE, 3 * moe, expert_weights(run) // 3 * 4)
     return out

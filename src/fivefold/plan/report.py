@@ -34,6 +34,8 @@ from fivefold.plan.spec import Arch, TrainShape, matmul_params, resolve_arch, to
 
 
 def check_plan_inputs(model: ModelSpec, layout: Layout, shape: TrainShape) -> None:
+    """What the model allows (a plan may predict layouts other frameworks run, e.g. ZeRO-1 with tp);
+    the search also applies `check_trainable`, so it proposes only what `train` runs."""
     layout.check_model(model, shape.seq_len)
     if layout.pp > 1 and layout.pp_schedule == "interleaved-1f1b" and layout.virtual_stages < 2:
         raise FivefoldError(
@@ -50,7 +52,7 @@ def plan(
     shape.validate()
     check_plan_inputs(model, layout, shape)
     gpn = gpus_per_node or hw.gpus_per_node
-    arch = resolve_arch(model, shape.block, shape.attention)
+    arch = resolve_arch(model, shape.block, shape.attention, shape.expert_tp)
     m = shape.microbatches(layout)
     return _plan(model, hw, layout, shape, arch, gpn, m)
 
@@ -264,9 +266,10 @@ def _plan(
                     ("cp", ALL_TO_ALL, payload, c, cp_link, 4 * n * (passes + 1), (passes + 1) * t4, "none")
                 )
         if layout.ep > 1 and n_moe:  # dispatch and combine, forward and backward
-            payload = (
-                BYTES * tokens / layout.tp * model.experts_per_token * model.hidden
-            )  # tp ranks split the tokens
+            # fivefold: every tp rank dispatches all its tokens (the MoE block is whole on each);
+            # expert tensor parallelism (published runs): the tp ranks split them
+            etp = layout.tp if arch.expert_tp else 1
+            payload = BYTES * tokens * model.experts_per_token * model.hidden / etp
             t2 = 2 * n_moe * t_of(ALL_TO_ALL, payload, layout.ep, exp_link)
             hidden = layout.pp_schedule == "dualpipev" and layout.pp > 1  # overlapped with the paired chunk
             passes = 2 if full else 1

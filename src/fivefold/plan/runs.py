@@ -276,6 +276,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         fp8="fp8" in precision or "float8" in precision,
         fused=bool(lt.get("torch_compile", trainer.get("fused", True))),
         grad_bytes=int(trainer.get("grad_bytes", 4)),
+        expert_tp=True,  # published MoE runs (Megatron and the like) split the experts over tp too
         tp_overlap=bool(lt.get("async_tp", trainer.get("tp_overlap", False))),
         fused_loss=bool(trainer.get("fused_loss", False)),
         fp32_shard=bool(trainer.get("fp32_shard", True)),

@@ -25,6 +25,7 @@ from fivefold.plan.memory import Memory, memory, model_state, shard_group, stage
 from fivefold.plan.report import _plan, check_plan_inputs, model_facts, step_lower_bound
 from fivefold.plan.result import Plan, capacity
 from fivefold.plan.spec import TrainShape, resolve_arch
+from fivefold.support import check_microbatches, check_trainable
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 
@@ -172,7 +173,7 @@ def search(
         micro_batches = (pins.pop("micro_batch"),)
     start = time.perf_counter()
     gpn = gpus_per_node or hw.gpus_per_node
-    arch = resolve_arch(model, shape.block, shape.attention)
+    arch = resolve_arch(model, shape.block, shape.attention, shape.expert_tp)
     cap = capacity(hw)
     facts = model_facts(model, arch, shape.seq_len)
     memo: dict = {}
@@ -199,8 +200,9 @@ def search(
         data = base.dp * base.fsdp
         if shape.global_batch % data:
             continue
-        try:  # model constraints depend on the axes only, not on recompute or batch
+        try:  # what `train` refuses (check_trainable), never proposed; independent of recompute and batch
             check_plan_inputs(model, base, shape)
+            check_trainable(model, base, shape.seq_len)
         except FivefoldError:
             continue
         for b, sh in shapes:
@@ -209,6 +211,11 @@ def search(
             m = shape.global_batch // (data * b)
             if base.pp_schedule == "interleaved-1f1b" and m % base.pp:
                 continue
+            if base.pp > 1:
+                try:
+                    check_microbatches(base.pp, m, base.pp_schedule)
+                except FivefoldError:
+                    continue
             for rc in recomputes:
                 considered += 1
                 lay = copy.copy(base)

@@ -40,6 +40,9 @@ class TrainShape:
     # ZeRO-3 as torch FSDP and JAX run it: the fp32 shard is the parameter and the master weight at
     # once (16-bit copies exist only gathered); DeepSpeed keeps a separate 16-bit shard
     fp32_shard: bool = True
+    # routed and shared experts split over tp as well (Megatron's expert tensor parallelism, as
+    # published runs use); fivefold's runtime keeps the MoE block whole on every tp rank
+    expert_tp: bool = False
 
     def validate(self) -> TrainShape:
         for name in ("seq_len", "global_batch", "micro_batch"):
@@ -84,9 +87,12 @@ class Arch:
     dropout: bool
     flash: bool
     tied: bool
+    expert_tp: bool = False  # see TrainShape.expert_tp
 
 
-def resolve_arch(model: ModelSpec, block: str = "auto", attention: str = "flash") -> Arch:
+def resolve_arch(
+    model: ModelSpec, block: str = "auto", attention: str = "flash", expert_tp: bool = False
+) -> Arch:
     if block == "auto":
         classic = (
             not model.is_moe
@@ -97,8 +103,9 @@ def resolve_arch(model: ModelSpec, block: str = "auto", attention: str = "flash"
         block = "gpt" if classic else "llama"
     flash = attention != "materialized"
     if block == "gpt":
-        return Arch("gpt", gated_mlp=False, dropout=not flash, flash=flash, tied=True)
-    return Arch("llama", gated_mlp=True, dropout=not flash, flash=flash, tied=model.tie_embeddings)
+        return Arch("gpt", gated_mlp=False, dropout=not flash, flash=flash, tied=True, expert_tp=expert_tp)
+    tied = model.tie_embeddings
+    return Arch("llama", gated_mlp=True, dropout=not flash, flash=flash, tied=tied, expert_tp=expert_tp)
 
 
 def mlp_params(model: ModelSpec, arch: Arch) -> int:
@@ -142,8 +149,9 @@ def layer_shard(model: ModelSpec, arch: Arch, layout: Layout, moe: bool) -> Laye
         kv_local = max(model.kv_heads / tp, 1.0)  # kv heads are replicated when tp > kv_heads
         attn = (2 * model.heads * d * h) / tp + 2 * kv_local * d * h
     norms = 2 * h
-    if moe:
-        shared = model.shared_experts * model.expert_params() / tp
-        routed = model.experts * model.expert_params() / (layout.ep * tp)
+    if moe:  # fivefold keeps the MoE block whole on every tp rank (experts split over ep only)
+        etp = tp if arch.expert_tp else 1
+        shared = model.shared_experts * model.expert_params() / etp
+        routed = model.experts * model.expert_params() / (layout.ep * etp)
         return LayerShard(attn + shared, routed, norms + h * model.experts)
     return LayerShard(attn + mlp_params(model, arch) / tp, 0.0, norms)

@@ -1,7 +1,8 @@
 """Parameters, gradients and optimizer state one rank holds (fp32 master weights, AdamW's two moments).
 
 Each parameter of the rank's chunks is cut as the runtime cuts it: its tensor-parallel local shape,
-experts E/ep under expert parallelism, then dim 0 chunked over fsdp×cp by FSDP (torch.chunk rows:
+experts E/ep under expert parallelism (then chunked over expert_fsdp with fsdp), the rest's dim 0
+chunked over fsdp×cp by FSDP (torch.chunk rows:
 the last rank may hold fewer). Gradients match the parameters. AdamW keeps exp_avg and exp_avg_sq
 of every parameter it steps; ZeRO-1 (ZeroRedundancyOptimizer) only of those its greedy partition
 gives this dp rank (largest first, each to the least-loaded rank, decay group then no-decay group).
@@ -29,6 +30,10 @@ def local_shapes(run: RunShape, chunk: Chunk, coords: dict[str, int]) -> dict[st
         local = tp_local_shape(name, shapes[name], spec, lay.tp)
         if lay.ep > 1 and is_expert(name):
             local = (local[0] // lay.ep, *local[1:])
+            expert_fsdp = lay.fsdp * lay.cp // lay.ep
+            if lay.fsdp > 1 and expert_fsdp > 1:  # FSDP over expert_fsdp (parallel.expert.shard_experts)
+                index = coords["fsdp_cp"] // lay.ep  # the expert_fsdp coordinate (mesh.py)
+                local = (chunk_rows(local[0], expert_fsdp, index), *local[1:])
         elif lay.fsdp > 1:
             local = (chunk_rows(local[0], lay.fsdp * lay.cp, coords["fsdp_cp"]), *local[1:])
         out[name] = local

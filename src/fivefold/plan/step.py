@@ -71,10 +71,14 @@ def clip_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
                 groups = tuple(a for a, on in ((fsdp_axis, fsdp_axis is not None), ("tp", tp_split)) if on)
                 shardings.add(groups)
         if lay.ep > 1 and any(spec.is_moe_layer(i) for i in chunk.layers):
-            # experts are sharded on the ep mesh; when ep spans all of fsdp×cp its ranks are FSDP's
-            # group, and the runtime reduces both in one call on the group it met first (FSDP's)
-            same = fsdp_axis is not None and lay.ep == lay.fsdp * lay.cp
-            shardings.add((fsdp_axis,) if same else ("ep",))
+            # experts are sharded on the ep mesh (and FSDP's expert_fsdp with fsdp); when ep spans
+            # all of fsdp×cp its ranks are FSDP's group, and the runtime reduces both in one call on
+            # the group it met first (FSDP's)
+            if lay.fsdp > 1 and lay.fsdp * lay.cp > lay.ep:
+                shardings.add(("expert_fsdp", "ep"))
+            else:
+                same = fsdp_axis is not None and lay.ep == lay.fsdp * lay.cp
+                shardings.add((fsdp_axis,) if same else ("ep",))
     out = Traffic()
     for groups in shardings:
         for axis in groups:

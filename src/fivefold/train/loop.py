@@ -34,6 +34,7 @@ from fivefold.parallel.api import LocalRunner
 from fivefold.parallel.compile import check_compile, compile_blocks
 from fivefold.parallel.device_mesh import build_runtime_mesh
 from fivefold.parallel.recompute import apply_recompute
+from fivefold.support import check_trainable
 from fivefold.train import supervise
 from fivefold.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from fivefold.train.data import (
@@ -104,19 +105,12 @@ def default_layout(layout: Layout, world: int) -> Layout:
     return layout
 
 
-def check_runtime_axes(layout: Layout) -> None:
-    """Refuse axis combinations the runtime does not run (shared by `train` and `verify`)."""
-    from fivefold.parallel.expert import check_expert_layout
-
-    check_expert_layout(layout)  # ep runs on data-parallel layouts only, for now
-
-
 def runtime_layout(layout: Layout, world: int, model: ModelSpec, seq_len: int) -> Layout:
-    """The layout a training run uses: defaults filled, resolved, and checked against the model."""
+    """The layout a training run uses: defaults filled, resolved, and checked (`check_trainable`, the
+    planner's check too) before any rank starts."""
     lay = default_layout(layout, world).resolve(world)
-    lay.check_model(model, seq_len)
+    check_trainable(model, lay, seq_len)
     check_seq_len(model, seq_len)
-    check_runtime_axes(lay)
     return lay
 
 

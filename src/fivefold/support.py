@@ -1,0 +1,144 @@
+"""What the runtime can train: one check shared by the planner's search, `plan`, `train` and `verify`.
+
+`check_trainable` raises `FivefoldError` (one line: the constraint and the valid values) for exactly
+the layouts the runtime cannot run, and returns quietly for every other one. It is torch-free, so
+the search calls it on every candidate: nothing the planner proposes is refused at run time.
+
+Refused on purpose (torch cannot, or not exactly):
+  * split-backward schedules (zero-bubble, zbv, dualpipev) with FSDP at ZeRO-3: the weight-gradient
+    pass walks the graph from the parameters, which ZeRO-3 has swapped back to shards by then;
+  * DualPipeV with full recompute: torch's schedule detaches a view in place;
+  * split-backward schedules over tensor-parallel weights replicated by torch's `replicate`
+    (tp with dp or cp replicas and no fsdp): its unsharded parameters are not the ones the
+    weight-gradient pass looks up;
+  * ZeRO-1 (ZeroRedundancyOptimizer) over tensor-parallel or expert-parallel shards (DTensors).
+"""
+
+from __future__ import annotations
+
+from fivefold.config import Layout, ModelSpec
+from fivefold.errors import FivefoldError, divisors, suggest
+from fivefold.layout_math import SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED
+
+
+def check_trainable(model: ModelSpec, layout: Layout, seq_len: int | None = None) -> None:
+    """Refuse a resolved `layout` the runtime cannot train on `model` (at `seq_len`, when given).
+
+    The micro-batch count is checked when the layout carries one (`microbatches > 0`); the
+    search, which picks it later, calls `check_microbatches` itself.
+    """
+    layout.check_model(model, seq_len)
+    if layout.tp > 1:
+        check_tensor_shapes(model, layout.tp)
+    if layout.zero == 1 and layout.tp > 1 and layout.dp > 1:
+        raise FivefoldError(
+            f"--zero 1 (ZeroRedundancyOptimizer) works on DDP's plain replicated weights, not on the "
+            f"tensor-parallel shards of --tp {layout.tp}; use --fsdp to shard optimizer state with TP, "
+            "or --zero 0"
+        )
+    if layout.zero == 1 and layout.ep > 1 and layout.dp > 1:
+        raise FivefoldError(
+            f"--zero 1 (ZeroRedundancyOptimizer) broadcasts plain tensors, not the expert shards of "
+            f"--ep {layout.ep}; use --fsdp (--zero 2 or 3) for the data-parallel ranks, or --zero 0"
+        )
+    if layout.pp > 1:
+        check_pipeline_shape(model, layout)
+        if layout.microbatches > 0:
+            check_microbatches(layout.pp, layout.microbatches, layout.pp_schedule)
+
+
+def check_tensor_shapes(model: ModelSpec, tp: int) -> None:
+    """Shapes tensor parallelism splits: heads (KV heads divided or replicated), ffn and vocab."""
+    valid = [d for d in divisors(model.heads) if d <= model.kv_heads or d % model.kv_heads == 0]
+    if model.heads % tp or (tp > model.kv_heads and tp % model.kv_heads):
+        raise FivefoldError(
+            f"--tp {tp} must divide the {model.heads} query heads and either divide the {model.kv_heads} KV "
+            f"heads or be a multiple of them (KV heads are then replicated); valid tp: {suggest(valid)}"
+        )
+    for name, size in (("ffn_hidden", model.ffn_hidden), ("vocab", model.vocab)):
+        if size % tp:
+            raise FivefoldError(
+                f"--tp {tp} must divide {name} = {size} of {model.name}; valid tp: "
+                f"{suggest([d for d in valid if size % d == 0])}"
+            )
+
+
+def check_pipeline_shape(model: ModelSpec, layout: Layout) -> None:
+    """Stages, chunks and schedule of a pipelined layout (pp > 1), without the batch."""
+    pp, v, sched = layout.pp, layout.virtual_stages, layout.pp_schedule
+    chunks = pp * v
+    if pp > model.layers:
+        raise FivefoldError(
+            f"--pp {pp} exceeds the {model.layers} layers of {model.name}: every stage needs a layer; "
+            f"valid pp: {suggest(range(1, model.layers + 1))}"
+        )
+    if sched in SINGLE_STAGE and v != 1:
+        raise FivefoldError(
+            f"--pp-schedule {sched} runs one chunk per rank, got --virtual-stages {v}; use "
+            "--virtual-stages 1 or an interleaved schedule (interleaved-1f1b, zero-bubble)"
+        )
+    if sched == "interleaved-1f1b" and v < 2:
+        raise FivefoldError(
+            "--pp-schedule interleaved-1f1b needs --virtual-stages >= 2 (model chunks per rank)"
+        )
+    if sched in V_SHAPED and v != 2:
+        raise FivefoldError(
+            f"--pp-schedule {sched} folds exactly 2 chunks per rank into a V; use --virtual-stages 2"
+        )
+    if chunks > model.layers:
+        ok = list(range(1, model.layers // pp + 1))
+        raise FivefoldError(
+            f"--pp {pp} × --virtual-stages {v} = {chunks} chunks exceeds the {model.layers} layers of "
+            f"{model.name}; valid virtual stages for pp {pp}: {suggest(ok)}"
+        )
+    if not layout.pp_split and v > 1 and model.layers % chunks:
+        ok = [d for d in divisors(model.layers) if d % pp == 0]
+        raise FivefoldError(
+            f"--virtual-stages {v} with --pp {pp} makes {chunks} chunks, which does not divide the "
+            f"{model.layers} layers of {model.name} (interleaved chunks must be alike); valid virtual "
+            f"stages: {suggest([d // pp for d in ok]) or 'none'}, or give --pp-split"
+        )
+    if layout.fsdp > 1 and layout.zero == 3 and sched in SPLIT_BACKWARD:
+        raise FivefoldError(
+            f"--pp-schedule {sched} computes weight gradients after the input gradients, which needs "
+            f"FSDP's gathered parameters kept from forward to backward: use --zero 2 with --fsdp "
+            f"{layout.fsdp}, or a schedule without the split (gpipe, 1f1b, interleaved-1f1b)"
+        )
+    replicas = layout.dp * layout.cp
+    if sched in SPLIT_BACKWARD and layout.tp > 1 and layout.fsdp == 1 and replicas > 1:
+        raise FivefoldError(
+            f"--pp-schedule {sched} computes weight gradients in a pass of their own, which torch's "
+            f"replicate (tensor-parallel weights replicated over dp×cp = {replicas}) does not track; "
+            "shard them instead (--fsdp with --zero 2), or use gpipe, 1f1b or interleaved-1f1b"
+        )
+    if sched == "dualpipev" and layout.recompute == "full":
+        what = "--recompute full"
+        raise FivefoldError(
+            f"--pp-schedule dualpipev cannot run with {what} (torch's schedule detaches an activation "
+            "view in place); use zbv or interleaved-1f1b, or drop " + what
+        )
+
+
+def min_microbatches(pp: int, schedule: str) -> int:
+    if schedule == "gpipe":
+        return 1
+    if schedule == "dualpipev":
+        return 2 * pp  # at least one micro-batch per chunk
+    return pp  # 1F1B and the interleaved family fill the pipeline before the steady state
+
+
+def check_microbatches(pp: int, m: int, schedule: str) -> None:
+    need = min_microbatches(pp, schedule)
+    if m < need:
+        raise FivefoldError(
+            f"--pp-schedule {schedule} needs at least {need} micro-batches with --pp {pp}, got "
+            f"--microbatches {m}; valid: {suggest([need * k for k in range(1, 5)])} or more"
+        )
+    if schedule in ("interleaved-1f1b", "zero-bubble"):
+        rounds = max(1, m // pp)
+        if m % rounds:
+            ok = [x for x in range(pp, 4 * pp + 1) if x % max(1, x // pp) == 0]
+            raise FivefoldError(
+                f"--pp-schedule {schedule} runs micro-batches in rounds of {pp}: --microbatches {m} must "
+                f"be a multiple of m // pp = {rounds}; valid: {suggest(ok)}"
+            )

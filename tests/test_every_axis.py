@@ -1,0 +1,114 @@
+"""Every axis with every other: layouts that mix dp, fsdp, tp+sp, pp, cp and ep train exactly as the
+single process does, and everything the planner's search proposes passes `train`'s validation.
+
+One spawn per world size (4, 8, 16) runs all its layouts for a step or two on tiny models, dense
+and MoE. The pairs of {dp, fsdp, tp+sp, pp, cp, ep} each appear in a 4- or 8-rank layout:
+
+  A  dp·fsdp·cp + ep      dp-fsdp dp-cp dp-ep fsdp-cp fsdp-ep cp-ep
+  B  dp·tp·pp             dp-tp dp-pp tp-pp
+  C  tp·cp·pp + ep        tp-cp tp-ep pp-cp pp-ep (ulysses, interleaved 1F1B)
+  D  fsdp·tp·pp + ep      fsdp-tp fsdp-pp (zbv, ZeRO-2)
+
+Each cp core runs inside a pipeline at least once (ring in the 5D run, ulysses in C, all-gather in
+E), each schedule at least once with cp or ep, and tied embeddings are pipelined under 1F1B and
+interleaved 1F1B. Checks: the loss within 1e-5 relative on every rank, every updated parameter
+within 1e-5 absolute, a tied head equal to its embedding, and each rank's expert bytes equal to its
+experts' weights / (ep × expert_fsdp) (experts are FSDP-sharded over expert_fsdp when fsdp is used).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from axis_pairs import STEPS, layout_and_rows, model_spec
+from fivefold.config import load_hardware, load_model
+from fivefold.plan import TrainShape
+from fivefold.plan.search import search
+from fivefold.support import check_microbatches, check_trainable
+
+INTERLEAVED = dict(pp_schedule="interleaved-1f1b", virtual_stages=2)
+FIVE_D = ("tiny-moe", dict(pp=2, fsdp=2, tp=2, cp=2, ep=2, sp=True))
+CASES: dict[int, list[tuple[str, dict]]] = {
+    4: [
+        ("tiny", dict(pp=2, cp=2, cp_impl="allgather", pp_schedule="gpipe")),  # E
+        ("tiny", dict(pp=2, cp=2, pp_schedule="zero-bubble")),
+        ("tiny-moe", dict(pp=2, cp=2, ep=2, pp_schedule="dualpipev", microbatches=4)),
+        ("tied", dict(pp=2, cp=2, pp_schedule="interleaved-1f1b", virtual_stages=2)),
+        ("tied", dict(pp=2, dp=2)),  # 1F1B
+    ],
+    8: [
+        ("tiny-moe", dict(dp=2, fsdp=2, cp=2, ep=2, cp_impl="allgather")),  # A
+        ("tiny", dict(dp=2, tp=2, pp=2, sp=True)),  # B
+        ("tiny-moe", dict(tp=2, cp=2, pp=2, ep=2, sp=True, cp_impl="ulysses", **INTERLEAVED)),  # C
+        ("tiny-moe", dict(fsdp=2, tp=2, pp=2, ep=2, sp=True, zero=2, pp_schedule="zbv")),  # D
+    ],
+    16: [FIVE_D],
+}
+
+_cache: dict[int, list] = {}
+
+
+def results_for(world: int) -> list[list[dict]]:
+    """Per case, per rank (one spawn per world, cached)."""
+    if world not in _cache:
+        from axis_pairs import run_cases
+        from distributed import run_distributed
+
+        per_rank = run_distributed(run_cases, world, CASES[world], timeout=600)
+        _cache[world] = [[per_rank[r][i] for r in range(world)] for i in range(len(CASES[world]))]
+    return _cache[world]
+
+
+def case_id(world: int, case: tuple[str, dict]) -> str:
+    return f"w{world}-{case[0]}:" + ",".join(f"{k}{'' if v is True else v}" for k, v in case[1].items())
+
+
+ALL = [(world, i, case) for world, cases in CASES.items() for i, case in enumerate(cases)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "index", "case"), ALL, ids=[case_id(w, c) for w, _, c in ALL])
+def test_matches_single_process(world: int, index: int, case: tuple[str, dict]) -> None:
+    from fivefold.parallel.compare import compare, run_reference
+
+    model, lay = case
+    layout, train, rows = layout_and_rows(world, lay)
+    ranks = results_for(world)[index]
+    ref = run_reference(model_spec(model), train, rows, STEPS)
+    params: dict = {}
+    for r in ranks:
+        assert r["losses"] == ranks[0]["losses"]  # the global mean, reported on every rank
+        params.update(r["params"])
+    got = type(ref)(ranks[0]["losses"], ranks[0]["grad_norms"], params)
+    assert set(ref.params) <= set(params)
+    cmp = compare(ref, got, 1e-5, 1e-5)
+    assert max(cmp.loss_rel) <= 1e-5, (got.losses, ref.losses)
+    assert cmp.max_abs <= 1e-5, f"{cmp.worst_param}: {cmp.max_abs:.3g}"
+    if model == "tied":  # the last stage's head stayed equal to the first stage's embedding
+        assert (params["lm_head.weight"] - params["model.embed_tokens.weight"]).abs().max() <= 1e-6
+    expert_fsdp = layout.fsdp * layout.cp // layout.ep if layout.fsdp > 1 else 1
+    for r in ranks:
+        full = sum(ref.params[n].numel() * 4 for n in r["params"] if ".experts." in n)
+        assert r["expert_bytes"] == full // (layout.ep * expert_fsdp)
+
+
+SEARCHES = [
+    ("llama3-405b", 16384, 8192, 2048),
+    ("mixtral-8x7b", 64, 4096, 256),
+    ("qwen3-30b-a3b", 64, 4096, 256),
+    ("deepseek-v3", 2048, 4096, 2048),
+]
+
+
+@pytest.mark.parametrize(("name", "gpus", "seq", "batch"), SEARCHES, ids=[s[0] for s in SEARCHES])
+def test_train_accepts_what_the_search_proposes(name: str, gpus: int, seq: int, batch: int) -> None:
+    model = load_model(name)
+    shape = TrainShape(seq_len=seq, global_batch=batch)
+    result = search(model, load_hardware("h100-80gb"), gpus, shape, top=5)
+    assert len(result.plans) == 5
+    for p in result.plans:
+        check_trainable(model, p.layout, seq)  # raises on a refusal
+        if p.layout.pp > 1:
+            check_microbatches(p.layout.pp, p.microbatches, p.layout.pp_schedule)
+    if name != "llama3-405b":  # the MoE models' best layouts combine ep with pp or cp
+        assert any(p.layout.ep > 1 and (p.layout.pp > 1 or p.layout.cp > 1) for p in result.plans)

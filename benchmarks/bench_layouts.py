@@ -161,7 +161,7 @@ class _null:
 
 def fivefold_side(spec, layout, mesh, train):
     from fivefold.model import build_model
-    from fivefold.parallel.apply import build_runner
+    from fivefold.parallel.runners import build_runner
 
     runner = build_runner(build_model(spec), mesh, layout, train)
     opt = runner.build_optimizer(runner.model_parts[0])

@@ -39,8 +39,8 @@ def _body(rank: int, world: int, opts: dict) -> list[dict]:
     from fivefold.measure.memory import ActivationMeter
     from fivefold.measure.timeline import gather_events, idle_fraction
     from fivefold.model import build_model
-    from fivefold.parallel.apply import build_runner
     from fivefold.parallel.device_mesh import build_runtime_mesh
+    from fivefold.parallel.runners import build_runner
 
     spec = dataclasses.replace(
         load_model("tiny"),

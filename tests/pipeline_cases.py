@@ -58,9 +58,9 @@ def run_case(
     from fivefold.measure.timeline import COMPUTE_KINDS, idle_fraction
     from fivefold.model import build_model, materialize
     from fivefold.parallel.api import LocalRunner
-    from fivefold.parallel.apply import build_runner
     from fivefold.parallel.data import make_optimizer
     from fivefold.parallel.device_mesh import build_runtime_mesh
+    from fivefold.parallel.runners import build_runner
 
     spec = _spec(model, layers)
     layout = Layout(**layout_kwargs).resolve(world)

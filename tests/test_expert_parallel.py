@@ -95,7 +95,7 @@ def _run_cases(rank: int, world: int, cases: list) -> list[dict]:
 
 def _patch_capture(box: list) -> None:
     """Keep the runner run_layout builds, so the hook can read its experts' row counters."""
-    import fivefold.parallel.apply as apply
+    import fivefold.parallel.runners as apply
 
     original = getattr(apply, "_unpatched_build_runner", apply.build_runner)
     apply._unpatched_build_runner = original

@@ -21,9 +21,9 @@ def _save_resume(rank: int, world: int, directory: str) -> dict:
     warnings.filterwarnings("ignore")
     from fivefold.config import Layout, TrainSpec, load_model
     from fivefold.model import build_model
-    from fivefold.parallel.apply import build_runner
     from fivefold.parallel.compare import global_batch, rows_of
     from fivefold.parallel.device_mesh import build_runtime_mesh
+    from fivefold.parallel.runners import build_runner
     from fivefold.train.checkpoint import checkpoints_root, load_checkpoint, save_checkpoint
 
     spec = load_model("tiny")
@@ -79,8 +79,8 @@ def _unshared_save(rank: int, world: int, directory: str) -> dict:
     from fivefold.config import Layout, TrainSpec, load_model
     from fivefold.errors import FivefoldError
     from fivefold.model import build_model
-    from fivefold.parallel.apply import build_runner
     from fivefold.parallel.device_mesh import build_runtime_mesh
+    from fivefold.parallel.runners import build_runner
     from fivefold.train import checkpoint as ckpt
     from fivefold.train.loop import _check_shared
 

@@ -17,15 +17,13 @@ from torch import nn
 
 from fivefold.config import Layout, TrainSpec
 from fivefold.model.transformer import materialize
-from fivefold.parallel.compile import check_compile, compile_blocks
+from fivefold.parallel.compile import compile_blocks
 from fivefold.parallel.context import apply_context_parallel
 from fivefold.parallel.data import apply_ddp, apply_fsdp, apply_replicate
-from fivefold.parallel.expert import apply_expert_parallel, reduce_after_backward, shard_experts
+from fivefold.parallel.expert import apply_expert_parallel, shard_experts
 from fivefold.parallel.precision import mp_policy, uses_fsdp, uses_replicate
 from fivefold.parallel.recompute import apply_recompute
-from fivefold.parallel.runner import ParallelRunner
 from fivefold.parallel.tensor import apply_tensor_parallel
-from fivefold.support import check_trainable
 
 
 def replica_dim(layout: Layout) -> str:
@@ -76,19 +74,3 @@ def parallelize_chunk(
     if runtime_mesh.size(replicas) > 1 and layout.tp == 1 and ddp:
         return apply_ddp(module, runtime_mesh.group(replicas), ignored=expert_params)
     return module
-
-
-def build_runner(model: nn.Module, runtime_mesh: Any, layout: Layout, train: TrainSpec):
-    """A StepRunner for any layout; `model` is built on meta (or materialised identically on every rank)."""
-    check_trainable(model.spec, layout, train.seq_len)
-    if train.compile:
-        check_compile(layout)
-    if layout.pp > 1:
-        from fivefold.parallel.pipeline import build_pipeline_runner
-
-        return build_pipeline_runner(model, runtime_mesh, layout, train)
-    wrapped = parallelize_chunk(model, runtime_mesh, layout, train)
-    runner = ParallelRunner(model, wrapped, runtime_mesh, layout, train)
-    if layout.ep > 1:
-        reduce_after_backward(runner)
-    return runner

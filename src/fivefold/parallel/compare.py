@@ -100,7 +100,7 @@ def build_layout(
     spec: ModelSpec, train: TrainSpec, layout: Layout, runtime_mesh: Any
 ) -> tuple[Any, list[torch.optim.Optimizer]]:
     """The runner of `layout` and one optimizer per local model part (pipeline chunks have several)."""
-    from fivefold.parallel.apply import build_runner
+    from fivefold.parallel.runners import build_runner
 
     runner = build_runner(build_model(spec, "meta"), runtime_mesh, layout, train)
     return runner, [runner.build_optimizer(part) for part in runner.model_parts]

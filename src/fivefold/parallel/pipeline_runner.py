@@ -1,9 +1,10 @@
 """The pipelined `StepRunner`: torch's stages and schedules over this rank's chunks.
 
-Built by `fivefold.parallel.pipeline.build_pipeline_runner`; see that module for the split and the
-rules on losses and gradient scaling. Gradient finalisation, clipping, the optimizer, the MoE bias
-and the loss average are the shared `RunnerCore`'s; plain dp replicas (no DDP wrapper around a
-stage) average their gradients once after the whole schedule.
+`build_pipeline_runner` cuts the model into this rank's chunks (the split and placement are
+`fivefold.parallel.pipeline`'s), applies the other axes to each chunk and wraps them in torch's
+stages; `PipelineRunner` steps them with a torch schedule. Gradient finalisation, clipping, the
+optimizer, the MoE bias and the loss average are the shared `RunnerCore`'s; plain dp replicas (no
+DDP wrapper around a stage) average their gradients once after the whole schedule.
 """
 
 from __future__ import annotations
@@ -19,9 +20,21 @@ from torch.distributed.tensor import DTensor
 from fivefold.config import Layout, TrainSpec
 from fivefold.errors import FivefoldError
 from fivefold.measure.timeline import Timeline
+from fivefold.model import materialize
 from fivefold.model.moe import set_aux_loss_scale
-from fivefold.model.transformer import lm_loss
-from fivefold.parallel.pipeline import SCHEDULE_CLASSES, SINGLE_STAGE, stage_to_rank
+from fivefold.model.transformer import init_tied_head, lm_loss
+from fivefold.parallel.apply import parallelize_chunk
+from fivefold.parallel.context import shard_positions
+from fivefold.parallel.pipeline import (
+    SCHEDULE_CLASSES,
+    SINGLE_STAGE,
+    _copy_from,
+    build_chunk,
+    check_pipeline,
+    rank_stages,
+    stage_to_rank,
+)
+from fivefold.parallel.precision import precision_mode
 from fivefold.parallel.runner_core import RunnerCore, plain
 
 
@@ -255,3 +268,80 @@ def _recv_tensor(group, peer: int, device: torch.device) -> torch.Tensor:
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def build_pipeline_runner(model, runtime_mesh, layout: Layout, train: TrainSpec):
+    """The `StepRunner` for a layout with pp > 1 (see fivefold.parallel.api)."""
+    counts = check_pipeline(model.spec, layout, train)
+    pp, sched = layout.pp, layout.pp_schedule
+    chunks_total = pp * layout.virtual_stages
+    starts = [sum(counts[:k]) for k in range(chunks_total)]
+    device = _device(runtime_mesh, train)
+    pp_rank = runtime_mesh.coord("pp")
+    source_is_meta = any(p.is_meta for p in model.parameters())
+    parts, modules, stage_ids = [], [], rank_stages(pp_rank, pp, layout.virtual_stages, sched)
+    for s in stage_ids:
+        chunk = build_chunk(model, range(starts[s], starts[s] + counts[s]), s == 0, s == chunks_total - 1)
+        module = _parallelize(chunk, runtime_mesh, layout, train)  # materialises it when it shards
+        if any(p.is_meta for p in chunk.parameters()):
+            materialize(chunk, device, train.seed)
+        if model.spec.tie_embeddings and chunk.lm_head is not None and chunk.model.embed_tokens is None:
+            init_tied_head(chunk, train.seed)  # the tied weight's other copy: the first chunk's embedding
+        if not source_is_meta:
+            _copy_from(chunk, model)
+        parts.append(chunk)
+        autocast = precision_mode(train.dtype, layout) == "autocast"
+        module = _with_autocast(module, device) if autocast else module
+        if layout.cp > 1:  # the stage sees this rank's sequence shard: hand it its real positions
+            module = _with_positions(module, train.seq_len, layout.cp, runtime_mesh.coord("cp"))
+        modules.append(module)
+    return PipelineRunner(parts, modules, stage_ids, counts, runtime_mesh, layout, device, train)
+
+
+def _parallelize(chunk, runtime_mesh, layout: Layout, train: TrainSpec):
+    """TP(+SP), EP, CP, recompute and FSDP on one chunk; returns the module the stage calls.
+
+    Plain replicas (dp without fsdp or tp) are not wrapped in DDP, whose reducer does not survive
+    the schedules' split backward: the runner averages those gradients after the step.
+    """
+    return parallelize_chunk(chunk, runtime_mesh, layout, train, ddp=False)
+
+
+def _with_autocast(module, device):
+    """bf16 by autocast (see fivefold.parallel.precision): entered inside the stage's module, so
+    the schedule's own forwards (and its shape inference) see bf16 activations."""
+
+    class Autocast(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args, **kwargs):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                return self.inner(*args, **kwargs)
+
+    return Autocast(module)
+
+
+def _with_positions(module, seq_len: int, cp: int, cp_rank: int):
+    """Context parallel: every stage's rotary tables and causal masks need the positions of this
+    rank's load-balanced columns, which the schedule's single tensor argument cannot carry."""
+
+    class WithPositions(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+            self.register_buffer("positions", shard_positions(seq_len, cp, cp_rank), persistent=False)
+
+        def forward(self, x):
+            positions = self.positions.to(x.device).unsqueeze(0).expand(x.shape[0], -1)
+            return self.inner(x, position_ids=positions)
+
+    return WithPositions(module)
+
+
+def _device(runtime_mesh, train: TrainSpec):
+    kind = runtime_mesh.device_mesh.device_type
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)

@@ -3,7 +3,7 @@
 The loop owns data, optimizer, learning-rate schedule, metrics and checkpoints; a `StepRunner`
 owns how this rank's share of a batch becomes gradients (`fivefold.parallel.api`). One process
 uses the single-device `LocalRunner`; several ranks use the runner that
-`fivefold.parallel.apply.build_runner` builds for the layout. Nothing here looks at which axes
+`fivefold.parallel.runners.build_runner` builds for the layout. Nothing here looks at which axes
 are split, except to pick this rank's share of the batch (its `batch` coordinate).
 """
 
@@ -29,7 +29,7 @@ from fivefold.measure.ledger import CommLedger
 from fivefold.measure.memory import ActivationMeter, device_memory, state_bytes
 from fivefold.measure.timeline import write_trace
 from fivefold.model import build_model, materialize
-from fivefold.parallel import apply
+from fivefold.parallel import runners
 from fivefold.parallel.api import LocalRunner
 from fivefold.parallel.compile import check_compile, compile_blocks
 from fivefold.parallel.device_mesh import build_runtime_mesh
@@ -163,7 +163,7 @@ def build_runner(
             compile_blocks(model)
         return LocalRunner(model, train.micro_batch, train), None
     mesh = build_runtime_mesh(layout, device.type)
-    return apply.build_runner(model, mesh, layout, train), mesh
+    return runners.build_runner(model, mesh, layout, train), mesh
 
 
 # what a run writes into its directory: a new run never replaces any of these

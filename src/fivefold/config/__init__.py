@@ -1,0 +1,55 @@
+"""Configuration: model, hardware, layout and run specs, read from presets, TOML, HF configs and flags.
+
+Each concern has its module; everything is re-exported here, so callers import from
+`fivefold.config` alone."""
+
+from fivefold.config.files import T, _coerce, _from_dict, dumps_toml, read_toml, to_dict
+from fivefold.config.flags import add_layout_arguments, layout_from_args
+from fivefold.config.hardware import HardwareSpec
+from fivefold.config.hf import _HF_ARCH, _model_spec_from_hf, _qwen3_moe_spec, model_spec_from_hf
+from fivefold.config.layout import (
+    ALL_AXES,
+    AXES,
+    CP_IMPLS,
+    DEFAULT_ORDER,
+    PP_SCHEDULES,
+    RECOMPUTE,
+    Layout,
+    complete_order,
+)
+from fivefold.config.model import ModelSpec, check_seq_len
+from fivefold.config.presets import _preset_dir, load_hardware, load_model, preset_names
+from fivefold.config.run import DTYPES, RunConfig, TrainSpec
+
+__all__ = [
+    "ALL_AXES",
+    "AXES",
+    "CP_IMPLS",
+    "DEFAULT_ORDER",
+    "DTYPES",
+    "HardwareSpec",
+    "Layout",
+    "ModelSpec",
+    "PP_SCHEDULES",
+    "RECOMPUTE",
+    "RunConfig",
+    "T",
+    "TrainSpec",
+    "_HF_ARCH",
+    "_coerce",
+    "_from_dict",
+    "_model_spec_from_hf",
+    "_preset_dir",
+    "_qwen3_moe_spec",
+    "add_layout_arguments",
+    "check_seq_len",
+    "complete_order",
+    "dumps_toml",
+    "layout_from_args",
+    "load_hardware",
+    "load_model",
+    "model_spec_from_hf",
+    "preset_names",
+    "read_toml",
+    "to_dict",
+]

@@ -1,0 +1,73 @@
+"""Reading and writing config files: TOML in, dataclasses out, with errors that name the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fivefold.errors import FivefoldError, suggest
+
+T = TypeVar("T")
+
+
+def _from_dict(cls: type[T], data: dict[str, Any], what: str) -> T:
+    """Build a dataclass from a dict, rejecting unknown keys and coercing simple types."""
+    known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise FivefoldError(
+            f"unknown key(s) {', '.join(unknown)} in {what}; valid keys: {suggest(sorted(known), 40)}"
+        )
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(value, known[name], what)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a required key is missing
+        raise FivefoldError(f"{what}: {exc}") from None
+
+
+def _coerce(value: Any, f: dataclasses.Field, what: str) -> Any:
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if kind.startswith(("int", "float")) and isinstance(value, str):
+            raise ValueError  # a number written as a string is a mistake, not a number
+        if kind.startswith("str") and value is not None and not isinstance(value, str):
+            raise FivefoldError(f"{what}: {f.name} must be a string, got {value!r}")
+        if kind.startswith("int") and not isinstance(value, bool) and value is not None:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if kind.startswith("float") and value is not None:
+            return float(value)
+        if kind.startswith("bool") and isinstance(value, str):
+            return value.lower() in ("1", "true", "yes", "on")
+    except (TypeError, ValueError):
+        raise FivefoldError(f"{what}: {f.name} must be {kind}, got {value!r}") from None
+    return value
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """A dataclass as a TOML-friendly dict (None values dropped: TOML has no null)."""
+    return {k: v for k, v in dataclasses.asdict(obj).items() if v is not None}
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.exists():
+        raise FivefoldError(f"file not found: {p}")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise FivefoldError(f"malformed TOML in {p}: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FivefoldError(f"cannot read {p}: {exc}") from None
+
+
+def dumps_toml(data: dict[str, Any]) -> str:
+    import tomli_w
+
+    return tomli_w.dumps(data)

@@ -1,0 +1,83 @@
+"""The layout flags every command shares: one definition, one default, one help text."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import fields
+
+from fivefold.config.layout import CP_IMPLS, DEFAULT_ORDER, PP_SCHEDULES, RECOMPUTE, Layout
+
+
+def add_layout_arguments(parser: argparse.ArgumentParser, factors_only: bool = False) -> None:
+    """The layout flags, one definition for every command. `factors_only`: the axis sizes and their
+    order, for commands that only place ranks (`mesh`) and would ignore the rest."""
+    g = parser.add_argument_group("layout")
+    for axis, text in (
+        ("dp", "replicated data-parallel degree (-1: fill the world)"),
+        ("fsdp", "sharded data-parallel degree (-1: fill the world)"),
+        ("tp", "tensor-parallel degree (default 1)"),
+        ("pp", "pipeline-parallel degree (default 1)"),
+        ("cp", "context-parallel degree (default 1)"),
+        ("ep", "expert-parallel degree, folded onto fsdp×cp ranks (default 1)"),
+    ):
+        g.add_argument(f"--{axis}", type=int, default=None, help=text)
+    g.add_argument(
+        "--order",
+        default=None,
+        help=f"axes innermost (adjacent ranks) first; any subset, the rest follow in the default order "
+        f"(default {DEFAULT_ORDER})",
+    )
+    if factors_only:
+        return
+    g.add_argument(
+        "--zero",
+        type=int,
+        default=None,
+        choices=(0, 1, 2, 3),
+        help="ZeRO stage: 1 shards optimizer state, 2 also grads, 3 also params "
+        "(default 3 with fsdp, else 0)",
+    )
+    g.add_argument(
+        "--sp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sequence parallelism on top of tensor parallelism",
+    )
+    g.add_argument(
+        "--pp-schedule",
+        default=None,
+        choices=PP_SCHEDULES,
+        help="pipeline schedule (default 1f1b); interleaved/zbv/dualpipev run several chunks per rank",
+    )
+    g.add_argument(
+        "--microbatches", type=int, default=None, help="pipeline micro-batches per step (default: pp)"
+    )
+    g.add_argument(
+        "--virtual-stages", type=int, default=None, help="model chunks per pipeline rank (default 1)"
+    )
+    g.add_argument("--pp-split", default=None, help="manual layers per stage, e.g. 3,5,5,3")
+    g.add_argument(
+        "--cp-impl",
+        default=None,
+        choices=CP_IMPLS,
+        help="context-parallel attention: ring passes K/V blocks rank to rank, allgather gathers them, "
+        "ulysses trades sequence for heads with all-to-all (default ring)",
+    )
+    g.add_argument(
+        "--recompute",
+        default=None,
+        choices=RECOMPUTE,
+        help="activation recomputation: full re-runs each block in the backward, selective only the "
+        "attention core (default none)",
+    )
+
+
+def layout_from_args(args: argparse.Namespace, base: Layout | None = None) -> Layout:
+    """Overlay the layout flags that were given on `base` (unresolved: call .resolve(world))."""
+    lay = dataclasses.replace(base) if base else Layout()
+    for f in fields(Layout):
+        value = getattr(args, f.name, None)
+        if value is not None:
+            setattr(lay, f.name, value)
+    return lay

@@ -1,0 +1,38 @@
+"""`HardwareSpec`: one accelerator and its links, as the planner sees them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.errors import FivefoldError
+
+
+@dataclass
+class HardwareSpec:
+    """One accelerator kind and its links. Bandwidths are GB/s per GPU per direction."""
+
+    name: str
+    gpu_memory_gb: float
+    peak_tflops: float  # dense 16-bit tensor-core peak, vendor-published
+    gpus_per_node: int = 8
+    intra_node_gbps: float = 300.0
+    inter_node_gbps: float = 25.0
+    hbm_gbps: float = 2000.0
+    intra_node_latency_us: float = 3.0
+    inter_node_latency_us: float = 10.0
+    # achievable fractions (calibrated knobs with a physical meaning; see docs/planner.md)
+    matmul_efficiency: float = 0.0  # 0: the planner's default for this peak
+    link_efficiency: float = 0.0
+    memory_efficiency: float = 0.0  # share of hbm_gbps streaming kernels sustain; 0: planner default
+    tdp_w: float = 0.0  # board power the peak is quoted at
+    power_limit_w: float = 0.0  # a lower cap set by the operator: clocks drop as its cube root
+    attention_efficiency: float = 0.0  # share of the peak attention kernels reach; 0: 0.8 × matmul
+    fp8_speedup: float = 0.0  # fp8 matmul rate over the 16-bit one (tensor-core peak ratio 2); 0: default
+    # fixed host-side time per optimizer step (optimizer and clipping launches, loss sync); 0: default
+    step_overhead_s: float = 0.0
+
+    def validate(self) -> HardwareSpec:
+        for name in ("gpu_memory_gb", "peak_tflops", "gpus_per_node", "intra_node_gbps", "inter_node_gbps"):
+            if getattr(self, name) <= 0:
+                raise FivefoldError(f"hardware {self.name}: {name} must be positive")
+        return self

@@ -1,0 +1,127 @@
+"""A Hugging Face `config.json` (Llama, Mistral, Mixtral, Qwen, DeepSeek) as a `ModelSpec`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fivefold.config.files import _from_dict
+from fivefold.config.model import ModelSpec
+from fivefold.errors import FivefoldError
+
+_HF_ARCH = (
+    "LlamaForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
+
+
+def model_spec_from_hf(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
+    """Translate an HF `config.json` dict (Llama, Mistral, Mixtral, Qwen3, Qwen3-MoE, DeepSeek-V3)."""
+    if not isinstance(cfg, dict):
+        raise FivefoldError(f"HF config {name}: expected a JSON object, got {type(cfg).__name__}")
+    try:
+        return _model_spec_from_hf(cfg, name)
+    except KeyError as exc:
+        raise FivefoldError(f"HF config {name}: missing key {exc}") from None
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as exc:  # wrong types or zeros
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise FivefoldError(
+            f"HF config {name}: a value has the wrong type or is zero ({reason}); sizes and counts "
+            "must be positive integers"
+        ) from None
+
+
+def _model_spec_from_hf(cfg: dict[str, Any], name: str) -> ModelSpec:
+    archs = cfg.get("architectures") or []
+    model_type = cfg.get("model_type", "")
+    if archs and not any(a in _HF_ARCH for a in archs):
+        raise FivefoldError(f"unsupported HF architecture {archs}; supported: {', '.join(_HF_ARCH)}")
+    try:
+        heads = cfg["num_attention_heads"]
+        spec: dict[str, Any] = dict(
+            name=name,
+            layers=cfg["num_hidden_layers"],
+            hidden=cfg["hidden_size"],
+            heads=heads,
+            kv_heads=cfg.get("num_key_value_heads") or heads,
+            vocab=cfg["vocab_size"],
+            ffn_hidden=cfg.get("intermediate_size", 0),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            max_seq_len=cfg.get("max_position_embeddings", 4096),
+            rope_theta=float(
+                cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4))
+            ),
+            norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+        )
+    except KeyError as exc:
+        raise FivefoldError(f"HF config {name}: missing key {exc}") from None
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rtype = rs.get("rope_type", rs.get("type", "default"))
+    if rtype == "llama3":
+        spec.update(
+            rope_scaling="llama3",
+            rope_factor=rs["factor"],
+            rope_low_freq_factor=rs["low_freq_factor"],
+            rope_high_freq_factor=rs["high_freq_factor"],
+            rope_original_max_len=rs["original_max_position_embeddings"],
+        )
+    elif rtype not in ("default", None) and model_type != "deepseek_v3":
+        raise FivefoldError(f"HF config {name}: rope scaling {rtype!r} is not supported (default or llama3)")
+    if model_type.startswith("qwen3"):
+        spec["qk_norm"] = True
+    if cfg.get("hidden_act", "silu") != "silu" or cfg.get("mlp_bias"):
+        raise FivefoldError(f"HF config {name}: only bias-free SwiGLU MLPs (hidden_act silu) are supported")
+    try:
+        if model_type == "qwen3_moe":  # checked first: transformers 5 also writes num_local_experts here
+            spec.update(_qwen3_moe_spec(cfg, name))
+        elif "num_local_experts" in cfg:  # Mixtral
+            spec.update(
+                experts=cfg["num_local_experts"],
+                experts_per_token=cfg["num_experts_per_tok"],
+                expert_ffn_hidden=cfg["intermediate_size"],
+                router_norm_topk=True,
+                aux_loss_coef=cfg.get("router_aux_loss_coef", 0.02),
+            )
+    except KeyError as exc:
+        raise FivefoldError(f"HF config {name}: missing key {exc}") from None
+    if model_type == "deepseek_v3":
+        spec.update(
+            experts=cfg["n_routed_experts"],
+            experts_per_token=cfg["num_experts_per_tok"],
+            expert_ffn_hidden=cfg["moe_intermediate_size"],
+            shared_experts=cfg.get("n_shared_experts", 0),
+            moe_layers=cfg["num_hidden_layers"] - cfg.get("first_k_dense_replace", 0),
+            router_score="sigmoid",
+            router_bias_rate=0.001,
+            aux_loss_coef=0.0,
+            q_lora_rank=cfg.get("q_lora_rank") or 0,
+            kv_lora_rank=cfg["kv_lora_rank"],
+            qk_rope_head_dim=cfg["qk_rope_head_dim"],
+            v_head_dim=cfg["v_head_dim"],
+            head_dim=cfg["qk_nope_head_dim"],
+        )
+    return _from_dict(ModelSpec, spec, f"HF config {name}")
+
+
+def _qwen3_moe_spec(cfg: dict[str, Any], name: str) -> dict[str, Any]:
+    """Qwen3-MoE: sparse layers, except a leading run of dense ones (`mlp_only_layers`)."""
+    layers = cfg["num_hidden_layers"]
+    dense = sorted(cfg.get("mlp_only_layers") or [])
+    if cfg.get("decoder_sparse_step", 1) != 1 or dense != list(range(len(dense))):
+        raise FivefoldError(
+            f"HF config {name}: only Qwen3-MoE whose dense layers come first (mlp_only_layers = 0..k-1, "
+            "decoder_sparse_step = 1) is supported"
+        )
+    return dict(
+        experts=cfg.get("num_experts") or cfg["num_local_experts"],
+        experts_per_token=cfg["num_experts_per_tok"],
+        expert_ffn_hidden=cfg["moe_intermediate_size"],
+        moe_layers=layers - len(dense),
+        router_norm_topk=bool(cfg.get("norm_topk_prob", False)),  # HF's default
+        aux_loss_coef=cfg.get("router_aux_loss_coef", 0.001),
+    )

@@ -1,0 +1,180 @@
+"""`Layout`: the degree of every parallel axis and how they are ordered and scheduled."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from fivefold.config.model import ModelSpec
+from fivefold.errors import FivefoldError, divisors, suggest
+
+AXES = ("dp", "fsdp", "cp", "tp", "pp")  # axes whose product is the world size
+
+
+ALL_AXES = AXES + ("ep",)
+
+
+DEFAULT_ORDER = "tp,cp,fsdp,dp,pp"
+
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
+
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+CP_IMPLS = ("ring", "allgather", "ulysses")
+
+
+def complete_order(order: str) -> str:
+    """`order` with the axes it leaves out appended in the default order: "cp,tp" -> "cp,tp,fsdp,dp,pp"."""
+    if not isinstance(order, str):
+        raise FivefoldError(f"--order must be comma-separated axes such as {DEFAULT_ORDER}, got {order!r}")
+    given = [a.strip() for a in order.split(",") if a.strip()]
+    unknown = [a for a in given if a not in AXES]
+    repeated = sorted({a for a in given if given.count(a) > 1})
+    if unknown or repeated:
+        what = f"unknown axis {', '.join(unknown)}" if unknown else f"{', '.join(repeated)} given twice"
+        raise FivefoldError(
+            f"--order lists axes innermost first, each at most once, from {','.join(AXES)} "
+            f"(the rest follow in the default order {DEFAULT_ORDER}); {what} in {order!r}"
+        )
+    return ",".join(given + [a for a in DEFAULT_ORDER.split(",") if a not in given])
+
+
+@dataclass
+class Layout:
+    """How the world is split. `-1` on dp or fsdp takes whatever the other axes leave."""
+
+    dp: int = 1
+    fsdp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    order: str = DEFAULT_ORDER
+    zero: int = -1  # -1: 3 when fsdp > 1, else 0
+    sp: bool = False
+    pp_schedule: str = "1f1b"
+    microbatches: int = 0  # 0: pp (or 1 without pipelining)
+    virtual_stages: int = 1
+    pp_split: str = ""  # manual split: comma-separated layer counts per stage
+    cp_impl: str = "ring"
+    recompute: str = "none"
+
+    @property
+    def world(self) -> int:
+        return math.prod(getattr(self, a) for a in AXES)
+
+    @property
+    def order_list(self) -> list[str]:
+        """Every world axis, innermost first: the given order, then the rest in the default order."""
+        return complete_order(self.order).split(",")
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that see different batches (dp × fsdp)."""
+        return self.dp * self.fsdp
+
+    def resolve(self, world: int | None = None) -> Layout:
+        """Fill -1 factors from the world size, resolve defaults, and validate the factors."""
+        lay = dataclasses.replace(self)
+        free = [a for a in ("dp", "fsdp") if getattr(lay, a) == -1]
+        for a in AXES + ("ep",):
+            v = getattr(lay, a)
+            if v == 0 or v < -1 or (v == -1 and a not in ("dp", "fsdp")):
+                raise FivefoldError(f"--{a} must be a positive integer (or -1 on dp/fsdp), got {v}")
+        if len(free) > 1:
+            raise FivefoldError("only one of --dp and --fsdp may be -1 (fill the rest)")
+        if free:
+            if world is None:
+                raise FivefoldError(f"--{free[0]} -1 needs a world size (--gpus or --nproc)")
+            rest = math.prod(getattr(lay, a) for a in AXES if a != free[0])
+            if world % rest:
+                raise FivefoldError(
+                    f"cannot fill --{free[0]}: the other axes multiply to {rest}, which does not divide "
+                    f"the world size {world}"
+                )
+            setattr(lay, free[0], world // rest)
+        if world is not None and lay.world != world:
+            raise FivefoldError(
+                f"dp×fsdp×cp×tp×pp = {lay.dp}×{lay.fsdp}×{lay.cp}×{lay.tp}×{lay.pp} = {lay.world} must equal "
+                f"the world size {world}; e.g. set --fsdp -1 or --dp -1 to fill it, or use world "
+                f"{lay.world}"
+            )
+        lay.order = complete_order(lay.order)
+        if lay.zero == -1:
+            lay.zero = 3 if lay.fsdp > 1 else 0
+        if lay.zero not in (0, 1, 2, 3):
+            raise FivefoldError(f"--zero must be 0, 1, 2 or 3, got {lay.zero}")
+        if lay.fsdp > 1 and lay.zero in (0, 1):
+            raise FivefoldError(
+                f"--fsdp {lay.fsdp} shards parameters, so --zero must be 2 or 3 (got {lay.zero}); "
+                "for a sharded optimizer on replicated params use --dp N --zero 1"
+            )
+        if (lay.fsdp * lay.cp) % lay.ep:
+            raise FivefoldError(
+                f"--ep {lay.ep} must divide fsdp×cp = {lay.fsdp * lay.cp} (expert parallelism re-uses the "
+                f"data-parallel ranks); valid ep: {suggest(divisors(lay.fsdp * lay.cp))}"
+            )
+        if lay.pp_schedule not in PP_SCHEDULES:
+            raise FivefoldError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}")
+        if lay.recompute not in RECOMPUTE:
+            raise FivefoldError(f"--recompute must be one of {', '.join(RECOMPUTE)}")
+        if lay.cp_impl not in CP_IMPLS:
+            raise FivefoldError(f"--cp-impl must be one of {', '.join(CP_IMPLS)}")
+        if lay.virtual_stages < 1:
+            raise FivefoldError("--virtual-stages must be >= 1")
+        if lay.pp_schedule in ("zbv", "dualpipev") and lay.pp > 1 and lay.virtual_stages not in (1, 2):
+            raise FivefoldError(f"--pp-schedule {lay.pp_schedule} uses exactly 2 virtual stages per rank")
+        if lay.pp_schedule in ("zbv", "dualpipev") and lay.pp > 1:
+            lay.virtual_stages = 2
+        if lay.microbatches < 0:
+            raise FivefoldError(f"--microbatches must be >= 1 (or 0: the default), got {lay.microbatches}")
+        if lay.microbatches == 0:
+            lay.microbatches = max(lay.pp, 1) * (1 if lay.pp == 1 else 2)
+        if lay.sp and lay.tp == 1:
+            lay.sp = False  # sequence parallel is a TP refinement; nothing to shard without TP
+        return lay
+
+    def check_model(self, model: ModelSpec, seq_len: int | None = None) -> None:
+        """Constraints that depend on the model's shape."""
+        if model.heads % self.tp:
+            raise FivefoldError(
+                f"--tp {self.tp} must divide the {model.heads} attention heads of {model.name}; "
+                f"valid tp: {suggest(divisors(model.heads))}"
+            )
+        if self.tp > model.kv_heads and self.tp % model.kv_heads:
+            valid = [d for d in divisors(model.heads) if d <= model.kv_heads or d % model.kv_heads == 0]
+            raise FivefoldError(
+                f"--tp {self.tp} exceeds kv_heads {model.kv_heads} but is not a multiple of it, so KV heads "
+                f"cannot be replicated evenly; valid tp: {suggest(valid)}"
+            )
+        stages = self.pp * self.virtual_stages
+        if stages > model.layers:
+            raise FivefoldError(
+                f"--pp {self.pp} × --virtual-stages {self.virtual_stages} = {stages} stages exceeds the "
+                f"{model.layers} layers of {model.name}; valid pp: "
+                f"{suggest([d for d in range(1, model.layers // self.virtual_stages + 1)][:12])}"
+            )
+        if self.ep > 1:
+            if not model.is_moe:
+                raise FivefoldError(f"--ep {self.ep} needs a mixture-of-experts model; {model.name} is dense")
+            if model.experts % self.ep:
+                raise FivefoldError(
+                    f"--ep {self.ep} must divide the {model.experts} experts of {model.name}; "
+                    f"valid ep: {suggest(divisors(model.experts))}"
+                )
+        if seq_len is not None and self.cp > 1:
+            need = 2 * self.cp if self.cp_impl == "ring" else self.cp
+            if seq_len % need:
+                raise FivefoldError(
+                    f"--seq-len {seq_len} must be divisible by {need} for --cp {self.cp} ({self.cp_impl}: "
+                    f"{'two chunks per rank, for balance' if self.cp_impl == 'ring' else 'a chunk per rank'})"
+                )
+            if self.cp_impl == "ulysses" and model.heads % (self.cp * self.tp):
+                raise FivefoldError(
+                    f"--cp-impl ulysses splits heads: cp×tp = {self.cp * self.tp} must divide "
+                    f"{model.heads} heads"
+                )

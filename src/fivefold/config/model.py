@@ -1,0 +1,158 @@
+"""`ModelSpec`: the transformer's shape, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.errors import FivefoldError, divisors, suggest
+
+
+@dataclass
+class ModelSpec:
+    """A decoder-only transformer (Llama-3 style), optionally with mixture-of-experts MLPs.
+
+    Field names follow the planner's TOML contract (`layers, hidden, ffn_hidden, heads, kv_heads,
+    vocab`, + MoE keys). `head_dim = 0` means hidden // heads.
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    ffn_hidden: int = 0
+    kv_heads: int = 0  # 0 means = heads (plain multi-head attention)
+    head_dim: int = 0
+    name: str = "custom"
+    max_seq_len: int = 4096
+    rope_theta: float = 10000.0
+    rope_scaling: str = "none"  # none | llama3
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head's q and k
+    attention_bias: bool = False
+    init_std: float = 0.02
+    # mixture of experts (experts = 0: dense)
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn_hidden: int = 0
+    shared_experts: int = 0
+    moe_layers: int = -1  # how many layers are MoE (the last ones); -1: all when experts > 0
+    router_score: str = "softmax"  # softmax | sigmoid
+    router_norm_topk: bool = True  # renormalise the top-k weights to sum to 1
+    aux_loss_coef: float = 0.01  # load-balancing loss weight (0 disables)
+    router_bias_rate: float = 0.0  # auxiliary-loss-free balancing: bias update speed (0 disables)
+    # multi-head latent attention dims (DeepSeek-V3); planning only, 0 = not MLA
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kv_heads == 0:
+            self.kv_heads = self.heads
+        if self.head_dim == 0 and self.heads > 0:
+            self.head_dim = self.hidden // self.heads
+        if self.ffn_hidden == 0:
+            self.ffn_hidden = self.expert_ffn_hidden if self.experts else 4 * self.hidden
+        if self.experts and self.moe_layers < 0:
+            self.moe_layers = self.layers
+        if not self.experts:
+            self.moe_layers = 0
+
+    # ---- validation
+    def validate(self) -> ModelSpec:
+        for name in ("layers", "hidden", "heads", "vocab", "ffn_hidden", "kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise FivefoldError(f"model {self.name}: {name} must be positive, got {getattr(self, name)}")
+        if self.heads % self.kv_heads:
+            raise FivefoldError(
+                f"model {self.name}: heads ({self.heads}) must be a multiple of kv_heads "
+                f"({self.kv_heads}); valid kv_heads: {suggest(divisors(self.heads))}"
+            )
+        if self.head_dim % 2:
+            raise FivefoldError(f"model {self.name}: head_dim ({self.head_dim}) must be even for RoPE")
+        if self.rope_scaling not in ("none", "llama3"):
+            raise FivefoldError(f"model {self.name}: rope_scaling must be none or llama3")
+        if self.experts:
+            if not 0 < self.experts_per_token <= self.experts:
+                raise FivefoldError(
+                    f"model {self.name}: experts_per_token must be in 1..{self.experts}, "
+                    f"got {self.experts_per_token}"
+                )
+            if self.expert_ffn_hidden <= 0:
+                raise FivefoldError(f"model {self.name}: expert_ffn_hidden must be positive for MoE")
+            if not 0 <= self.moe_layers <= self.layers:
+                raise FivefoldError(f"model {self.name}: moe_layers must be in 0..{self.layers}")
+            if self.router_score not in ("softmax", "sigmoid"):
+                raise FivefoldError(f"model {self.name}: router_score must be softmax or sigmoid")
+        return self
+
+    # ---- derived
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0 and self.moe_layers > 0
+
+    @property
+    def first_moe_layer(self) -> int:
+        return self.layers - self.moe_layers
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.is_moe and index >= self.first_moe_layer
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def attention_params(self) -> int:
+        h, d = self.hidden, self.head_dim
+        if self.is_mla:
+            qk_head = d + self.qk_rope_head_dim
+            q = (
+                (h * self.q_lora_rank + self.q_lora_rank * self.heads * qk_head)
+                if self.q_lora_rank
+                else (h * self.heads * qk_head)
+            )
+            kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * self.heads * (
+                d + self.v_head_dim
+            )
+            return q + kv + self.heads * self.v_head_dim * h
+        qkv = h * d * (self.heads + 2 * self.kv_heads)
+        bias = d * (self.heads + 2 * self.kv_heads) if self.attention_bias else 0
+        norms = 2 * d if self.qk_norm else 0
+        return qkv + bias + self.heads * d * h + norms
+
+    def dense_mlp_params(self) -> int:
+        return 3 * self.hidden * self.ffn_hidden
+
+    def expert_params(self) -> int:
+        """One routed expert's SwiGLU weights."""
+        return 3 * self.hidden * self.expert_ffn_hidden
+
+    def moe_layer_params(self, active: bool = False) -> int:
+        routed = self.experts_per_token if active else self.experts
+        shared = self.shared_experts * self.expert_params()
+        return routed * self.expert_params() + shared + self.hidden * self.experts  # + router
+
+    def layer_params(self, index: int, active: bool = False) -> int:
+        mlp = self.moe_layer_params(active) if self.is_moe_layer(index) else self.dense_mlp_params()
+        return self.attention_params() + mlp + 2 * self.hidden
+
+    def num_params(self, active: bool = False, embeddings: bool = True) -> int:
+        """Parameter count; `active` counts only the experts a token is routed to."""
+        body = sum(self.layer_params(i, active) for i in range(self.layers)) + self.hidden  # final norm
+        emb = self.vocab * self.hidden
+        head = 0 if self.tie_embeddings else self.vocab * self.hidden
+        return body + ((emb + head) if embeddings else head)
+
+
+def check_seq_len(model: ModelSpec, seq_len: int) -> None:
+    """A run's sequences fit the model's positions (RoPE tables and HF configs are sized for them)."""
+    if seq_len > model.max_seq_len:
+        raise FivefoldError(
+            f"--seq-len {seq_len} exceeds the {model.max_seq_len} positions of model {model.name} "
+            f"(max_seq_len); valid: 1..{model.max_seq_len}"
+        )

@@ -1,0 +1,67 @@
+"""The bundled model and hardware presets, and loading a preset, a TOML file or an HF config."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from fivefold.config.files import _from_dict, read_toml
+from fivefold.config.hardware import HardwareSpec
+from fivefold.config.hf import model_spec_from_hf
+from fivefold.config.model import ModelSpec
+from fivefold.errors import FivefoldError, suggest
+
+
+def _preset_dir(kind: str) -> Any:
+    return resources.files("fivefold") / "presets" / kind
+
+
+def preset_names(kind: str) -> list[str]:
+    return sorted(p.name[:-5] for p in _preset_dir(kind).iterdir() if p.name.endswith(".toml"))
+
+
+def load_model(name_or_path: str) -> ModelSpec:
+    """A model preset name, a model TOML, an HF `config.json`, or an HF checkpoint directory."""
+    path = Path(name_or_path)
+    if name_or_path in preset_names("models"):
+        data = tomllib.loads((_preset_dir("models") / f"{name_or_path}.toml").read_text())
+        data.setdefault("name", name_or_path)
+        return _from_dict(ModelSpec, data, f"model preset {name_or_path}").validate()
+    if path.is_dir() and (path / "config.json").exists():
+        path = path / "config.json"
+    if path.suffix == ".json":
+        if not path.exists():
+            raise FivefoldError(f"file not found: {path}")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise FivefoldError(f"malformed JSON in {path}: {exc}") from None
+        return model_spec_from_hf(cfg, name=path.parent.name or "hf").validate()
+    if path.suffix == ".toml" or path.exists():
+        data = read_toml(path)
+        data = data.get("model", data)
+        data.setdefault("name", path.stem)
+        return _from_dict(ModelSpec, data, f"model file {path}").validate()
+    raise FivefoldError(
+        f"unknown model {name_or_path!r}: not a preset, a .toml, a config.json or an HF directory; "
+        f"presets: {suggest(preset_names('models'), 20)}"
+    )
+
+
+def load_hardware(name_or_path: str) -> HardwareSpec:
+    if name_or_path in preset_names("hardware"):
+        data = tomllib.loads((_preset_dir("hardware") / f"{name_or_path}.toml").read_text())
+        data.setdefault("name", name_or_path)
+        return _from_dict(HardwareSpec, data, f"hardware preset {name_or_path}").validate()
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.exists():
+        data = read_toml(path)
+        data = data.get("hardware", data)
+        data.setdefault("name", path.stem)
+        return _from_dict(HardwareSpec, data, f"hardware file {path}").validate()
+    raise FivefoldError(
+        f"unknown hardware {name_or_path!r}; presets: {suggest(preset_names('hardware'))} (or a .toml file)"
+    )

@@ -1,0 +1,124 @@
+"""`TrainSpec` and `RunConfig`: one run's training settings and its whole configuration."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fivefold.config.files import _from_dict, dumps_toml, read_toml, to_dict
+from fivefold.config.layout import Layout
+from fivefold.config.model import ModelSpec
+from fivefold.errors import FivefoldError, suggest
+
+DTYPES = ("fp32", "bf16")
+
+
+@dataclass
+class TrainSpec:
+    steps: int = 300
+    seed: int = 0
+    dtype: str = "fp32"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables
+    seq_len: int = 128
+    micro_batch: int = 8  # sequences per rank per forward
+    global_batch: int = 0  # sequences per optimizer step; 0: micro_batch × data-parallel ranks
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 0  # 0: only at the end
+    data: str = "stdlib"  # stdlib | path to a text file, folder, .jsonl or .bin
+    tokenizer: str = "bytes"  # bytes | path to an HF tokenizer.json
+    log_every: int = 10
+    device: str = "auto"  # auto | cpu | cuda
+    # saved-activation meter: a hook on every tensor autograd saves, so it is off unless asked for
+    measure_memory_every: int = 0  # 0: never; N: steps 1, N+1, 2N+1, ... (and the last)
+    compile: bool = False  # torch.compile each transformer block (fivefold.parallel.compile)
+
+    def validate(self) -> TrainSpec:
+        if self.dtype not in DTYPES:
+            raise FivefoldError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("steps", "seq_len", "micro_batch"):
+            if getattr(self, name) <= 0:
+                raise FivefoldError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.global_batch < 0:
+            raise FivefoldError("--global-batch must be >= 0")
+        if self.measure_memory_every < 0:
+            raise FivefoldError(
+                "--measure-memory-every must be >= 0 (0: off, 1: every step), "
+                f"got {self.measure_memory_every}"
+            )
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise FivefoldError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        positive = {"lr": "--lr", "eps": "eps"}
+        for name, flag in positive.items():
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise FivefoldError(f"{flag} must be a positive finite number, got {value}")
+        for name in ("weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise FivefoldError(f"{name} must be a finite number >= 0 (0: off), got {value}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise FivefoldError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        at_least = {
+            "eval_every": 1,
+            "eval_batches": 1,
+            "log_every": 1,
+            "warmup_steps": 0,
+            "checkpoint_every": 0,
+        }
+        for name, low in at_least.items():
+            if getattr(self, name) < low:
+                flag = {"warmup_steps": "--warmup"}.get(name, f"--{name.replace('_', '-')}")
+                hint = " (0: only at the end)" if name == "checkpoint_every" else ""
+                raise FivefoldError(f"{flag} must be >= {low}{hint}, got {getattr(self, name)}")
+        if not 0 <= self.seed < 2**63:
+            raise FivefoldError(f"--seed must be in 0..2^63-1, got {self.seed}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise FivefoldError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        return self
+
+    def grad_accum(self, data_parallel: int) -> int:
+        """Micro-batches each data-parallel rank accumulates per optimizer step."""
+        gb = self.global_batch or self.micro_batch * data_parallel
+        per = self.micro_batch * data_parallel
+        if gb % per:
+            ok = [per * k for k in range(1, 9)]
+            raise FivefoldError(
+                f"--global-batch {gb} must be a multiple of micro_batch × data-parallel ranks = "
+                f"{self.micro_batch}×{data_parallel} = {per}; valid: {suggest(ok)}"
+            )
+        return gb // per
+
+
+@dataclass
+class RunConfig:
+    """Everything a training run needs; written as `config.toml` in the run directory."""
+
+    model: ModelSpec
+    train: TrainSpec = field(default_factory=TrainSpec)
+    layout: Layout = field(default_factory=Layout)
+
+    def to_toml(self) -> str:
+        return dumps_toml(
+            {"model": to_dict(self.model), "train": to_dict(self.train), "layout": to_dict(self.layout)}
+        )
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> RunConfig:
+        data = read_toml(path)
+        if "model" not in data:
+            raise FivefoldError(f"{path}: a run config needs a [model] table")
+        return cls(
+            model=_from_dict(ModelSpec, data["model"], f"{path} [model]").validate(),
+            train=_from_dict(TrainSpec, data.get("train", {}), f"{path} [train]").validate(),
+            layout=_from_dict(Layout, data.get("layout", {}), f"{path} [layout]"),
+        )

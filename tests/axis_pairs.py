@@ -39,9 +39,8 @@ def layout_and_rows(world: int, lay: dict) -> tuple[Layout, TrainSpec, int]:
 def run_cases(rank: int, world: int, cases: list[tuple[str, dict]], steps: int = STEPS) -> list[dict]:
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
-    from fivefold.parallel.ledger import CommLedger
-    from fivefold.train.memory import local_tensor
-
+    from fivefold.measure.ledger import CommLedger
+    from fivefold.measure.memory import local_tensor
     from fivefold.parallel.compare import build_layout, train_steps
     from fivefold.parallel.device_mesh import build_runtime_mesh
 

@@ -23,6 +23,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from fivefold.config import add_layout_arguments
 from fivefold.errors import FivefoldError
 
 
@@ -66,9 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where to run (auto: cuda if present)",
     )
     parser.add_argument("--nproc", type=int, default=1, help="local ranks serving the model (default 1)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
-    parser.add_argument("--dp", type=int, default=None, help="replicas (default: nproc / (tp·pp))")
+    add_layout_arguments(parser, axes=("dp", "tp", "pp"))  # dp: replicas serving other prompts
     parser.add_argument("--comm", action="store_true", help="with --nproc: the communication per rank")
 
 
@@ -81,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
         )
     from fivefold.parallel.serve import resolve_degrees
 
-    tp, pp, dp = resolve_degrees(args.nproc, args.tp, args.pp, args.dp)
+    dp = None if args.dp in (None, -1) else args.dp  # fill: nproc / (tp·pp)
+    tp, pp = (1 if v is None else v for v in (args.tp, args.pp))
+    tp, pp, dp = resolve_degrees(args.nproc, tp, pp, dp)
     if args.nproc == 1:
         return _run_here(args)
     return _run_ranks(args, tp, pp, dp)

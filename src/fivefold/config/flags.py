@@ -9,9 +9,12 @@ from dataclasses import fields
 from fivefold.config.layout import CP_IMPLS, DEFAULT_ORDER, PP_SCHEDULES, RECOMPUTE, Layout
 
 
-def add_layout_arguments(parser: argparse.ArgumentParser, factors_only: bool = False) -> None:
+def add_layout_arguments(
+    parser: argparse.ArgumentParser, factors_only: bool = False, axes: tuple[str, ...] | None = None
+) -> None:
     """The layout flags, one definition for every command. `factors_only`: the axis sizes and their
-    order, for commands that only place ranks (`mesh`) and would ignore the rest."""
+    order, for commands that only place ranks (`mesh`) and would ignore the rest; `axes`: only these
+    axis sizes (`generate`, which serves on dp, tp and pp alone)."""
     g = parser.add_argument_group("layout")
     for axis, text in (
         ("dp", "replicated data-parallel degree (-1: fill the world)"),
@@ -21,7 +24,10 @@ def add_layout_arguments(parser: argparse.ArgumentParser, factors_only: bool = F
         ("cp", "context-parallel degree (default 1)"),
         ("ep", "expert-parallel degree, folded onto fsdp×cp ranks (default 1)"),
     ):
-        g.add_argument(f"--{axis}", type=int, default=None, help=text)
+        if axes is None or axis in axes:
+            g.add_argument(f"--{axis}", type=int, default=None, help=text)
+    if axes is not None:
+        return
     g.add_argument(
         "--order",
         default=None,

@@ -121,6 +121,11 @@ def check(case: Case) -> None:
         raise FivefoldError("excluded: ep with tp")
     if lay.pp > 1 and lay.cp > 1:
         raise FivefoldError("excluded: pp with cp")
+    # with ep beside cp, ep's groups can hold exactly cp's ranks: torch then hands both dims one
+    # process group and the ledger credits the experts' grad-norm reduction to cp, which the
+    # planner books on ep
+    if lay.ep > 1 and lay.cp > 1:
+        raise FivefoldError("excluded: ep with cp")
     # DualPipeV with sequence parallelism fails inside torch's schedule (stage_backward_input
     # detaches a view in place); seen with and without full recompute
     if lay.pp_schedule == "dualpipev" and lay.pp > 1 and (lay.sp or lay.recompute == "full"):

@@ -41,17 +41,12 @@ def local_shapes(run: RunShape, chunk: Chunk, coords: dict[str, int]) -> dict[st
 
 
 def state_bytes(run: RunShape, chunks: list[Chunk], coords: dict[str, int]) -> dict[str, int]:
-    lay, spec = run.layout, run.spec
     params = grads = optimizer = 0
     for chunk in chunks:
         shapes = local_shapes(run, chunk, coords)
         held = sum(numel(s) for s in shapes.values()) * STATE_BYTES
         params += held
         grads += held
-        if chunk.first and lay.pp > 1 and lay.tp > 1 and lay.fsdp == 1:
-            # the pipeline runner leaves the vocabulary-parallel embedding's gradient full-size
-            # (Replicate) where the plain runner cuts it to the shard
-            grads += (spec.vocab - spec.vocab // lay.tp) * spec.hidden * STATE_BYTES
         if run.layout.zero == 1 and run.layout.dp > 1 and run.layout.fsdp == 1:
             optimizer += 2 * zero_partition(list(shapes.values()), run.layout.dp)[coords["dp"]] * STATE_BYTES
         else:

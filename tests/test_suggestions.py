@@ -64,3 +64,14 @@ def test_a_plan_that_does_not_fit_says_so_first_and_its_suggestion_fits(capsys):
 
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] is True and plan["layout"]["tp"] == 8
+
+
+def test_ep_on_plain_replicas_suggests_sharding_them():
+    """ep re-uses sharded data ranks: on plain replicas the error names the layout that works."""
+    from fivefold.config import Layout
+    from fivefold.errors import FivefoldError
+
+    with pytest.raises(FivefoldError, match=r"--fsdp 4 --dp 1") as refused:
+        Layout(dp=4, ep=2).resolve(4)
+    suggested = str(refused.value).rsplit(": ", 1)[1].split()
+    assert Layout(fsdp=int(suggested[1]), dp=int(suggested[3]), ep=2).resolve(4).ep == 2

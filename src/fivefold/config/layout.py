@@ -114,9 +114,12 @@ class Layout:
                 "for a sharded optimizer on replicated params use --dp N --zero 1"
             )
         if (lay.fsdp * lay.cp) % lay.ep:
+            # plain replicas can become sharded ones, which ep may then re-use
+            shard_all = lay.dp > 1 and (lay.dp * lay.fsdp * lay.cp) % lay.ep == 0
+            hint = f", or shard the replicas too: --fsdp {lay.dp * lay.fsdp} --dp 1" if shard_all else ""
             raise FivefoldError(
                 f"--ep {lay.ep} must divide fsdp×cp = {lay.fsdp * lay.cp} (expert parallelism re-uses the "
-                f"data-parallel ranks); valid ep: {suggest(divisors(lay.fsdp * lay.cp))}"
+                f"data-parallel ranks); valid ep: {suggest(divisors(lay.fsdp * lay.cp))}{hint}"
             )
         if lay.pp_schedule not in PP_SCHEDULES:
             raise FivefoldError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}")

@@ -243,7 +243,6 @@ def _load_dcp(chunk: Any, spec: ModelSpec, source: ModelSource) -> None:
     """Read this rank's shards from a training checkpoint (DCP reshards any saved layout)."""
     import warnings
 
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -251,10 +250,11 @@ def _load_dcp(chunk: Any, spec: ModelSpec, source: ModelSource) -> None:
     )
 
     from fivefold.train.checkpoint import find_checkpoint
+    from fivefold.train.safe_metadata import read_metadata, safe_load
 
     path = find_checkpoint(Path(source.path), source.checkpoint)
     try:
-        stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        stored = read_metadata(path).state_dict_metadata  # untrusted: nothing but DCP's own types
     except Exception as exc:  # a missing or unreadable .metadata: DCP raises several kinds
         raise FivefoldError(f"checkpoint {path} is unreadable ({type(exc).__name__}: {exc})") from None
     weights = get_model_state_dict(chunk)
@@ -270,7 +270,7 @@ def _load_dcp(chunk: Any, spec: ModelSpec, source: ModelSource) -> None:
         )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore")
-        dcp.load({"model": weights}, checkpoint_id=str(path))
+        safe_load({"model": weights}, path)
     if "model.embed_tokens.weight" in weights and chunk.model.embed_tokens is None:
         weights["lm_head.weight"] = weights.pop("model.embed_tokens.weight")
     # a tied head is the embedding's tensor: filled with it, so it may be absent here

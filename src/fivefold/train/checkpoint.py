@@ -176,7 +176,7 @@ def save_checkpoint(
     if rank == 0:
         (tmp / "shards.json").write_text(json.dumps({str(r): f for r, f in enumerate(shards)}, indent=1))
         problem = _unseen(tmp, shards)
-    problem = _broadcast(problem)
+    problem = broadcast_object(problem)
     if problem is not None:
         raise FivefoldError(
             f"checkpoint {final.name} is incomplete from rank 0's view: {problem}; the run directory "
@@ -233,7 +233,8 @@ def _gather(value: Any) -> list[Any]:
     return out
 
 
-def _broadcast(value: Any) -> Any:
+def broadcast_object(value: Any) -> Any:
+    """Rank 0's `value` on every rank (itself in a single process)."""
     if not dist.is_initialized():
         return value
     box = [value]

@@ -36,7 +36,7 @@ from fivefold.parallel.device_mesh import build_runtime_mesh
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.support import check_trainable
 from fivefold.train import supervise
-from fivefold.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from fivefold.train.checkpoint import broadcast_object, find_checkpoint, load_checkpoint, save_checkpoint
 from fivefold.train.data import (
     EVAL_STREAM,
     BatchPrefetcher,
@@ -134,14 +134,6 @@ def preflight(cfg: RunConfig, run_dir: Path, resume: str | None, world: int) -> 
         check_run_dir(run_dir, resume)
 
 
-def _broadcast(value: Any) -> Any:
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -207,7 +199,7 @@ def _setup_run_dir(run_dir: Path, cfg: RunConfig, resume: str | None, rank: int)
             problem = str(exc)
         except OSError as exc:
             problem = f"cannot write the run directory {run_dir}: {exc}"
-    problem = _broadcast(problem)
+    problem = broadcast_object(problem)
     if problem is not None:
         raise FivefoldError(problem)
 
@@ -219,9 +211,9 @@ def _check_shared(run_dir: Path, rank: int, world: int) -> None:
     token = run_dir / ".fivefold-shared"
     stamp = f"{os.getpid()}-{time.time_ns()}"
     if rank == 0:
-        token.write_text(_broadcast(stamp))
+        token.write_text(broadcast_object(stamp))
     else:
-        stamp = _broadcast(None)
+        stamp = broadcast_object(None)
     _barrier()
     try:
         seen = token.read_text() == stamp
@@ -334,10 +326,10 @@ def _train(
         raise FivefoldError(
             f"data {tspec.data} holds token id {data.max_token}, outside the model's vocab {spec.vocab}"
         )
-    run_dir = Path(_broadcast(str(run_dir)))
+    run_dir = Path(broadcast_object(str(run_dir)))
     checkpoint = None
     if resume is not None:  # rank 0 picks (and warns about skipped ones); every rank loads the same
-        checkpoint = Path(_broadcast(str(find_checkpoint(run_dir, resume, warn=rank == 0))))
+        checkpoint = Path(broadcast_object(str(find_checkpoint(run_dir, resume, warn=rank == 0))))
     resolved = RunConfig(model=spec, train=tspec, layout=layout)
     _setup_run_dir(run_dir, resolved, resume, rank)
     _barrier()

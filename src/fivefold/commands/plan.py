@@ -163,22 +163,7 @@ def run(args: argparse.Namespace) -> int:
         pins["micro_batch"] = args.micro_batch
         result = search(model, hw, args.gpus, shape, gpn, top=args.top, pins=pins)
         defaults.say_assumed(assumed)
-        if args.json:
-            print(
-                json.dumps(
-                    {
-                        "search": {
-                            "considered": result.considered,
-                            "fitting": result.fitting,
-                            "seconds": result.seconds,
-                            "explanation": result.explanation,
-                        },
-                        "plans": [p.to_json() for p in result.plans],
-                    }
-                )
-            )
-        else:
-            print(view.search_text(result))
+        _print_search(result, args.json, view.search_text, seconds=result.seconds)
         return 0
     layout = layout_from_args(args)
     if args.dp is None and args.fsdp is None:
@@ -209,6 +194,21 @@ def run(args: argparse.Namespace) -> int:
     except FivefoldError as exc:
         print(f"note: fivefold train refuses this layout: {exc}")
     return 0
+
+
+def _print_search(result, as_json: bool, text, **extra) -> None:  # noqa: ANN001 - either search's result
+    """A training or serving search: its ranked plans as text, or as JSON with what was considered."""
+    import json
+
+    if not as_json:
+        print(text(result))
+        return
+    summary = extra | {
+        "considered": result.considered,
+        "fitting": result.fitting,
+        "explanation": result.explanation,
+    }
+    print(json.dumps({"search": summary, "plans": [p.to_json() for p in result.plans]}))
 
 
 def _given_pins(args: argparse.Namespace) -> dict:
@@ -267,22 +267,7 @@ def _inference(args: argparse.Namespace, model, hw, gpn: int, assumed: dict) -> 
         pins = {k: getattr(args, k, None) for k in ("tp", "pp", "cp", "ep")}
         result = search_serving(model, hw, args.gpus, shape, gpn, args.objective, args.top, pins)
         defaults.say_assumed(assumed)
-        if args.json:
-            print(
-                json.dumps(
-                    {
-                        "search": {
-                            "objective": result.objective,
-                            "considered": result.considered,
-                            "fitting": result.fitting,
-                            "explanation": result.explanation,
-                        },
-                        "plans": [p.to_json() for p in result.plans],
-                    }
-                )
-            )
-        else:
-            print(view.serving_search_text(result))
+        _print_search(result, args.json, view.serving_search_text, objective=result.objective)
         return 0
     layout = layout_from_args(args)
     if args.fsdp is None:  # serving replicas sit on the fsdp axis so that ep can fold onto them

@@ -27,6 +27,8 @@ ATTENTION_RATIO = 0.80  # attention kernels relative to plain GEMMs (softmax, ma
 DEFAULT_STEP_OVERHEAD_S = 0.063  # fitted to every bundled source (docs/planner.md)
 OPTIMIZER_BYTES_PER_PARAM = 34  # Adam step: read grad + master/m/v, write master/m/v/16-bit param, zero grad
 BYTES = 2  # 16-bit activations
+HOST_LINK_BPS = 25e9  # PCIe 4.0 x16 per GPU, one direction, sustained
+HOST_MEMORY_BPS = 25e9  # a GPU's share of its host's DRAM bandwidth (8 GPUs on ~200 GB/s)
 EAGER_TRAFFIC = 3.0  # unfused elementwise ops re-read and re-write their tensors about three times
 GEMM_HALF_DIM = 128  # a matmul whose smallest dimension is this runs at half the large-GEMM rate
 
@@ -175,8 +177,14 @@ def head_time(
     return fwd, bwd
 
 
-def optimizer_time(local_params: float, rates: Rates, hw: HardwareSpec | None = None) -> float:
+def optimizer_time(
+    local_params: float, rates: Rates, hw: HardwareSpec | None = None, offload: bool = False
+) -> float:
     """Adam over the parameters this rank updates (a memory-bound stream), plus the step's fixed
-    overhead when `hw` is given."""
+    overhead when `hw` is given. Offloaded, the gradients go down and the 16-bit weights come back
+    over PCIe and the host streams the update."""
     overhead = (hw.step_overhead_s or DEFAULT_STEP_OVERHEAD_S) if hw is not None else 0.0
+    if offload:
+        moved = local_params * (4 + BYTES) / HOST_LINK_BPS
+        return moved + OPTIMIZER_BYTES_PER_PARAM * local_params / HOST_MEMORY_BPS + overhead
     return rates.stream(OPTIMIZER_BYTES_PER_PARAM * local_params) + overhead

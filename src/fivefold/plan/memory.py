@@ -303,6 +303,10 @@ def _stage_memory(
     n_exp = max(n // layout.ep, 1)
     z = layout.zero
     params, grads, optimizer = model_state(dense, experts, z, n, n_exp, shape)
+    if shape.offload_optimizer:  # master weights and moments live on the host
+        if z >= 3 and shape.fp32_shard and shape.optimizer_bytes >= MASTER_BYTES:
+            params = params * shape.param_bytes / MASTER_BYTES  # a 16-bit shard stays on the device
+        optimizer = 0.0
 
     n_dense, n_moe = stage_counts(model, layout.pp, which, layout)
     rc = layout.recompute
@@ -327,6 +331,8 @@ def _stage_memory(
     if holds_head(which):  # 16-bit logits + fp32 softmax kept by the vocab-parallel loss
         logits = (BYTES + (0 if shape.fused_loss else 4)) * tokens * model.vocab / layout.tp
     gather = 0.0
+    if shape.live_params:
+        biggest = min(biggest, shape.live_params)
     if z >= 2 and n > 1:  # unsharded grads of one layer before the reduce-scatter
         gather += shape.grad_bytes * biggest
     if z >= 3 and n > 1:  # the gathered layer being used and the next one prefetched

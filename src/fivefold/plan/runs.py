@@ -42,7 +42,9 @@ TRAINERS = {
     "pytorch/torchtitan": {"fused": False, "tp_overlap": False},
     "mosaicml/llm-foundry": {"fused_loss": True},  # loss_fn = fused_crossentropy by default
     "Dao-AILab/flash-attention": {"fused_loss": True},  # its xentropy kernel, in-place backward
-    "microsoft/DeepSpeed": {"fp32_shard": False},  # ZeRO-3 keeps fp16 shards beside the fp32 master
+    # ZeRO-3 keeps fp16 shards beside the fp32 master and gathers sub-modules up to
+    # stage3_max_live_parameters (1e9 by default), not whole blocks
+    "microsoft/DeepSpeed": {"fp32_shard": False, "live_params": 1e9},
 }
 FILL = {  # what an unpublished layout field defaults to (see docs/planner.md, "Unknowns")
     "micro_batch": 1,
@@ -173,6 +175,7 @@ class RunInputs:
     layout: Layout
     shape: TrainShape
     recompute_known: bool  # False: the planner picks the least recompute that fits
+    offload_known: bool = True  # False: optimizer offload unpublished; tried when nothing else fits
 
 
 def build(run: dict[str, Any]) -> RunInputs | None:
@@ -216,8 +219,10 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         dp, fsdp = 1, dp
     sp = lt.get("sequence_parallel")
     sp = bool(sp) if sp is not None else tp > 1  # Megatron/NeMo/torchtitan turn SP on with TP
+    unknown = {str(k).lower() for k in run.get("unknown", [])}
     rc = str(lt.get("recompute", "none")).lower()
-    recompute_known = rc in ("none", "selective", "full")  # "custom" (MaxText remat policies): unknown
+    # unpublished, or a policy outside the three (MaxText's "custom" remat): the planner picks
+    recompute_known = "recompute" in lt and "recompute" not in unknown and rc in ("none", "selective", "full")
     rc = rc if recompute_known else "none"
     layout = Layout(
         dp=dp,
@@ -280,8 +285,18 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         tp_overlap=bool(lt.get("async_tp", trainer.get("tp_overlap", False))),
         fused_loss=bool(trainer.get("fused_loss", False)),
         fp32_shard=bool(trainer.get("fp32_shard", True)),
+        live_params=float(trainer.get("live_params", 0.0)),
+        offload_optimizer=_offload(lt.get("cpu_offload", lt.get("offload_optimizer", False))),
     )
-    return RunInputs(model, hardware(run), layout, shape, recompute_known)
+    offload_known = not ({"cpu_offload", "offload_optimizer", "offload"} & unknown)
+    return RunInputs(model, hardware(run), layout, shape, recompute_known, offload_known)
+
+
+def _offload(value: Any) -> bool:
+    """A published offload setting: a bool, or words such as "optimizer" / "none"."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("", "none", "false", "no", "off", "0")
+    return bool(value)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,13 @@ class TrainShape:
     # routed and shared experts split over tp as well (Megatron's expert tensor parallelism, as
     # published runs use); fivefold's runtime keeps the MoE block whole on every tp rank
     expert_tp: bool = False
+    # ZeRO-3's unsharded working set in parameters: 0 means whole blocks (FSDP wraps a transformer
+    # block per unit and prefetches the next); DeepSpeed gathers sub-modules up to its
+    # `stage3_max_live_parameters` (1e9 by default) instead
+    live_params: float = 0.0
+    # optimizer state (fp32 master + moments) kept in host memory and stepped on the CPU
+    # (DeepSpeed ZeRO-Offload, FSDP2's CPUOffloadPolicy); only published runs set it
+    offload_optimizer: bool = False
 
     def validate(self) -> TrainShape:
         for name in ("seq_len", "global_batch", "micro_batch"):

@@ -29,7 +29,19 @@ MODEL_PRESETS = [
     "qwen3-30b-a3b",
     "deepseek-v3",
 ]
-HARDWARE_PRESETS = ["a100-80gb", "h100-80gb", "h200", "b200", "cpu"]
+HARDWARE_PRESETS = [
+    "a100-80gb",
+    "a100-40gb",
+    "h100-80gb",
+    "h200",
+    "b200",
+    "v100-32gb",
+    "mi250x",
+    "mi300x",
+    "tpu-v4",
+    "tpu-v5p",
+    "cpu",
+]
 
 
 def parse(*argv: str) -> argparse.Namespace:

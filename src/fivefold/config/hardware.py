@@ -30,6 +30,9 @@ class HardwareSpec:
     fp8_speedup: float = 0.0  # fp8 matmul rate over the 16-bit one (tensor-core peak ratio 2); 0: default
     # fixed host-side time per optimizer step (optimizer and clipping launches, loss sync); 0: default
     step_overhead_s: float = 0.0
+    # FlashAttention-class kernels exist for this device (Ampere and newer, ROCm CDNA2+, TPU);
+    # without them attention materialises the s×s scores
+    flash_attention: bool = True
 
     def validate(self) -> HardwareSpec:
         for name in ("gpu_memory_gb", "peak_tflops", "gpus_per_node", "intra_node_gbps", "inter_node_gbps"):

@@ -52,6 +52,7 @@ def plan(
     shape.validate()
     check_plan_inputs(model, layout, shape)
     gpn = gpus_per_node or hw.gpus_per_node
+    shape = shape.on(hw)
     arch = resolve_arch(model, shape.block, shape.attention, shape.expert_tp)
     m = shape.microbatches(layout)
     return _plan(model, hw, layout, shape, arch, gpn, m)

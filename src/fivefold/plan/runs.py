@@ -11,6 +11,7 @@ run and the field.
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
@@ -22,13 +23,26 @@ from fivefold.errors import FivefoldError
 from fivefold.plan.spec import TrainShape
 
 BUILTIN = ("published_runs.toml", "public_runs_2.toml")  # the bundled reference sets
-GPU_PRESETS = {
+GPU_PRESETS = {  # a substring of the run's GPU name -> preset; the more specific names first
+    "A100-40": "a100-40gb",
+    "A100 40": "a100-40gb",
+    "A100-SXM4-40": "a100-40gb",
     "A100": "a100-80gb",
+    "A800": "a100-80gb",
+    "GH200": "h100-80gb",
     "H100": "h100-80gb",
     "H800": "h100-80gb",
     "HOPPER": "h100-80gb",
     "H200": "h200",
+    "GB200": "b200",
     "B200": "b200",
+    "V100": "v100-32gb",
+    "MI250": "mi250x",
+    "MI300": "mi300x",
+    "TPU V4": "tpu-v4",
+    "TPUV4": "tpu-v4",
+    "TPU V5P": "tpu-v5p",
+    "TPUV5P": "tpu-v5p",
     "CPU": "cpu",
 }
 # What the trainer behind a source does when a run does not say (facts about the frameworks):
@@ -137,6 +151,10 @@ def hardware(run: dict[str, Any]) -> HardwareSpec:
     ):
         if key in table:
             changes[field_name] = kind(table[key])
+    if "gpu_memory_gb" not in changes and preset is not None:
+        sized = re.search(r"(\d+)\s*GB", gpu.upper())  # "V100 16GB", "A100-SXM4-40GB", "H100 96GB"
+        if sized and 8 <= int(sized.group(1)) <= 512:  # one device's memory, not a node's
+            changes["gpu_memory_gb"] = float(sized.group(1))
     if preset is None:
         if "peak_tflops" not in changes or "gpu_memory_gb" not in changes:
             raise FivefoldError(

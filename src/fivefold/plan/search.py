@@ -173,6 +173,7 @@ def search(
         micro_batches = (pins.pop("micro_batch"),)
     start = time.perf_counter()
     gpn = gpus_per_node or hw.gpus_per_node
+    shape = shape.on(hw)
     arch = resolve_arch(model, shape.block, shape.attention, shape.expert_tp)
     cap = capacity(hw)
     facts = model_facts(model, arch, shape.seq_len)

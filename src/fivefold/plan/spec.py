@@ -7,9 +7,10 @@ would otherwise overcount.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from fivefold.config import Layout, ModelSpec
+from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError, divisors, suggest
 
 BLOCKS = ("auto", "llama", "gpt")
@@ -59,6 +60,13 @@ class TrainShape:
             raise FivefoldError(f"--block must be one of {', '.join(BLOCKS)}, got {self.block!r}")
         if self.attention not in ATTENTION:
             raise FivefoldError(f"--attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
+        return self
+
+    def on(self, hw: HardwareSpec) -> TrainShape:
+        """This shape as the device can run it: without FlashAttention-class kernels (pre-Ampere
+        GPUs) attention materialises its scores."""
+        if not hw.flash_attention and self.attention != "materialized":
+            return dataclasses.replace(self, attention="materialized")
         return self
 
     def microbatches(self, layout: Layout) -> int:

@@ -229,3 +229,78 @@ def test_leave_one_source_out_beats_the_median_constant(loso) -> None:
     by = {s: loso.summary(preds) for s, preds in loso.by_source().items()}
     assert by["NVIDIA/Megatron-LM"]["mean"] <= 0.10 and by["Dao-AILab/flash-attention"]["mean"] <= 0.10
     assert every["mean"] <= MFU_BAND  # the band printed with every plan is the cross-validated error
+
+
+UNSEEN = """
+[[run]]
+id = "dense-pp-unstated"
+source = "an unseen source"
+kind = "measured"
+unknown = ["micro_batch", "recompute", "pipeline_schedule"]
+[run.hardware]
+gpu = "H100 80GB"
+gpus_per_node = 8
+[run.model]
+arch = "Llama (RMSNorm, RoPE, SwiGLU, GQA)"
+layers = 80
+hidden = 8192
+ffn_hidden = 28672
+heads = 64
+kv_heads = 8
+vocab = 128256
+seq_len = 8192
+[run.layout]
+gpus = 1024
+tp = 8
+pp = 8
+dp = 16
+global_batch = 512
+[run.measured]
+mfu = 0.40
+
+[[run]]
+id = "volta"
+source = "an unseen source"
+kind = "measured"
+[run.hardware]
+gpu = "V100-SXM2 16GB"
+[run.model]
+layers = 24
+hidden = 2048
+heads = 16
+vocab = 50257
+seq_len = 1024
+[run.layout]
+gpus = 64
+tp = 2
+dp = 32
+micro_batch = 4
+global_batch = 512
+recompute = "full"
+[run.measured]
+mfu = 0.3
+"""
+
+
+def test_unseen_runs_are_predicted_as_shipped_and_unknowns_filled(tmp_path, capsys) -> None:
+    """A user's runs file is predicted with the shipped knobs (nothing refitted to it); what a run
+    leaves unpublished is filled with the fastest choice that fits; GPUs of other generations
+    get their preset (memory from the name, no FlashAttention on Volta)."""
+    from fivefold.cli import main
+    from fivefold.plan import validation as V
+
+    path = tmp_path / "runs.toml"
+    path.write_text(UNSEEN)
+    cases = {c.id: c for c in V.cases(load_runs(path))}
+    dense = cases["dense-pp-unstated"]
+    assert dense.inputs.layout.pp_schedule == "interleaved-1f1b"  # a smaller bubble than 1F1B, still fits
+    assert V.predict(dense).fits
+    volta = cases["volta"].inputs.hw
+    assert (volta.gpu_memory_gb, volta.peak_tflops, volta.flash_attention) == (16, 125, False)
+    shipped = {p.run: p.predicted for p in V.as_shipped(list(cases.values())).predictions}
+    refit = {p.run: p.predicted for p in V.in_sample(list(cases.values())).predictions}
+    assert shipped == {c.id: V.predict(c).predicted for c in cases.values()}
+    assert shipped != refit  # a fit to these two runs would move them
+    assert main(["plan", "--validate", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "as shipped" in out and "in-sample" not in out

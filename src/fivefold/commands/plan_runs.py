@@ -34,11 +34,18 @@ def run_runs(args: argparse.Namespace) -> int:
     if args.calibrate is not None:
         return _calibrate(args)
     cross = args.cross_validate is not None
-    cases, left_out = _runs(args.cross_validate if cross else args.validate)
+    paths = args.cross_validate if cross else args.validate
+    cases, left_out = _runs(paths)
     if not cases:
         raise FivefoldError("no run with a model shape and a published throughput to compare")
     for line in left_out:
         print(line, file=sys.stderr)
+    if not cross and paths:  # someone's own runs: predicted as the planner ships, nothing refitted
+        shipped = V.as_shipped(cases, _runs([])[0])
+        print(V.per_run_table(shipped))
+        title = "as shipped (preset knobs; the constant is the bundled runs' median MFU)"
+        print(V.source_table(shipped, title))
+        return 0
     inside = V.in_sample(cases)
     print(V.per_run_table(inside) if not cross else "")
     print(V.source_table(inside, "in-sample (knobs fitted on every run)"))

@@ -53,7 +53,10 @@ GPU_PRESETS = {  # a substring of the run's GPU name -> preset; the more specifi
 TRAINERS = {
     "NVIDIA/NeMo": {"fused": True, "tp_overlap": True, "attention": "flash3", "grad_bytes": 2},
     "NVIDIA/dgxc-benchmarking": {"fused": True, "tp_overlap": True, "attention": "flash3", "grad_bytes": 2},
-    "pytorch/torchtitan": {"fused": False, "tp_overlap": False},
+    # torchtitan splits a pipeline's local batch into pp micro-batches unless told otherwise
+    "pytorch/torchtitan": {"fused": False, "tp_overlap": False, "microbatches": "pp"},
+    # nanotron's pipeline engine runs 1F1B (or all-forward-all-backward), never interleaved
+    "huggingface/nanotron": {"schedules": ("1f1b",)},
     "mosaicml/llm-foundry": {"fused_loss": True},  # loss_fn = fused_crossentropy by default
     "Dao-AILab/flash-attention": {"fused_loss": True},  # its xentropy kernel, in-place backward
     # ZeRO-3 keeps fp16 shards beside the fp32 master and gathers sub-modules up to
@@ -194,6 +197,9 @@ class RunInputs:
     shape: TrainShape
     recompute_known: bool  # False: the planner picks the least recompute that fits
     offload_known: bool = True  # False: optimizer offload unpublished; tried when nothing else fits
+    # other layout facts the run does not publish (micro_batch, pipeline_schedule, zero_stage):
+    # the planner fills them with its own best choice (plan/validation.py, `fill`)
+    free: tuple[str, ...] = ()
 
 
 def build(run: dict[str, Any]) -> RunInputs | None:
@@ -307,7 +313,19 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         offload_optimizer=_offload(lt.get("cpu_offload", lt.get("offload_optimizer", False))),
     )
     offload_known = not ({"cpu_offload", "offload_optimizer", "offload"} & unknown)
-    return RunInputs(model, hardware(run), layout, shape, recompute_known, offload_known)
+    free = []
+    if "micro_batch" not in lt or {"micro_batch", "num_microbatches"} & unknown:
+        if trainer.get("microbatches") == "pp" and layout.pp > 1 and (batch // data) % layout.pp == 0:
+            shape = dataclasses.replace(shape, micro_batch=batch // data // layout.pp)
+        else:
+            free.append("micro_batch")
+    schedule_unknown = "pipeline_schedule" not in lt or "pipeline_schedule" in unknown
+    if layout.pp > 1 and schedule_unknown and "virtual_stages" not in lt and "schedules" not in trainer:
+        free.append("pipeline_schedule")
+    megatron_like = trainer.get("grad_bytes") == 2 or source_of(run) in ("NVIDIA/Megatron-LM", "Korthikanti")
+    if "zero_stage" not in lt and layout.dp > 1 and layout.fsdp == 1 and not megatron_like:
+        free.append("zero_stage")  # a distributed optimizer, and whether it also shards gradients
+    return RunInputs(model, hardware(run), layout, shape, recompute_known, offload_known, tuple(free))
 
 
 def _offload(value: Any) -> bool:

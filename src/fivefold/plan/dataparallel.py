@@ -8,6 +8,7 @@ compute; HSDP replicas all-reduce their shard once a step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from fivefold.config import HardwareSpec, Layout
@@ -30,6 +31,13 @@ from fivefold.plan.runshape import Chunk, RunShape, Traffic
 from fivefold.plan.spec import TrainShape
 
 GRAD_BYTES = 4  # fp32 gradients and master weights, whatever the compute dtype
+DDP_BUCKET_BYTES = 25e6  # torch DDP's bucket_cap_mb
+
+
+def bucket_bytes(group: int) -> float:
+    """Gradient bucket size over a data-parallel group: torch DDP's 25 MB, grown with the group as
+    Megatron does (a million elements per rank) so that a large ring's latency stays amortised."""
+    return max(DDP_BUCKET_BYTES, 4e6 * group)
 
 
 def members_per_node(layout: Layout, axes: tuple[str, ...], gpus_per_node: int) -> int:
@@ -69,19 +77,22 @@ def data_parallel_traffic(
     per_node = members_per_node(layout, sharded_axes, hw.gpus_per_node) if shard_link == "mixed" else 1
 
     def once(axis: str, op: str, payload: float, group: int, link: str, window: float) -> None:
+        """A step's gradient (or weight) traffic, issued in buckets as the backward frees them: each
+        bucket pays the ring's latency, and the last one cannot hide behind any compute."""
         if group <= 1 or payload <= 0:
             return
         k = per_node if link == shard_link else 1
-        t = collective_time(hw, op, payload, group, link, k)[1]
+        buckets = max(1, math.ceil(payload / bucket_bytes(group)))
+        t = buckets * collective_time(hw, op, payload / buckets, group, link, k)[1]
         hidden = window if overlap else 0.0
         add(
             axis,
             op,
-            payload,
+            payload / buckets,
             group,
             link,
-            1,
-            exposed=max(t - hidden, 0.0),
+            buckets,
+            exposed=max(t - hidden, t / buckets),
             overlap="last backward" if overlap else "none",
             per_node=k,
         )

@@ -55,8 +55,6 @@ TRAINERS = {
     "NVIDIA/dgxc-benchmarking": {"fused": True, "tp_overlap": True, "attention": "flash3", "grad_bytes": 2},
     # torchtitan splits a pipeline's local batch into pp micro-batches unless told otherwise
     "pytorch/torchtitan": {"fused": False, "tp_overlap": False, "microbatches": "pp"},
-    # nanotron's pipeline engine runs 1F1B (or all-forward-all-backward), never interleaved
-    "huggingface/nanotron": {"schedules": ("1f1b",)},
     "mosaicml/llm-foundry": {"fused_loss": True},  # loss_fn = fused_crossentropy by default
     "Dao-AILab/flash-attention": {"fused_loss": True},  # its xentropy kernel, in-place backward
     # ZeRO-3 keeps fp16 shards beside the fp32 master and gathers sub-modules up to
@@ -319,8 +317,11 @@ def build(run: dict[str, Any]) -> RunInputs | None:
             shape = dataclasses.replace(shape, micro_batch=batch // data // layout.pp)
         else:
             free.append("micro_batch")
-    schedule_unknown = "pipeline_schedule" not in lt or "pipeline_schedule" in unknown
-    if layout.pp > 1 and schedule_unknown and "virtual_stages" not in lt and "schedules" not in trainer:
+    if (
+        layout.pp > 1
+        and "virtual_stages" not in lt
+        and ("pipeline_schedule" not in lt or "pipeline_schedule" in unknown)
+    ):
         free.append("pipeline_schedule")
     megatron_like = trainer.get("grad_bytes") == 2 or source_of(run) in ("NVIDIA/Megatron-LM", "Korthikanti")
     if "zero_stage" not in lt and layout.dp > 1 and layout.fsdp == 1 and not megatron_like:

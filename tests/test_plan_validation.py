@@ -213,8 +213,8 @@ def test_leave_one_source_out_beats_the_median_constant(loso) -> None:
     Reached: mean ≤ 10% over the runs without an `uncertain` note, and under half the median
     constant's error (13.4% against 43.4% over all runs). Not reached: mean ≤ 10% and worst ≤ 25%
     over all runs (the nanotron heat-map runs, whose shapes, peak and network are unpublished, miss by
-    up to 2.8×), and every run that ran judged to fit (6 are not: ZeRO-3 1T/2T, Nemotron-340B at
-    tp 8 pp 8 by 3 GB, torchtitan's 8B with per-op activation checkpointing by 4 GB).
+    up to 2.8×), and every run that ran judged to fit (1 is not: Nemotron-340B at tp 8 pp 8 by 3 GB
+    in dgxc's recipe).
     """
     from fivefold.plan.result import MFU_BAND
 
@@ -223,9 +223,9 @@ def test_leave_one_source_out_beats_the_median_constant(loso) -> None:
     certain = loso.summary(loso.certain())
     assert every["runs"] >= 130 and certain["runs"] >= 100
     assert every["mean"] <= 0.5 * every["constant_mean"], every
-    assert every["mean"] <= 0.14, every
+    assert every["mean"] <= 0.15, every
     assert certain["mean"] <= 0.10 and certain["mean"] <= 0.5 * certain["constant_mean"], certain
-    assert every["not_fitting"] <= 6, every
+    assert every["not_fitting"] <= 1, every
     by = {s: loso.summary(preds) for s, preds in loso.by_source().items()}
     assert by["NVIDIA/Megatron-LM"]["mean"] <= 0.10 and by["Dao-AILab/flash-attention"]["mean"] <= 0.10
     assert every["mean"] <= MFU_BAND  # the band printed with every plan is the cross-validated error

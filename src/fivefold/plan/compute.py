@@ -24,7 +24,7 @@ FLASH3_SPEEDUP = 1.75
 ATTENTION_RATIO = 0.80  # attention kernels relative to plain GEMMs (softmax, masking, tiling)
 # every step also pays a fixed time no layout changes: the optimizer's and clipping's kernel launches,
 # the loss and grad-norm synchronisation with the host, the next batch (a fitted knob, docs/planner.md)
-DEFAULT_STEP_OVERHEAD_S = 0.063  # fitted to every bundled source (docs/planner.md)
+DEFAULT_STEP_OVERHEAD_S = 0.048  # fitted to every bundled source (docs/planner.md)
 OPTIMIZER_BYTES_PER_PARAM = 34  # Adam step: read grad + master/m/v, write master/m/v/16-bit param, zero grad
 BYTES = 2  # 16-bit activations
 HOST_LINK_BPS = 25e9  # PCIe 4.0 x16 per GPU, one direction, sustained
@@ -81,6 +81,13 @@ class LayerTime:
     attn_core_fwd: float  # the part selective recompute redoes
     wgrad: float  # weight-gradient matmuls of the backward (they hide the tp input-gradient collectives)
     flops_fwd: float  # executed forward FLOPs (hardware)
+    # what torchtitan's per-op selective checkpointing redoes in the backward: every elementwise op
+    # and every second matmul (wk, wo, w3 of a Llama block; their share of the matmul time)
+    op_redo: float = 0.0
+
+    def redo(self, policy: str) -> float:
+        """Seconds selective recompute adds to the backward under `policy` (TrainShape.sac)."""
+        return self.op_redo if policy == "op" else self.attn_core_fwd
 
 
 def layer_time(
@@ -163,7 +170,13 @@ def layer_time(
     elementwise = rates.stream(stream) + core_stream
     fwd = gemm_fwd + core + elementwise
     bwd = 2 * gemm_fwd + core_bwd + 2 * elementwise
-    return LayerTime(fwd=fwd, bwd=bwd, attn_core_fwd=core + core_stream, wgrad=gemm_fwd, flops_fwd=flops)
+    ffn = model.expert_ffn_hidden * model.experts_per_token if moe else model.ffn_hidden
+    mlp_mats = 3 if (arch.gated_mlp or moe) else 2
+    skipped = (kv_local + q_local + ffn / tp) / (2 * q_local + 2 * kv_local + mlp_mats * ffn / tp)
+    op_redo = gemm_fwd * skipped + elementwise
+    return LayerTime(
+        fwd=fwd, bwd=bwd, attn_core_fwd=core + core_stream, wgrad=gemm_fwd, flops_fwd=flops, op_redo=op_redo
+    )
 
 
 def head_time(

@@ -85,7 +85,14 @@ def shard_group(layout: Layout) -> int:
 
 
 def layer_activations(
-    model: ModelSpec, arch: Arch, layout: Layout, micro_batch: int, seq_len: int, moe: bool, recompute: str
+    model: ModelSpec,
+    arch: Arch,
+    layout: Layout,
+    micro_batch: int,
+    seq_len: int,
+    moe: bool,
+    recompute: str,
+    sac: str = "attention",
 ) -> float:
     """Bytes one layer keeps for its backward, for one micro-batch, on one rank."""
     t, h, hd = layout.tp, model.hidden, model.head_dim
@@ -93,6 +100,13 @@ def layer_activations(
     region = tokens / t if layout.sp else tokens
     if recompute == "full":
         return BYTES * region * h  # the checkpointed layer input
+    if recompute == "selective" and sac == "op" and not model.is_mla:
+        # torchtitan's per-op policy: the block input, the outputs of wq, wv, w1 and w2 (every second
+        # matmul) and of the attention kernel (with its fp32 log-sum-exp)
+        q_local, kv_local = model.heads * hd / t, max(model.kv_heads / t, 1.0) * hd
+        ffn = model.expert_ffn_hidden * model.experts_per_token if moe else model.ffn_hidden
+        kept = region * h + tokens * (q_local + kv_local + ffn / t) + region * h + tokens * q_local
+        return BYTES * kept + 4.0 * tokens * model.heads / t
     heads_local = model.heads / t
     q_local = model.heads * hd / t
     kv_local = max(model.kv_heads / t, 1.0) * hd
@@ -312,10 +326,10 @@ def _stage_memory(
     rc = layout.recompute
 
     def act(moe: bool, recompute: str) -> float:
-        key = ("act", layout.tp, layout.cp, layout.sp, shape.micro_batch, moe, recompute)
+        key = ("act", layout.tp, layout.cp, layout.sp, shape.micro_batch, moe, recompute, shape.sac)
         if key not in memo:
             memo[key] = layer_activations(
-                model, arch, layout, shape.micro_batch, shape.seq_len, moe, recompute
+                model, arch, layout, shape.micro_batch, shape.seq_len, moe, recompute, shape.sac
             )
         return memo[key]
 
@@ -323,6 +337,8 @@ def _stage_memory(
     per_layer = {moe: act(moe, rc) for _, moe in kinds}
     flight = in_flight(layout.pp_schedule, layout.pp, m, layout.virtual_stages, stage_rank(which, layout.pp))
     activations = flight * sum(c * per_layer[moe] for c, moe in kinds)
+    if shape.offload_checkpoints and rc == "full":
+        activations = 0.0  # on the host; one layer's input comes back before its recompute
     working = 0.0
     if rc == "full":  # during the backward one layer's activations are rebuilt at a time
         working = max(act(moe, "none") for _, moe in kinds)

@@ -110,7 +110,7 @@ def step_lower_bound(
         b += (
             f
             if layout.recompute == "full"
-            else (sum(c * x.attn_core_fwd for c, x in mix) if layout.recompute == "selective" else 0.0)
+            else (sum(c * x.redo(shape.sac) for c, x in mix) if layout.recompute == "selective" else 0.0)
         )
         if holds_head(which):
             key = ("head", layout.tp, layout.cp, shape.micro_batch)
@@ -191,7 +191,7 @@ def _plan(
         mix = [(n_dense, lt[False])] + ([(n_moe, lt[True])] if n_moe else [])
         f = sum(c * x.fwd for c, x in mix)
         b = sum(c * x.bwd for c, x in mix)
-        core = sum(c * x.attn_core_fwd for c, x in mix)
+        core = sum(c * x.redo(shape.sac) for c, x in mix)
         wgrad = sum(c * x.wgrad for c, x in mix)
         recs: list[tuple] = []
         exp_f = exp_b = 0.0

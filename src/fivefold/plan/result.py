@@ -12,7 +12,7 @@ from fivefold.plan.spec import Arch, TrainShape
 MEMORY_RESERVE = 0.04  # share of HBM kept by the CUDA context, NCCL buffers and fragmentation
 # Half-width of the band around a predicted MFU: the planner's leave-one-source-out mean |error| over
 # the bundled published runs (docs/planner.md; tests/test_plan_validation.py keeps it honest).
-MFU_BAND = 0.14
+MFU_BAND = 0.15
 
 
 def fit_words(margin_bytes: float) -> str:

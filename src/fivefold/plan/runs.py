@@ -309,6 +309,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         fp32_shard=bool(trainer.get("fp32_shard", True)),
         live_params=float(trainer.get("live_params", 0.0)),
         offload_optimizer=_offload(lt.get("cpu_offload", lt.get("offload_optimizer", False))),
+        sac="op" if str(lt.get("recompute_policy", "")).lower().startswith("op") else "attention",
     )
     offload_known = not ({"cpu_offload", "offload_optimizer", "offload"} & unknown)
     free = []

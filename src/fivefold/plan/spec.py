@@ -51,6 +51,13 @@ class TrainShape:
     # optimizer state (fp32 master + moments) kept in host memory and stepped on the CPU
     # (DeepSpeed ZeRO-Offload, FSDP2's CPUOffloadPolicy); only published runs set it
     offload_optimizer: bool = False
+    # under full recompute, the checkpointed layer inputs kept in host memory too (DeepSpeed's
+    # cpu_checkpointing); only published runs set it
+    offload_checkpoints: bool = False
+    # what `selective` recompute keeps: "attention" (Megatron's and fivefold's: everything but the
+    # attention core) or "op" (torchtitan's per-op policy: matmul outputs but every second one, and
+    # attention outputs; norms, activations and the other matmuls are redone); published runs only
+    sac: str = "attention"
 
     def validate(self) -> TrainShape:
         for name in ("seq_len", "global_batch", "micro_batch"):

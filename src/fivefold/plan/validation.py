@@ -205,17 +205,20 @@ def _variants(inp: RunInputs) -> list[tuple[Layout, TrainShape]]:
 
 def fill(inp: RunInputs, hw: HardwareSpec) -> RunInputs:
     """The run with its unpublished facts chosen as its authors would have: among the variants that
-    fit, the fastest, with the least recompute, and optimizer offload only when nothing else fits
-    (the run did run). Chosen once, on the unfitted START knobs, so no fitted value steers it."""
+    fit, the fastest, with the least recompute, and host offload (optimizer, then checkpoints) only
+    when nothing else fits (the run did run). Chosen once, on the unfitted START knobs, so no fitted
+    value steers it."""
     recomputes = (inp.layout.recompute,) if inp.recompute_known else RECOMPUTE_ORDER
-    offloads = (inp.shape.offload_optimizer,) if inp.offload_known else (False, True)
+    # (optimizer, checkpoints) on the host: as published, or, unpublished, tried in this order
+    stated = (inp.shape.offload_optimizer, inp.shape.offload_checkpoints)
+    offloads = [stated] if inp.offload_known else [(False, False), (True, False), (True, True)]
     variants = _variants(inp)
     best: tuple[float, Layout, TrainShape] | None = None
     default: tuple[float, Layout, TrainShape] | None = None  # the first variant: 1F1B, the least micro-batch
     fallback: tuple[float, Layout, TrainShape] | None = None
     for offload in offloads:
         for lay, shape in variants:
-            shape = dataclasses.replace(shape, offload_optimizer=offload)
+            shape = dataclasses.replace(shape, offload_optimizer=offload[0], offload_checkpoints=offload[1])
             for rc in recomputes:  # the least recompute that fits is also the fastest
                 trial = dataclasses.replace(lay, recompute=rc)
                 try:
@@ -228,7 +231,7 @@ def fill(inp: RunInputs, hw: HardwareSpec) -> RunInputs:
                     if (
                         lay is variants[0][0]
                         and shape.micro_batch == variants[0][1].micro_batch
-                        and not offload
+                        and not any(offload)
                     ):
                         default = (p.tokens_per_s, trial, shape)
                     break
@@ -282,6 +285,7 @@ def predict(case: Case, knobs: Knobs = Knobs()) -> Prediction:
 
 def loss(preds: list[Prediction]) -> float:
     return sum(abs(math.log(p.ratio)) for p in preds) / max(len(preds), 1)
+
 
 
 # Where the fit starts (mid-range physical values), so that its result does not depend on the presets

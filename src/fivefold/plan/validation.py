@@ -287,7 +287,6 @@ def loss(preds: list[Prediction]) -> float:
     return sum(abs(math.log(p.ratio)) for p in preds) / max(len(preds), 1)
 
 
-
 # Where the fit starts (mid-range physical values), so that its result does not depend on the presets
 START = Knobs(
     matmul_a100=0.7,

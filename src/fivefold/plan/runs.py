@@ -289,8 +289,8 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         trainer = {"fused": True, "tp_overlap": False}  # XLA fuses elementwise ops
     attention = trainer.get("attention", "flash")
     gpu_name = str(run.get("hardware", {}).get("gpu", "")).upper()
-    if attention == "flash3" and not any(k in gpu_name for k in ("H100", "H200", "H800")):
-        attention = "flash"  # FlashAttention-3 class kernels are Hopper-only
+    if attention == "flash3" and not any(k in gpu_name for k in ("H100", "H200", "H800", "B200", "B100")):
+        attention = "flash"  # FlashAttention-3 class kernels (cuDNN's fused attention): Hopper and newer
     arch = str(mt.get("arch", "")).lower()
     gated = any(w in arch for w in ("swiglu", "geglu", "swi-glu"))
     plain = any(w in arch for w in ("gelu", "relu", "mpt")) or arch.startswith("gpt")

@@ -105,6 +105,24 @@ def data_parallel_traffic(
             else:
                 once(shard_axis, REDUCE_SCATTER, g * payload, group, link, t_b)
                 once(shard_axis, ALL_GATHER, p * payload, group, link, t_f)
+    elif z == 2 and shape.params_kept:
+        # DeepSpeed's ZeRO-2: weights stay whole across micro-batches; gradients are reduce-scattered
+        # every micro-batch behind its backward, the updated shards gathered once a step
+        for payload, group in ((dense, n), (experts, n_exp)):
+            if group > 1 and payload > 0:
+                t_rs = collective_time(hw, REDUCE_SCATTER, g * payload, group, shard_link, per_node)[1]
+                add(
+                    shard_axis,
+                    REDUCE_SCATTER,
+                    g * payload,
+                    group,
+                    shard_link,
+                    m,
+                    exposed=max(t_rs - t_b, 0.0) * m,
+                    overlap="micro-batch backward",
+                    per_node=per_node,
+                )
+                once(shard_axis, ALL_GATHER, p * payload, group, shard_link, t_f)
     else:  # FSDP: gathers hide behind the micro-batch's forward, backward gathers and reduce-scatters
         # behind its backward (prefetching one layer ahead)
         bwd_gathers = 1 if z == 3 else 0

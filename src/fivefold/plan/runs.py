@@ -237,6 +237,10 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         zero = 3 if fsdp > 1 else (1 if dp != 1 else 0)
     if ep > 1 and (fsdp * cp) % ep:  # experts fold onto sharded data ranks in fivefold's vocabulary
         dp, fsdp, zero = 1, -1 if dp == -1 else dp, max(zero, 2)
+    # DeepSpeed's ZeRO-2 stated over the data ranks keeps every weight whole on every rank and
+    # gathers the updated shards once a step; FSDP's SHARD_GRAD_OP (a run's `fsdp` axis) gathers them
+    # again for every micro-batch
+    params_kept = zero == 2 and fsdp == 1 and dp > 1
     if zero >= 2 and fsdp == 1 and dp > 1:  # ZeRO-2/3 over the data ranks is fsdp in fivefold's words
         dp, fsdp = 1, dp
     sp = lt.get("sequence_parallel")
@@ -309,6 +313,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         fp32_shard=bool(trainer.get("fp32_shard", True)),
         live_params=float(trainer.get("live_params", 0.0)),
         offload_optimizer=_offload(lt.get("cpu_offload", lt.get("offload_optimizer", False))),
+        params_kept=params_kept,
         sac="op" if str(lt.get("recompute_policy", "")).lower().startswith("op") else "attention",
     )
     offload_known = not ({"cpu_offload", "offload_optimizer", "offload"} & unknown)

@@ -58,6 +58,9 @@ class TrainShape:
     # attention core) or "op" (torchtitan's per-op policy: matmul outputs but every second one, and
     # attention outputs; norms, activations and the other matmuls are redone); published runs only
     sac: str = "attention"
+    # ZeRO-2 as DeepSpeed runs it: weights stay whole between micro-batches (only the step's update is
+    # gathered, once); FSDP's zero 2 regathers them for every micro-batch outside a pipeline
+    params_kept: bool = False
 
     def validate(self) -> TrainShape:
         for name in ("seq_len", "global_batch", "micro_batch"):

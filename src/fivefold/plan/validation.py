@@ -182,7 +182,12 @@ def _variants(inp: RunInputs) -> list[tuple[Layout, TrainShape]]:
     """Every way to fill what the run leaves unpublished (micro-batch, pipeline schedule, ZeRO stage)."""
     lay, shape = inp.layout, inp.shape
     local = shape.global_batch // (lay.dp * lay.fsdp)
-    mbs = [b for b in (1, 2, 4, 8) if local % b == 0] if "micro_batch" in inp.free else [shape.micro_batch]
+    if "micro_batch" in inp.free:  # powers of two, and the whole local batch in one micro-batch
+        mbs = sorted(
+            {b for b in (1, 2, 4, 8, 16, 32) if local % b == 0} | ({local} if local <= 64 else set())
+        )
+    else:
+        mbs = [shape.micro_batch]
     schedules = [(lay.pp_schedule, lay.virtual_stages)]
     if "pipeline_schedule" in inp.free:
         chunks = [v for v in (2, 4) if inp.model.layers >= lay.pp * v]

@@ -1,8 +1,8 @@
 """Mixture-of-experts MLP: top-k router, dropless grouped experts, optional shared experts.
 
-The block routes, sorts tokens by expert, runs `experts(x_sorted, counts)` and scatters the
-weighted results back. Expert parallelism wraps `experts` from outside (all-to-all there and
-back around the same call), so this file holds no communication.
+The block routes, sorts tokens by expert, runs `experts(x_sorted, counts)` (counts: a tensor of
+rows per expert) and scatters the weighted results back. Expert parallelism wraps `experts` from
+outside (all-to-all there and back around the same call), so this file holds no communication.
 
 Load balancing, both optional:
   * an auxiliary loss, computed per sequence (DeepSeek-V3's sequence-wise form):
@@ -77,10 +77,10 @@ class GroupedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(experts, ffn_hidden, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, ffn_hidden))
 
-    def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x_sorted: [n, hidden], rows grouped by local expert; counts[e] rows belong to expert e."""
+    def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x_sorted: [n, hidden], rows grouped by expert; counts: [E] rows of each expert."""
         outputs = []
-        for e, rows in enumerate(x_sorted.split(counts, dim=0)):
+        for e, rows in enumerate(x_sorted.split(counts.tolist(), dim=0)):
             hidden = F.silu(rows @ self.gate_proj[e].t()) * (rows @ self.up_proj[e].t())
             outputs.append(hidden @ self.down_proj[e].t())
         # an expert with no rows still joins the graph (empty matmul), so its gradient is zeros, not None
@@ -113,7 +113,7 @@ class MoE(nn.Module):
             self.tokens_per_expert += counts_t.to(self.tokens_per_expert.dtype)
         order = torch.argsort(chosen.reshape(-1), stable=True)
         token_of_row = order // self.top_k
-        expert_out = self.experts(flat[token_of_row], counts_t.tolist())
+        expert_out = self.experts(flat[token_of_row], counts_t)
         expert_out = expert_out * weights.reshape(-1, 1)[order]
         out = torch.zeros_like(flat).index_add_(0, token_of_row, expert_out).view(b, s, h)
         if self.shared_expert is not None:

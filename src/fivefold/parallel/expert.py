@@ -185,10 +185,13 @@ def reduce_expert_replicas(model: nn.Module, runtime_mesh: Any) -> None:
     """Average expert gradients over the ranks that hold the same experts and that FSDP does not
     reduce: `dp`, and `expert_fsdp` where the experts are not FSDP-sharded over it.
 
-    These stay a hand-written all-reduce: FSDP2's HSDP takes a 2-D (replicate, shard) mesh sliced
-    from the one root, and expert_fsdp exists only as an unflattening of the flattened fsdp_cp,
-    which torch does not slice together with dp; DDP takes no DTensor weights. The ep share of the
-    mean was divided out in backward (`_use_local_weights`).
+    These stay a hand-written all-reduce, once a step after the last micro-batch: FSDP2's HSDP
+    needs a 2-D (dp, expert_fsdp) mesh sharing the root, and torch does not slice one from it
+    (expert_fsdp exists only as an unflattening of the flattened fsdp_cp; unflattening dp_fsdp_cp
+    instead would give one only where dp lies outside fsdp and cp in the order), nor the
+    (dp, expert_fsdp) replicas of a layout without fsdp; DDP takes no DTensor. Where dp alone is
+    left (ep spans fsdp×cp), torch's `replicate` over dp could take them; one path serves every
+    case instead. The ep share of the mean was divided out in backward (`_use_local_weights`).
     """
     for moe in moe_layers(model):
         by_fsdp = isinstance(moe.experts, FSDPModule)

@@ -109,6 +109,21 @@ def _patch_capture(box: list) -> None:
     apply.build_runner = build_runner
 
 
+def test_received_rows_are_regrouped_by_local_expert() -> None:
+    """Rows arrive by source rank, then local expert; the experts want them by local expert, then
+    source rank, and the combine puts them back."""
+    import torch
+
+    from fivefold.parallel.expert import _by_local_expert, _inverse
+
+    recv = torch.tensor([[2, 1, 0], [0, 3, 1], [1, 0, 2]])  # [source rank, local expert]
+    arrived = [(r, e) for r in range(3) for e in range(3) for _ in range(int(recv[r, e]))]
+    order = _by_local_expert(recv, len(arrived))
+    by_expert = sorted(range(len(arrived)), key=lambda i: (arrived[i][1], arrived[i][0]))  # stable
+    assert order.tolist() == by_expert
+    assert torch.equal(order[_inverse(order)], torch.arange(len(arrived)))
+
+
 _cache: list = []
 
 

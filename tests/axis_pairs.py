@@ -3,7 +3,7 @@
 Each case is (model, layout kwargs). Every rank trains the layout for `STEPS` steps from the seeded
 init on the same global batches as the single-process reference, then reports its losses, its
 gathered parameters (pipeline ranks hold different chunks: the test merges them), the expert
-parameter bytes it holds, and the wall time of each step.
+parameter bytes it holds, the wall time, comm ledger and rows its experts received of each step.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, dict]], steps: int =
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     from fivefold.measure.ledger import CommLedger
     from fivefold.measure.memory import local_tensor
-    from fivefold.parallel.compare import build_layout, train_steps
+    from fivefold.parallel.compare import build_layout, rows_received, train_steps
     from fivefold.parallel.device_mesh import build_runtime_mesh
 
     out = []
@@ -51,13 +51,18 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, dict]], steps: int =
         mesh = build_runtime_mesh(layout)
         runner, optimizers = build_layout(spec, train, layout, mesh)
         times: list[float] = []
+        received: list[int] = []
         ledger = CommLedger(mesh)
 
-        def hook(at: int, phase: str, times: list[float] = times, ledger: CommLedger = ledger) -> None:
+        def hook(
+            at: int, phase: str, times: list = times, received: list = received, ledger=ledger, runner=runner
+        ) -> None:
             if phase == "begin":
                 times.append(time.perf_counter())
+                received.append(-rows_received(runner))
             elif phase == "end":
                 times[-1] = time.perf_counter() - times[-1]
+                received[-1] += rows_received(runner)
                 ledger.next_step()
 
         with ledger:
@@ -76,6 +81,7 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, dict]], steps: int =
                 "expert_bytes": sum(t.numel() * t.element_size() for t in experts),
                 "seconds": times,
                 "ledger": ledger.per_step(),
+                "received": received,
             }
         )
         del runner, optimizers

@@ -89,9 +89,18 @@ def replica_axis(layout: Layout) -> str | None:
 
 
 def expected_forward_backward(
-    spec: ModelSpec, layout: Layout, micro_batch: int, seq: int, accumulation: int
+    spec: ModelSpec,
+    layout: Layout,
+    micro_batch: int,
+    seq: int,
+    accumulation: int,
+    received: int | None = None,
 ) -> dict[tuple[str, str], tuple[int, int]]:
-    """(axis, op) -> (count, bytes) for one optimizer step's forward and backward passes."""
+    """(axis, op) -> (count, bytes) for one optimizer step's forward and backward passes.
+
+    With expert parallelism the experts leave the FSDP units and DDP, and `received` (the rows this
+    rank's experts got in the step, which routing decides) is needed: see `expected_expert_parallel`.
+    """
     out: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
 
     def add(axis: str, op: str, count: int, nbytes: int) -> None:
@@ -99,6 +108,14 @@ def expected_forward_backward(
         out[(axis, op)][1] += count * nbytes
 
     shapes = param_shapes(spec)
+    if layout.ep > 1:
+        assert received is not None, "expert parallelism: pass the rows this rank's experts received"
+        for key, (count, nbytes) in expected_expert_parallel(
+            spec, layout, micro_batch, seq, accumulation, received
+        ).items():
+            out[key][0] += count
+            out[key][1] += nbytes
+        shapes = {n: s for n, s in shapes.items() if ".experts." not in n}
     tp, fsdp, dp = layout.tp, layout.fsdp, layout.dp
     local = {n: tp_local_shape(n, s, spec, tp) for n, s in shapes.items()}
     act = micro_batch * seq * spec.hidden * F32  # one b·s·h activation
@@ -119,7 +136,7 @@ def expected_forward_backward(
         add("tp", "all_reduce", 3 * accumulation, micro_batch * seq * F32)
         if tp > spec.kv_heads:  # replicated K/V projections: their partial weight gradients
             add("tp", "all_reduce", 2 * spec.layers, spec.kv_heads * spec.head_dim * spec.hidden * F32)
-    unit_list = units(spec)
+    unit_list = [[n for n in unit if n in shapes] for unit in units(spec)]
     if fsdp > 1:
         passes = 2 if layout.zero == 3 else 1  # zero 3 gathers again in backward
         for unit in unit_list:
@@ -137,6 +154,76 @@ def expected_forward_backward(
     if axis is not None:
         add(axis, "all_reduce", 1, F32)  # the mean loss over the global batch
     return {k: (c, b) for k, (c, b) in out.items()}
+
+
+def expected_expert_parallel(
+    spec: ModelSpec,
+    layout: Layout,
+    micro_batch: int,
+    seq: int,
+    microbatches: int,
+    received: int,
+    layers: list[int] | None = None,
+) -> dict[tuple[str, str], tuple[int, int]]:
+    """(axis, op) -> (count, bytes) of the experts in one step's forward and backward on one rank.
+
+    `layers` are the rank's layers (all without a pipeline); `received` the rows its experts got.
+    Per MoE layer and micro-batch, on `ep`: the [E] int64 row counts exchanged; every token of the
+    rank's sequence shard sent to each of its top-k experts (micro_batch·seq/cp·k rows, whole under
+    tp: the MoE block runs on the gathered sequence) and the results of the received rows sent
+    back, hidden × 4 bytes a row; in backward the gradients of both go the other way.
+    The experts each rank holds, E/ep of each expert weight, are shared by the fsdp·cp/ep ranks of
+    `expert_fsdp` and by dp. With fsdp they are one FSDP unit per layer over expert_fsdp (dim 0
+    padded to a multiple of it: gathered in each forward, and again in backward under ZeRO-3,
+    reduce-scattered once), whose reduced shard is all-reduced over dp weight by weight; without
+    FSDP over them every expert gradient is all-reduced over expert_fsdp, then dp.
+    """
+    out: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+
+    def add(axis: str, op: str, count: int, nbytes: int) -> None:
+        out[(axis, op)][0] += count
+        out[(axis, op)][1] += count * nbytes
+
+    layers = list(range(spec.layers)) if layers is None else layers
+    moe = [i for i in layers if spec.is_moe_layer(i)]
+    calls = microbatches * len(moe)
+    sent = calls * micro_batch * seq // layout.cp * spec.experts_per_token
+    row = spec.hidden * F32
+    add("ep", "all_to_all", calls, spec.experts * 8)  # the counts
+    out[("ep", "all_to_all")][0] += 4 * calls  # rows there and back, forward and backward
+    out[("ep", "all_to_all")][1] += 2 * (sent + received) * row
+    shapes = param_shapes(spec)
+    expert_fsdp = layout.fsdp * layout.cp // layout.ep
+    passes = 2 if layout.zero == 3 else 1
+    for i in moe:
+        names = [n for n in shapes if n.startswith(f"model.layers.{i}.mlp.experts.")]
+        local = {n: (shapes[n][0] // layout.ep, *shapes[n][1:]) for n in names}
+        if layout.fsdp > 1 and expert_fsdp > 1:
+            full = sum(padded(s, expert_fsdp) for s in local.values()) * F32
+            add("expert_fsdp", "all_gather", microbatches * passes, full)
+            add("expert_fsdp", "reduce_scatter", 1, full)
+            for s in local.values():
+                if layout.dp > 1:
+                    add("dp", "all_reduce", 1, padded(s, expert_fsdp) // expert_fsdp * F32)
+            continue
+        for s in local.values():
+            for axis, size in (("expert_fsdp", expert_fsdp), ("dp", layout.dp)):
+                if size > 1:
+                    add(axis, "all_reduce", 1, numel(s) * F32)
+    return {k: (c, b) for k, (c, b) in out.items()}
+
+
+def expected_stage_p2p(
+    spec: ModelSpec, layout: Layout, micro_batch: int, seq: int, microbatches: int, pp_rank: int
+) -> dict[tuple[str, str], tuple[int, int]]:
+    """Pipeline hand-overs of one step on one rank (one chunk per rank): each micro-batch's
+    activation [b, s/cp (/tp with SP), h] sent to the next stage and its gradient sent back, so a
+    rank sends and receives one tensor per micro-batch per neighbour stage."""
+    assert layout.virtual_stages == 1
+    neighbours = (pp_rank > 0) + (pp_rank < layout.pp - 1)
+    act = micro_batch * seq // layout.cp // (layout.tp if layout.sp else 1) * spec.hidden * F32
+    count = microbatches * neighbours
+    return {("pp", "send"): (count, count * act), ("pp", "recv"): (count, count * act)}
 
 
 def expected_state_bytes(spec: ModelSpec, layout: Layout, coords: dict[str, int]) -> dict[str, int]:

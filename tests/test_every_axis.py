@@ -92,6 +92,42 @@ def test_matches_single_process(world: int, index: int, case: tuple[str, dict]) 
         assert r["expert_bytes"] == full // (layout.ep * expert_fsdp)
 
 
+@pytest.mark.slow
+def test_five_d_step_ledger_matches_theory() -> None:
+    """The 5D run's last step (the first also exchanges the stages' shapes), rank by rank, against
+    the sharding rules (tests/parallel_theory.py): the token all-to-alls on `ep` with the bytes the
+    rank's routing implies, the experts' FSDP gathers on expert_fsdp (their parameter bytes over
+    the shards), and the stage hand-overs on `pp` (one activation per micro-batch each way)."""
+    from fivefold.mesh import build_mesh
+    from fivefold.plan.runshape import RunShape
+    from parallel_theory import expected_expert_parallel, expected_stage_p2p
+
+    model, lay = FIVE_D
+    spec = model_spec(model)
+    layout, train, _ = layout_and_rows(16, lay)
+    mb, seq, m = train.micro_batch, train.seq_len, layout.microbatches
+    info = build_mesh(layout, 16, 16)
+    ranks = results_for(16)[0]
+    sent = 0
+    for rank, r in enumerate(ranks):
+        got = {(row["axis"], row["op"]): (row["count"], row["bytes"]) for row in r["ledger"][STEPS - 1]}
+        pp_rank = info.ranks[rank].coords["pp"]
+        layers = [i for chunk in RunShape(spec, layout, mb, seq, m).chunks(pp_rank) for i in chunk.layers]
+        theory = expected_expert_parallel(spec, layout, mb, seq, m, r["received"][STEPS - 1], layers)
+        theory |= expected_stage_p2p(spec, layout, mb, seq, m, pp_rank)
+        for key in [("ep", "all_to_all"), ("expert_fsdp", "all_gather"), ("pp", "send"), ("pp", "recv")]:
+            assert got[key] == theory[key], (rank, key, got[key], theory[key])
+        # the experts' gradients are reduce-scattered as whole units of their full bytes; only the
+        # size of a call is checked: under cp a stage calls a positions wrapper, not the FSDP
+        # module, so torch's stage leaves gradient sync on and FSDP reduces every micro-batch
+        calls, nbytes = got[("expert_fsdp", "reduce_scatter")]
+        unit = theory[("expert_fsdp", "reduce_scatter")][1] // theory[("expert_fsdp", "reduce_scatter")][0]
+        assert nbytes == calls * unit
+        sent += m * sum(spec.is_moe_layer(i) for i in layers) * mb * seq // layout.cp * spec.experts_per_token
+    # every row routed in the step landed on some rank's experts
+    assert sum(r["received"][STEPS - 1] for r in ranks) == sent
+
+
 SEARCHES = [
     ("llama3-405b", 16384, 8192, 2048),
     ("mixtral-8x7b", 64, 4096, 256),

@@ -325,3 +325,30 @@ def test_every_expert_gets_a_gradient_even_when_unused() -> None:
     lm_loss(model(_tokens()), _tokens(seed=3)).backward()
     grad = moe.experts.gate_proj.grad
     assert grad is not None and torch.count_nonzero(grad[2:]) == 0 and torch.count_nonzero(grad[:2]) > 0
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no grouped matmul")
+def test_grouped_matmul_experts_equal_the_per_expert_loop() -> None:
+    """The grouped-matmul path (taken on CUDA in bf16) computes what the loop does, gradients
+    included, with an expert that gets no rows; torch's CPU grouped matmul runs it here in fp32."""
+    from fivefold.model.moe import swiglu_grouped_mm, swiglu_per_expert
+
+    gen = torch.Generator().manual_seed(0)
+    experts, hidden, ffn = 4, 16, 24
+    counts = torch.tensor([5, 0, 9, 3])
+    x = torch.randn(int(counts.sum()), hidden, generator=gen)
+    weights = [
+        torch.randn(experts, ffn, hidden, generator=gen),
+        torch.randn(experts, ffn, hidden, generator=gen),
+        torch.randn(experts, hidden, ffn, generator=gen),
+    ]
+    grad_out = torch.randn(x.shape[0], hidden, generator=gen)
+    results = []
+    for fn in (swiglu_grouped_mm, swiglu_per_expert):
+        inputs = [t.clone().requires_grad_() for t in (x, *weights)]
+        out = fn(inputs[0], counts, *inputs[1:])
+        out.backward(grad_out)
+        results.append([out.detach(), *(t.grad for t in inputs)])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.count_nonzero(results[0][2][1]) == 0  # gate_proj of the expert without rows: zeros

@@ -134,7 +134,7 @@ class CommLedger(TorchDispatchMode):
                     self._by_ranks.setdefault(frozenset(group), self._alias.get(name, name))
         self._group_cache: dict[str, tuple[str, int]] = {}  # group name -> (axis, size)
         self._handlers: dict[Any, Any] = {}  # op overload -> (functional, op, arg names) or None
-        self._peer_cache: dict[tuple[int, int], str] = {}
+        self._peer_cache: dict[tuple[str, int], str] = {}
         self.steps: list[dict[tuple[str, str], list[float]]] = [defaultdict(lambda: [0, 0, 0.0])]
 
     # ---- seeing the ops: a dispatch mode (every op) or collective-only kernels
@@ -224,9 +224,11 @@ class CommLedger(TorchDispatchMode):
         """A point-to-point op belongs to the one world axis on which the peer's coordinate differs."""
         if self.info is None:
             return fallback
-        key = (id(group), peer)
+        pg = group if isinstance(group, dist.ProcessGroup) else dist.ProcessGroup.unbox(group)
+        # by the group's name: an unboxed group is a fresh object whose id a later one may reuse,
+        # which credited pp's send to group rank 1 to cp's rank 1 now and then
+        key = (pg.group_name, peer)
         if key not in self._peer_cache:
-            pg = group if isinstance(group, dist.ProcessGroup) else dist.ProcessGroup.unbox(group)
             try:
                 global_peer = dist.get_global_rank(pg, peer) if pg is not dist.group.WORLD else peer
                 mine, theirs = self.info.ranks[self.rank].coords, self.info.ranks[global_peer].coords

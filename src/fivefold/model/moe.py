@@ -1,8 +1,8 @@
 """Mixture-of-experts MLP: top-k router, dropless grouped experts, optional shared experts.
 
-The block routes, sorts tokens by expert, runs `experts(x_sorted, counts)` and scatters the
-weighted results back. Expert parallelism wraps `experts` from outside (all-to-all there and
-back around the same call), so this file holds no communication.
+The block routes, sorts tokens by expert, runs `experts(x_sorted, counts)` (counts: a tensor of
+rows per expert) and scatters the weighted results back. Expert parallelism wraps `experts` from
+outside (all-to-all there and back around the same call), so this file holds no communication.
 
 Load balancing, both optional:
   * an auxiliary loss, computed per sequence (DeepSeek-V3's sequence-wise form):
@@ -77,14 +77,46 @@ class GroupedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(experts, ffn_hidden, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, ffn_hidden))
 
-    def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x_sorted: [n, hidden], rows grouped by local expert; counts[e] rows belong to expert e."""
-        outputs = []
-        for e, rows in enumerate(x_sorted.split(counts, dim=0)):
-            hidden = F.silu(rows @ self.gate_proj[e].t()) * (rows @ self.up_proj[e].t())
-            outputs.append(hidden @ self.down_proj[e].t())
-        # an expert with no rows still joins the graph (empty matmul), so its gradient is zeros, not None
-        return torch.cat(outputs, dim=0)
+    def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x_sorted: [n, hidden], rows grouped by expert; counts: [E] rows of each expert."""
+        weights = (self.gate_proj, self.up_proj, self.down_proj)
+        if grouped_mm_fits(x_sorted, self.gate_proj):
+            return swiglu_grouped_mm(x_sorted, counts, *weights)
+        return swiglu_per_expert(x_sorted, counts, *weights)
+
+
+def grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch's grouped matmul takes these operands: on CUDA, bf16 on both sides (autocast
+    does not cover it), rows and weights 16-byte aligned. Elsewhere the per-expert loop runs."""
+    return (
+        hasattr(torch, "_grouped_mm")
+        and x.is_cuda
+        and x.dtype == weight.dtype == torch.bfloat16
+        and x.shape[-1] % 8 == 0
+        and weight.shape[1] % 8 == 0
+    )
+
+
+def swiglu_grouped_mm(
+    x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """All experts in one grouped matmul per projection: group e is rows offsets[e-1]:offsets[e]."""
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    hidden = F.silu(torch._grouped_mm(x, gate.transpose(-2, -1), offs=offsets))
+    hidden = hidden * torch._grouped_mm(x, up.transpose(-2, -1), offs=offsets)
+    return torch._grouped_mm(hidden, down.transpose(-2, -1), offs=offsets)
+
+
+def swiglu_per_expert(
+    x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """One matmul per expert on its contiguous rows."""
+    outputs = []
+    for e, rows in enumerate(x.split(counts.tolist(), dim=0)):
+        hidden = F.silu(rows @ gate[e].t()) * (rows @ up[e].t())
+        outputs.append(hidden @ down[e].t())
+    # an expert with no rows still joins the graph (empty matmul), so its gradient is zeros, not None
+    return torch.cat(outputs, dim=0)
 
 
 class MoE(nn.Module):
@@ -113,7 +145,7 @@ class MoE(nn.Module):
             self.tokens_per_expert += counts_t.to(self.tokens_per_expert.dtype)
         order = torch.argsort(chosen.reshape(-1), stable=True)
         token_of_row = order // self.top_k
-        expert_out = self.experts(flat[token_of_row], counts_t.tolist())
+        expert_out = self.experts(flat[token_of_row], counts_t)
         expert_out = expert_out * weights.reshape(-1, 1)[order]
         out = torch.zeros_like(flat).index_add_(0, token_of_row, expert_out).view(b, s, h)
         if self.shared_expert is not None:

@@ -203,12 +203,12 @@ def measure_layout(
         if at != ledger_step:
             return
         if phase == "begin":
-            routed["before"] = _rows_received(runner)
+            routed["before"] = rows_received(runner)
             ledger.__enter__()
             meter.__enter__()
         elif phase == "backward":
             meter.__exit__(None, None, None)
-            routed["after"] = _rows_received(runner)
+            routed["after"] = rows_received(runner)
         else:
             ledger.__exit__(None, None, None)
 
@@ -232,7 +232,7 @@ def measure_layout(
     }
 
 
-def _rows_received(runner: Any) -> int:
+def rows_received(runner: Any) -> int:
     """Rows the expert-parallel dispatch has handed this rank's experts so far."""
     if runner is None:
         return 0

@@ -1,31 +1,39 @@
 """Expert parallelism: each rank of the `ep` group owns E/ep experts of every MoE layer.
 
-`ep` folds onto the data-parallel ranks (it divides fsdp×cp), so every rank still routes its own
-tokens. Around the unchanged `experts(x_sorted, counts)` call of the MoE block:
+`ExpertParallel` is a torch `ParallelStyle`, applied to each MoE layer's `GroupedExperts` from
+outside with `parallelize_module`, as the tensor-parallel styles are. Through `distribute_module`:
 
-  1. exchange per-expert row counts over `ep` (all_to_all_single of the [E] counts);
-  2. send each row to the rank owning its expert (all_to_all_single_autograd: its backward is
-     the reverse all-to-all), regroup the received rows by local expert, run the local experts;
-  3. send the results back the same way; the block's weighting and scatter stay as they are.
+  * partition_fn: the expert weights become DTensors sharded on dim 0 over the `ep` mesh (each
+    materialises as that slice of the single-process init);
+  * input_fn (a forward pre-hook) dispatches: an all-to-all of the per-expert row counts, then the
+    rows to the ranks owning their experts (all_to_all_single_autograd: its backward is the reverse
+    all-to-all); the received rows, ordered by source rank then local expert, are regrouped by
+    local expert with one index_select, and the experts run on this rank's slice of the weights;
+  * output_fn (a forward hook) combines: the results back in source-rank order, then the reverse
+    all-to-all to the ranks that routed them. The MoE block's weighting and scatter are unchanged.
 
-Expert weights are DTensors sharded on dim 0 over the `ep` mesh (each materialises as that slice
-of the single-process init); the model's FSDP leaves them out. After the all-to-alls, an expert's
-gradient on its owner already sums the contributions of the whole ep group; `reduce_expert_grads`
-sums it over the other ranks holding the same experts (expert_fsdp, then dp) and divides by the
-number of data ranks, giving the gradient of the global mean loss that FSDP gives the rest.
+`ep` folds onto the data-parallel ranks (it divides fsdp×cp), so every rank routes its own tokens.
+
+Gradients: an expert's gradient on its owner sums the contributions of the whole ep group's tokens
+(the dispatch brought them all in), while the loss is the mean over data ranks: the ep share of
+that mean is divided out in backward, on the weights' local views. What is left is the average over
+the other ranks holding the same experts: FSDP's reduce-scatter over expert_fsdp (`shard_experts`)
+when fsdp is used, and `reduce_expert_replicas` for the rest, from the runners' gradient
+finalisation.
 """
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from fivefold.errors import FivefoldError
 from fivefold.model.moe import GroupedExperts, moe_layers
@@ -33,23 +41,116 @@ from fivefold.model.moe import GroupedExperts, moe_layers
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
 
+class ExpertParallel(ParallelStyle):
+    """Shard a `GroupedExperts` on dim 0 over a 1-D mesh and move its rows there and back.
+
+    One instance per module: it keeps the split sizes and the regrouping of the forward under way
+    between its pre-hook and its hook. `group` is the process group the rows travel on (the mesh's
+    by default; see `_dispatch_group`).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.group = group
+        self._pending: tuple | None = None
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, GroupedExperts):
+            raise FivefoldError(f"expert parallelism applies to GroupedExperts, not {type(module).__name__}")
+        ranks = device_mesh.size()
+        experts = module.gate_proj.shape[0]
+        if experts % ranks:
+            raise FivefoldError(f"--ep {ranks} must divide the {experts} experts")
+        if self.group is None:
+            self.group = device_mesh.get_group()
+        module.rows_received = 0  # rows this rank's experts computed: the dispatch's byte count
+        return distribute_module(
+            module, device_mesh, partition_fn=_shard_dim0, input_fn=self._dispatch, output_fn=self._combine
+        )
+
+    def _dispatch(self, module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
+        x, counts = inputs
+        ranks = device_mesh.size()
+        with torch.no_grad():
+            recv_counts = torch.empty_like(counts)
+            dist.all_to_all_single(recv_counts, counts, group=self.group)
+        recv = recv_counts.view(ranks, -1)  # [source rank, local expert]
+        send_splits = counts.view(ranks, -1).sum(dim=1).tolist()
+        recv_splits = recv.sum(dim=1).tolist()
+        rows = all_to_all_single_autograd(x, recv_splits, send_splits, self.group)
+        order = _by_local_expert(recv, sum(recv_splits))
+        module.rows_received += order.numel()
+        self._pending = (send_splits, recv_splits, order, _use_local_weights(module, x.dtype, ranks))
+        return rows.index_select(0, order), recv.sum(dim=0)
+
+    def _combine(self, module: nn.Module, out: torch.Tensor, device_mesh: DeviceMesh) -> torch.Tensor:
+        assert self._pending is not None, "combine without a dispatch"
+        send_splits, recv_splits, order, weights = self._pending
+        self._pending = None
+        module._parameters.update(weights)  # the parameters again, for FSDP's hooks and the optimizer
+        back = out.index_select(0, _inverse(order))  # source-rank order again
+        return all_to_all_single_autograd(back, send_splits, recv_splits, self.group)
+
+
+def _shard_dim0(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    """Each expert weight [E, out, in] as a DTensor sharded on the expert dim (no communication:
+    every rank keeps its own chunk of the same tensor, or of the same meta tensor)."""
+    if not isinstance(module, GroupedExperts):
+        return
+    for weight in EXPERT_WEIGHTS:
+        full = getattr(module, weight)
+        local = distribute_tensor(full.detach(), mesh, [Shard(0)], src_data_rank=None)
+        module.register_parameter(weight, nn.Parameter(local, requires_grad=full.requires_grad))
+
+
+def _use_local_weights(module: nn.Module, dtype: torch.dtype, ranks: int) -> dict[str, nn.Parameter]:
+    """For this forward, let the unchanged expert code see this rank's slice as plain tensors (the
+    rows it receives are not a DTensor: their count per rank is data-dependent), as FSDP swaps its
+    gathered parameters in and out around a forward. Returns the parameters to put back.
+
+    The view divides its gradient by ep: the loss is the mean over data ranks, and this rank's
+    experts got the rows of all ep ranks. It is cast to the rows' dtype: FSDP's bf16 policy does
+    not reach experts it leaves out (without expert_fsdp).
+    """
+    saved = {}
+    for name in EXPERT_WEIGHTS:
+        param = module._parameters[name]
+        saved[name] = param
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if local.requires_grad and torch.is_grad_enabled():
+            local = local.view_as(local)
+            local.register_hook(lambda grad: grad / ranks)
+        module._parameters[name] = local.to(dtype)  # type: ignore[assignment]
+    return saved
+
+
+def _by_local_expert(recv: torch.Tensor, total: int) -> torch.Tensor:
+    """The received rows, ordered (source rank, local expert), as indices ordered (local expert,
+    source rank): `recv[r, e]` rows per segment; all on the device, no loop over rows."""
+    sizes = recv.reshape(-1)
+    starts = (torch.cumsum(sizes, 0) - sizes).view_as(recv).t().reshape(-1)  # where each segment lies
+    by_expert = recv.t().reshape(-1)  # segment sizes in the new order
+    segment = torch.repeat_interleave(
+        torch.arange(by_expert.numel(), device=recv.device), by_expert, output_size=total
+    )
+    first = torch.cumsum(by_expert, 0) - by_expert  # each segment's first row in the new order
+    return starts[segment] + torch.arange(total, device=recv.device) - first[segment]
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return inverse
+
+
 def apply_expert_parallel(model: nn.Module, runtime_mesh: Any) -> list[nn.Parameter]:
-    """Shard every MoE layer's experts over `ep` (in place); returns the expert parameters."""
+    """`ExpertParallel` on every MoE layer's experts (in place); returns the expert parameters."""
     ep_mesh = runtime_mesh.get("ep")
-    ep_group = _dispatch_group(runtime_mesh)
+    group = _dispatch_group(runtime_mesh)
     sharded: list[nn.Parameter] = []
     for moe in moe_layers(model):
-        experts = moe.experts
-        for name in EXPERT_WEIGHTS:
-            full = getattr(experts, name)
-            if full.shape[0] % ep_mesh.size():
-                raise FivefoldError(f"--ep {ep_mesh.size()} must divide the {full.shape[0]} experts")
-            local = full.detach().chunk(ep_mesh.size(), dim=0)[ep_mesh.get_local_rank()]
-            param = nn.Parameter(DTensor.from_local(local.contiguous(), ep_mesh, [Shard(0)], run_check=False))
-            setattr(experts, name, param)
-            sharded.append(param)
-        experts.rows_received = 0  # rows this rank's experts computed: the dispatch's byte count
-        experts.forward = types.MethodType(_make_dispatch(ep_group, ep_mesh.size()), experts)
+        parallelize_module(moe.experts, ep_mesh, ExpertParallel(group))
+        sharded += [getattr(moe.experts, name) for name in EXPERT_WEIGHTS]
     return sharded
 
 
@@ -67,100 +168,43 @@ def _dispatch_group(runtime_mesh: Any) -> dist.ProcessGroup:
     return own
 
 
-def _make_dispatch(group: dist.ProcessGroup, ranks: int):
-    def forward(self: GroupedExperts, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        return _dispatch(self, x_sorted, counts, group, ranks)
-
-    return forward
-
-
-def _dispatch(
-    experts: GroupedExperts, x_sorted: torch.Tensor, counts: list[int], group: dist.ProcessGroup, ranks: int
-) -> torch.Tensor:
-    local_experts = len(counts) // ranks
-    send_counts = torch.tensor(counts, dtype=torch.int64, device=x_sorted.device)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)  # [source rank, local expert]
-    recv = recv_counts.view(ranks, local_experts).tolist()
-    send_splits = send_counts.view(ranks, local_experts).sum(dim=1).tolist()
-    recv_splits = [sum(row) for row in recv]
-    rows = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, group)
-    # received rows come by source rank, then local expert: regroup them by local expert
-    starts, offset = [], 0
-    for row in recv:
-        starts.append([offset + sum(row[:e]) for e in range(local_experts)])
-        offset += sum(row)
-    order = [
-        i
-        for e in range(local_experts)
-        for r in range(ranks)
-        for i in range(starts[r][e], starts[r][e] + recv[r][e])
-    ]
-    order_t = torch.tensor(order, dtype=torch.long, device=x_sorted.device)
-    per_expert = [sum(recv[r][e] for r in range(ranks)) for e in range(local_experts)]
-    experts.rows_received += len(order)
-    out = _local_experts(experts, rows.index_select(0, order_t), per_expert)
-    back = torch.empty_like(out).index_copy_(0, order_t, out)  # source-rank order again
-    return all_to_all_single_autograd(back, send_splits, recv_splits, group)
-
-
-def _local_experts(experts: GroupedExperts, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    # FSDP's bf16 policy does not reach the experts it ignores: compute in the rows' dtype
-    gate, up, down = (getattr(experts, n).to_local().to(x.dtype) for n in EXPERT_WEIGHTS)
-    outputs = []
-    for e, rows in enumerate(x.split(counts, dim=0)):
-        outputs.append((F.silu(rows @ gate[e].t()) * (rows @ up[e].t())) @ down[e].t())
-    return torch.cat(outputs, dim=0)
-
-
 def shard_experts(model: nn.Module, runtime_mesh: Any, zero: int, policy: Any) -> None:
     """FSDP over `expert_fsdp`: each MoE layer's experts (already split over ep) become one FSDP unit
     of their own on the (expert_fsdp, ep) mesh, applied before the model's FSDP, which then skips
-    them. FSDP reduce-scatters (averages) their gradients over expert_fsdp; `reduce_expert_grads`
-    is left with the dp replicas and the 1/ep of the mean (gloo has no pre-scaled reduce op for
-    FSDP's own divide factor).
+    them. FSDP reduce-scatters (averages) their gradients over expert_fsdp.
     """
     from torch.distributed.fsdp import fully_shard
 
     mesh = runtime_mesh.get("expert_fsdp")
     for moe in moe_layers(model):
         fully_shard(moe.experts, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=policy)
-        moe.experts.fsdp_reduced = True
 
 
 @torch.no_grad()
-def reduce_expert_grads(model: nn.Module, runtime_mesh: Any) -> None:
-    """Sum expert gradients over the ranks holding the same experts; divide by the data ranks.
+def reduce_expert_replicas(model: nn.Module, runtime_mesh: Any) -> None:
+    """Average expert gradients over the ranks that hold the same experts and that FSDP does not
+    reduce: `dp`, and `expert_fsdp` where the experts are not FSDP-sharded over it.
 
-    Experts FSDP-sharded over expert_fsdp (`shard_experts`) arrive averaged over expert_fsdp by
-    FSDP: only the dp replicas and the ep share of the mean remain.
+    These stay a hand-written all-reduce, once a step after the last micro-batch: FSDP2's HSDP
+    needs a 2-D (dp, expert_fsdp) mesh sharing the root, and torch does not slice one from it
+    (expert_fsdp exists only as an unflattening of the flattened fsdp_cp; unflattening dp_fsdp_cp
+    instead would give one only where dp lies outside fsdp and cp in the order), nor the
+    (dp, expert_fsdp) replicas of a layout without fsdp; DDP takes no DTensor. Where dp alone is
+    left (ep spans fsdp×cp), torch's `replicate` over dp could take them; one path serves every
+    case instead. The ep share of the mean was divided out in backward (`_use_local_weights`).
     """
     for moe in moe_layers(model):
-        by_fsdp = getattr(moe.experts, "fsdp_reduced", False)
+        by_fsdp = isinstance(moe.experts, FSDPModule)
         dims = ("dp",) if by_fsdp else ("expert_fsdp", "dp")
         groups = [runtime_mesh.group(d) for d in dims if runtime_mesh.size(d) > 1]
-        divide = runtime_mesh.size("dp") * (
-            runtime_mesh.size("ep") if by_fsdp else runtime_mesh.size("fsdp_cp")
-        )
+        divide = 1
+        for d in dims:
+            divide *= runtime_mesh.size(d)
         for name in EXPERT_WEIGHTS:
             grad = getattr(moe.experts, name).grad
-            if grad is None:
+            if grad is None or not groups:
                 continue
             local = grad._local_tensor if isinstance(grad, DTensor) else grad
             for group in groups:
                 dist.all_reduce(local, group=group)
-            if divide > 1:
-                local.div_(divide)
-
-
-def reduce_after_backward(runner: Any) -> Any:
-    """Make `runner.forward_backward` finish the expert gradients before clipping sees them."""
-    forward_backward = runner.forward_backward
-
-    def with_expert_grads(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = forward_backward(inputs, labels)
-        reduce_expert_grads(runner.model, runner.mesh)
-        return loss
-
-    runner.forward_backward = with_expert_grads
-    return runner
+            local.div_(divide)

@@ -99,11 +99,6 @@ class PipelineRunner(RunnerCore):
         self.finish_gradients()
         self._sum_tied_grads()
         self._average_replica_grads()
-        if self.layout.ep > 1:
-            from fivefold.parallel.expert import reduce_expert_grads
-
-            for part in self.model_parts:
-                reduce_expert_grads(part, self.mesh)
         return self._global_loss(losses)
 
     def counted_once(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
@@ -222,7 +217,7 @@ class PipelineRunner(RunnerCore):
 
     def _average_replica_grads(self) -> None:
         """Plain data-parallel replicas: one all-reduce per gradient after the whole schedule
-        (expert weights, sharded over ep, are summed by `reduce_expert_grads` instead)."""
+        (expert weights, sharded over ep, are finished by `finish_gradients` instead)."""
         if self.dp_replica_group is None:
             return
         for part in self.model_parts:

@@ -4,7 +4,8 @@
 turn into gradients. Everything after that is here and shared:
   * gradient finalisation: DTensor gradients whose placements differ from their parameter's
     (Partial sums of SP's replicated norms, the vocabulary-parallel embedding's full-size
-    Replicate gradient) are given the parameter's placements, once per step;
+    Replicate gradient) are given the parameter's placements, once per step; expert gradients
+    are averaged over the replicas FSDP does not reduce;
   * clipping by the global norm over every mesh dim, the pipeline's stages included (one routine
     that takes the pp group, as torch's `clip_grad_norm_` would need one for a DTensor model);
   * the optimizer (AdamW, ZeRO-1 over plain dp replicas with --zero 1);
@@ -24,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from fivefold.config import Layout, TrainSpec
 from fivefold.model.moe import moe_layers
 from fivefold.parallel.data import make_optimizer
+from fivefold.parallel.expert import reduce_expert_replicas
 from fivefold.parallel.gradnorm import grad_norm_squared
 
 
@@ -47,11 +49,16 @@ class RunnerCore:
     def finish_gradients(self) -> None:
         """Give every DTensor gradient its parameter's placements: Partial sums reduced over `tp`
         (where the ledger sees the all-reduce), full-size gradients of sharded weights cut locally
-        to their shard so that gradient memory is the weight's."""
+        to their shard so that gradient memory is the weight's. Expert weights: the average over
+        the replicas of the same experts that neither FSDP nor DDP reduce (see
+        `fivefold.parallel.expert.reduce_expert_replicas`)."""
         for p in self.parameters():
             grad = p.grad
             if isinstance(grad, DTensor) and isinstance(p, DTensor) and grad.placements != p.placements:
                 p.grad = grad.redistribute(placements=p.placements)
+        if self.layout.ep > 1:
+            for part in self.model_parts:
+                reduce_expert_replicas(part, self.mesh)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Scale gradients so that their global norm is at most `max_norm` (<= 0: only measure) and

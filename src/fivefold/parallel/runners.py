@@ -9,7 +9,6 @@ from torch import nn
 from fivefold.config import Layout, TrainSpec
 from fivefold.parallel.apply import parallelize_chunk
 from fivefold.parallel.compile import check_compile
-from fivefold.parallel.expert import reduce_after_backward
 from fivefold.parallel.pipeline_runner import build_pipeline_runner
 from fivefold.parallel.runner import ParallelRunner
 from fivefold.support import check_trainable
@@ -23,7 +22,4 @@ def build_runner(model: nn.Module, runtime_mesh: Any, layout: Layout, train: Tra
     if layout.pp > 1:
         return build_pipeline_runner(model, runtime_mesh, layout, train)
     wrapped = parallelize_chunk(model, runtime_mesh, layout, train)
-    runner = ParallelRunner(model, wrapped, runtime_mesh, layout, train)
-    if layout.ep > 1:
-        reduce_after_backward(runner)
-    return runner
+    return ParallelRunner(model, wrapped, runtime_mesh, layout, train)

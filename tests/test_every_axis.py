@@ -115,14 +115,18 @@ def test_five_d_step_ledger_matches_theory() -> None:
         layers = [i for chunk in RunShape(spec, layout, mb, seq, m).chunks(pp_rank) for i in chunk.layers]
         theory = expected_expert_parallel(spec, layout, mb, seq, m, r["received"][STEPS - 1], layers)
         theory |= expected_stage_p2p(spec, layout, mb, seq, m, pp_rank)
-        for key in [("ep", "all_to_all"), ("expert_fsdp", "all_gather"), ("pp", "send"), ("pp", "recv")]:
+        # the experts' gradients are reduce-scattered once a step (the stage calls the FSDP module
+        # itself, so torch's stage skips the sync for all but the last micro-batch)
+        keys = [("ep", "all_to_all"), ("expert_fsdp", "reduce_scatter"), ("pp", "send"), ("pp", "recv")]
+        for key in keys:
             assert got[key] == theory[key], (rank, key, got[key], theory[key])
-        # the experts' gradients are reduce-scattered as whole units of their full bytes; only the
-        # size of a call is checked: under cp a stage calls a positions wrapper, not the FSDP
-        # module, so torch's stage leaves gradient sync on and FSDP reduces every micro-batch
-        calls, nbytes = got[("expert_fsdp", "reduce_scatter")]
-        unit = theory[("expert_fsdp", "reduce_scatter")][1] // theory[("expert_fsdp", "reduce_scatter")][0]
-        assert nbytes == calls * unit
+        # ZeRO-3 inside a pipeline: torch's stage keeps a unit gathered from a backward to the next
+        # forward, so how many gathers a step makes depends on the schedule's order of forwards
+        # and backwards; each gather moves a whole unit, and never more often than twice per
+        # micro-batch
+        calls, nbytes = got[("expert_fsdp", "all_gather")]
+        most, most_bytes = theory[("expert_fsdp", "all_gather")]
+        assert 0 < calls <= most and nbytes * most == most_bytes * calls, (rank, calls, most)
         sent += m * sum(spec.is_moe_layer(i) for i in layers) * mb * seq // layout.cp * spec.experts_per_token
     # every row routed in the step landed on some rank's experts
     assert sum(r["received"][STEPS - 1] for r in ranks) == sent

@@ -320,19 +320,20 @@ def _with_autocast(module, device):
 
 def _with_positions(module, seq_len: int, cp: int, cp_rank: int):
     """Context parallel: every stage's rotary tables and causal masks need the positions of this
-    rank's load-balanced columns, which the schedule's single tensor argument cannot carry."""
+    rank's load-balanced columns, which the schedule's single tensor argument cannot carry.
 
-    class WithPositions(nn.Module):
-        def __init__(self, inner: nn.Module) -> None:
-            super().__init__()
-            self.inner = inner
-            self.register_buffer("positions", shard_positions(seq_len, cp, cp_rank), persistent=False)
+    A forward pre-hook adds them, so the stage keeps calling the module itself: torch's stage only
+    skips FSDP's gradient reduce-scatter for all but the last micro-batch when its module is the
+    FSDP module, not a wrapper around it."""
+    positions = shard_positions(seq_len, cp, cp_rank)
 
-        def forward(self, x):
-            positions = self.positions.to(x.device).unsqueeze(0).expand(x.shape[0], -1)
-            return self.inner(x, position_ids=positions)
+    def add_positions(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        x = args[0]
+        ids = positions.to(x.device).unsqueeze(0).expand(x.shape[0], -1)
+        return args, {**kwargs, "position_ids": ids}
 
-    return WithPositions(module)
+    module.register_forward_pre_hook(add_positions, with_kwargs=True)
+    return module
 
 
 def _device(runtime_mesh, train: TrainSpec):

@@ -25,7 +25,25 @@ from fivefold.config import load_model
 
 SEED = 30
 WORLDS = (2, 4, 2, 4, 8, 2, 4)  # the draw cycles through these: few 8-rank groups on a small machine
-CASES = layout_draw.draw(SEED, 30, WORLDS)
+# always judged, whatever the draw holds: ZeRO-3 inside an interleaved pipeline (m + 1 gathers a
+# step per unit: torch's stage keeps a unit gathered from a backward to the next forward)
+PINNED = [
+    layout_draw.Case(
+        4,
+        "tiny",
+        "fp32",
+        {
+            "pp": 2,
+            "fsdp": 2,
+            "zero": 3,
+            "pp_schedule": "interleaved-1f1b",
+            "virtual_stages": 2,
+            "microbatches": 4,
+        },
+        4,
+    )
+]
+CASES = layout_draw.draw(SEED, 30, WORLDS) + PINNED
 
 
 def activations_judged(case: layout_draw.Case) -> bool:

@@ -138,6 +138,9 @@ def data_parallel_traffic(
         busy_b = bwd_gathers * busy_f + sum(t_rs.values())
         exposed_f = max(busy_f - t_f, 0.0)
         exposed_b = max(busy_b - t_b, 0.0)
+        # inside a pipeline a ZeRO-3 unit stays gathered from a backward to the next forward:
+        # m + 1 gathers a step rather than 2m (see fsdp_gathers)
+        gathers = m + 1 if (layout.pp > 1 and z == 3) else (1 + bwd_gathers) * m
         for payload, group in shards:
             ag_exposed = t_ag[group] / busy_f * exposed_f + bwd_gathers * t_ag[group] / busy_b * exposed_b
             add(
@@ -146,8 +149,8 @@ def data_parallel_traffic(
                 p * payload,
                 group,
                 shard_link,
-                (1 + bwd_gathers) * m,
-                exposed=ag_exposed * m,
+                gathers,
+                exposed=ag_exposed * m * gathers / ((1 + bwd_gathers) * m),
                 overlap="micro-batch compute",
                 per_node=per_node,
             )
@@ -257,11 +260,18 @@ def data_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
 def fsdp_gathers(run: RunShape) -> int:
     """All-gathers per unit per step: each micro-batch's forward, and its backward under ZeRO-3.
 
-    In a pipeline torch's stages keep the gathered parameters from the first forward to the last
-    backward under ZeRO-2 (no reshard after the backward of any but the last micro-batch): one.
+    In a pipeline torch's stage does not reshard after the backward of any but the last micro-batch.
+    Under ZeRO-2 the weights then stay gathered from the first forward on: one gather. Under ZeRO-3
+    a forward still reshards, so every backward gathers again, while a forward that directly
+    follows its chunk's backward finds the weights gathered: in the schedules ZeRO-3 runs with
+    (no split backward) a chunk runs its warm-up forwards, then forward/backward pairs, then the
+    remaining backwards, which makes m + 1 gathers (the warm-up forwards and the first forward of
+    the steady state, then every backward).
     """
     if run.layout.pp > 1 and run.layout.zero == 2:
         return 1
+    if run.layout.pp > 1 and run.layout.zero == 3:
+        return run.microbatches + 1
     return run.microbatches * (2 if run.layout.zero == 3 else 1)
 
 

@@ -53,6 +53,13 @@ class RunShape:
         return 4 if self.autocast else self.act_bytes
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes per element of the weights the step computes with, and of their gradients until
+        FSDP casts them for its reduction: 2 where a mixed-precision policy casts the weights (FSDP,
+        `replicate`), 4 under autocast (fp32 weights) and in fp32."""
+        return 4 if self.autocast else self.act_bytes
+
+    @property
     def tokens(self) -> int:
         """Tokens of one micro-batch on one rank (its sequence shard under cp)."""
         return self.micro_batch * self.seq_len // self.layout.cp

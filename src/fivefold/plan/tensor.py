@@ -11,7 +11,8 @@ Per micro-batch and b·s·h activation A (this rank's sequence shard under cp):
   * bf16 without FSDP (autocast): matmul outputs are bf16, the residual stream and norms fp32.
   * the loss on vocabulary shards (loss_parallel): three all_reduces of one fp32 value per token
     forward (max logit, sum of exponentials, target logit).
-  * once a step: partial weight gradients of SP norms and of replicated K/V projections (tp > kv heads).
+  * once a step: partial weight gradients of SP norms (fp32) and of replicated K/V projections
+    (tp > kv heads; in the weights' dtype).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def tensor_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
         if lay.sp:  # norm weights' partial gradients, once a step
             norms = 2 * len(chunk.layers) + int(chunk.last)
             out.add("tp", ALL_REDUCE, norms, spec.hidden * GRAD_BYTES)
-        if lay.tp > spec.kv_heads:  # replicated K/V projections' partial gradients
-            kv = spec.kv_heads * spec.head_dim * spec.hidden * GRAD_BYTES
+        if lay.tp > spec.kv_heads:  # replicated K/V projections' partial gradients, reduced in the
+            # backward in the weights' dtype (bf16 under FSDP's mixed precision)
+            kv = spec.kv_heads * spec.head_dim * spec.hidden * run.weight_bytes
             out.add("tp", ALL_REDUCE, 2 * len(chunk.layers), kv)
     return out

@@ -49,7 +49,10 @@ P2P = (SEND, RECV)
 # ---- the axis vocabulary: mesh axes, flattened dims, and the ledger's names for other groups
 MESH_AXES = ("dp", "fsdp", "cp", "tp", "pp", "ep")
 #: groups are credited to the first of these whose ranks match (see fivefold.measure.ledger)
-AXIS_PRIORITY = ("tp", "cp", "fsdp", "dp", "pp", "ep", "expert_fsdp", "fsdp_cp", "batch", "dp_fsdp_cp")
+# which dim a process group is credited to when several dims hold the same ranks: ep comes after
+# fsdp_cp, since its own traffic (the token all-to-alls) runs on a copy of its group whenever another
+# dim shares it (fivefold.parallel.expert)
+AXIS_PRIORITY = ("tp", "cp", "fsdp", "dp", "pp", "expert_fsdp", "fsdp_cp", "ep", "batch", "dp_fsdp_cp")
 WORLD, LOCAL, OTHER = "world", "local", "other"
 
 

@@ -39,10 +39,12 @@ def expert_traffic(run: RunShape, chunks: list[Chunk], received: int | None = No
     sent = rows_sent(run, chunks)
     got = sent if received is None else received // forwards
     calls = run.microbatches * moe
-    row = spec.hidden * run.act_bytes
+    # rows go out in the MoE input's dtype (the fp32 norm output under autocast) and come back
+    # in the experts' output dtype; each gradient travels in its tensor's dtype the other way
+    d_in, d_out = spec.hidden * run.stream_bytes, spec.hidden * run.act_bytes
     out.add("ep", ALL_TO_ALL, calls * (3 * forwards + 2), 0)
     out.rows[("ep", ALL_TO_ALL)][1] += calls * forwards * spec.experts * 8  # the counts
-    out.rows[("ep", ALL_TO_ALL)][1] += (forwards + 1) * (sent + got) * row
+    out.rows[("ep", ALL_TO_ALL)][1] += forwards * (sent * d_in + got * d_out) + sent * d_out + got * d_in
     expert_fsdp = lay.fsdp * lay.cp // lay.ep
     if lay.fsdp > 1 and expert_fsdp > 1:  # fivefold.parallel.expert.shard_experts
         from fivefold.plan.dataparallel import fsdp_gathers

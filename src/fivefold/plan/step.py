@@ -74,11 +74,12 @@ def clip_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
             # experts are sharded on the ep mesh (and FSDP's expert_fsdp with fsdp); when ep spans
             # all of fsdp×cp its ranks are FSDP's group, and the runtime reduces both in one call on
             # the group it met first (FSDP's)
+            ep_axis = "ep"
             if lay.fsdp > 1 and lay.fsdp * lay.cp > lay.ep:
-                shardings.add(("expert_fsdp", "ep"))
+                shardings.add(("expert_fsdp", ep_axis))
             else:
                 same = fsdp_axis is not None and lay.ep == lay.fsdp * lay.cp
-                shardings.add((fsdp_axis,) if same else ("ep",))
+                shardings.add((fsdp_axis,) if same else (ep_axis,))
     out = Traffic()
     for groups in shardings:
         for axis in groups:

@@ -62,27 +62,6 @@ def run_reference(
     return result
 
 
-def ledger_step_hook(ledger: Any, step: int, split_optimizer: bool = True) -> Any:
-    """A `run_layout` step hook that records step `step` into `ledger`.
-
-    With `split_optimizer`, forward + backward form one ledger step and the optimizer step the next,
-    so tests can assert each against its own theory.
-    """
-
-    def hook(at: int, phase: str) -> None:
-        if at != step:
-            return
-        if phase == "begin":
-            ledger.__enter__()
-        elif phase == "backward":
-            if split_optimizer:
-                ledger.next_step()
-        else:
-            ledger.__exit__(None, None, None)
-
-    return hook
-
-
 def run_layout(
     spec: ModelSpec,
     train: TrainSpec,

@@ -14,27 +14,22 @@ data-parallel rank, global-norm clipping active). Each case checks:
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import time
-import warnings
-
 import pytest
 import torch
 
-from distributed import run_distributed
-from fivefold.config import Layout, ModelSpec, TrainSpec, load_model
+from fivefold.config import Layout, ModelSpec, TrainSpec
+from harness import Batch, Case, Tolerance, assert_matches
 from parallel_theory import expected_forward_backward
 
 STEPS = 3
 ACCUMULATION = 2
 TRAIN = TrainSpec(seq_len=16, micro_batch=2, lr=1e-3, eps=1e-6, grad_clip=0.3, seed=5)
-PARAM_ATOL = 1e-5
+TOLERANCE = Tolerance(loss_rel=1e-5, param_abs=1e-5, first_norm_rel=1e-6, norm_rel=1e-4)
 LEDGER_STEP = 1
 WORLD = 4
 F32 = 4
 
-CASES: list[tuple[str, dict]] = [
+LAYOUTS: list[tuple[str, dict]] = [
     ("tiny", dict(dp=2, cp=2, cp_impl="ring")),
     ("tiny", dict(dp=2, cp=2, cp_impl="allgather")),
     ("tiny", dict(dp=2, cp=2, cp_impl="ulysses")),
@@ -45,17 +40,11 @@ CASES: list[tuple[str, dict]] = [
     ("tiny", dict(cp=4, cp_impl="ring")),
     ("tiny", dict(cp=4, cp_impl="ulysses")),
 ]
-
-
-def case_id(case: tuple[str, dict]) -> str:
-    model, lay = case
-    return model + ":" + ",".join(f"{k}{v}" for k, v in lay.items())
-
-
-def layout_and_rows(lay: dict) -> tuple[Layout, TrainSpec, int]:
-    layout = Layout(**lay).resolve(WORLD)
-    rows = TRAIN.micro_batch * layout.dp * layout.fsdp * ACCUMULATION
-    return layout, dataclasses.replace(TRAIN, global_batch=rows), rows
+CASES = Batch(
+    [Case(m, lay, WORLD, TRAIN, STEPS, ACCUMULATION, ledger_steps=(LEDGER_STEP,)) for m, lay in LAYOUTS],
+    timeout=300,
+)
+IDS = [c.id.removeprefix(f"w{WORLD}-") for c in CASES.cases]
 
 
 def expected_cp_traffic(spec: ModelSpec, layout: Layout) -> dict[tuple[str, str], tuple[int, int]]:
@@ -94,47 +83,6 @@ def expected_cp_traffic(spec: ModelSpec, layout: Layout) -> dict[tuple[str, str]
     return out
 
 
-def _run_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dict]:
-    warnings.filterwarnings("ignore")
-    logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
-    from fivefold.measure.ledger import CommLedger
-    from fivefold.parallel.compare import ledger_step_hook, run_layout
-    from fivefold.parallel.device_mesh import build_runtime_mesh
-
-    results = []
-    for model, lay in cases:
-        start = time.perf_counter()
-        layout, train, rows = layout_and_rows(lay)
-        mesh = build_runtime_mesh(layout)
-        ledger = CommLedger(mesh)
-
-        hook = ledger_step_hook(ledger, LEDGER_STEP)
-        result, runner, optimizer = run_layout(load_model(model), train, layout, rows, STEPS, mesh, hook)
-        results.append(
-            {
-                "losses": result.losses,
-                "grad_norms": result.grad_norms,
-                "params": result.params if rank == 0 else None,
-                "ledger": ledger.per_step(),
-                "seconds": time.perf_counter() - start,
-            }
-        )
-        del runner, optimizer
-        torch.distributed.barrier()
-    return results
-
-
-_cache: list[list[dict]] = []
-
-
-def results() -> list[list[dict]]:
-    """Per case, per rank (one spawn for all cases, cached)."""
-    if not _cache:
-        per_rank = run_distributed(_run_cases, WORLD, CASES, timeout=300)
-        _cache.extend([[per_rank[r][i] for r in range(WORLD)] for i in range(len(CASES))])
-    return _cache
-
-
 def test_load_balanced_split_reassembles_the_sequence() -> None:
     from fivefold.parallel.context import gathered_positions, split_sequence
 
@@ -158,51 +106,19 @@ def test_load_balanced_split_reassembles_the_sequence() -> None:
         assert torch.equal(whole, tokens)
 
 
-_references: dict[tuple[str, int], object] = {}
-
-
-def reference(model: str, rows: int):
-    from fivefold.parallel.compare import run_reference
-
-    if (model, rows) not in _references:
-        train = dataclasses.replace(TRAIN, global_batch=rows)
-        _references[(model, rows)] = run_reference(load_model(model), train, rows, STEPS)
-    return _references[(model, rows)]
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES.cases, ids=IDS)
+def test_matches_single_process(case: Case) -> None:
+    assert_matches(case, CASES.ranks(case), TOLERANCE, clipping=True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[case_id(c) for c in CASES])
-def test_matches_single_process(index: int) -> None:
-    from fivefold.parallel.compare import compare
-
-    model, lay = CASES[index]
-    _, _, rows = layout_and_rows(lay)
-    ranks = results()[index]
-    ref = reference(model, rows)
-    assert min(ref.grad_norms) > TRAIN.grad_clip, "clipping must be active for this test to cover it"
-    for r in ranks:
-        assert r["losses"] == ranks[0]["losses"]
-    got = ranks[0]
-    cmp = compare(ref, type(ref)(got["losses"], got["grad_norms"], got["params"]), 1e-5, PARAM_ATOL)
-    print(
-        f"{case_id(CASES[index])}: loss rel {max(cmp.loss_rel):.2g}, params abs {cmp.max_abs:.2g}, "
-        f"{got['seconds']:.1f} s"
-    )
-    assert max(cmp.loss_rel) <= 1e-5, (got["losses"], ref.losses)
-    assert got["grad_norms"][0] == pytest.approx(ref.grad_norms[0], rel=1e-6)
-    assert got["grad_norms"] == pytest.approx(ref.grad_norms, rel=1e-4)
-    assert cmp.max_abs <= PARAM_ATOL, f"{cmp.worst_param}: {cmp.max_abs:.3g}"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[case_id(c) for c in CASES])
-def test_ledger_shows_the_cp_traffic(index: int) -> None:
-    model, lay = CASES[index]
-    spec = load_model(model)
-    layout, _, _ = layout_and_rows(lay)
-    expected = expected_cp_traffic(spec, layout)
-    for rank, r in enumerate(results()[index]):
-        fwd_bwd = r["ledger"][0]
+@pytest.mark.parametrize("case", CASES.cases, ids=IDS)
+def test_ledger_shows_the_cp_traffic(case: Case) -> None:
+    layout, _, _ = case.resolve()
+    expected = expected_cp_traffic(case.spec(), layout)
+    for rank, r in enumerate(CASES.ranks(case)):
+        [(fwd_bwd, _)] = r["ledger"]
         # (DDP's broadcast of the model's buffers before each forward is not cp traffic)
         got = {
             (row["axis"], row["op"]): (row["count"], row["bytes"])

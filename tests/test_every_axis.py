@@ -20,15 +20,18 @@ from __future__ import annotations
 
 import pytest
 
-from axis_pairs import STEPS, layout_and_rows, model_spec
-from fivefold.config import load_hardware, load_model
+from fivefold.config import TrainSpec, load_hardware, load_model
 from fivefold.plan import TrainShape
 from fivefold.plan.search import search
 from fivefold.support import check_microbatches, check_trainable
+from harness import Batch, Case, Tolerance, assert_matches
 
+STEPS = 2
+TRAIN = TrainSpec(seq_len=16, micro_batch=2, lr=1e-3, eps=1e-6, grad_clip=0.3, seed=3)
+TOLERANCE = Tolerance(loss_rel=1e-5, param_abs=1e-5)
 INTERLEAVED = dict(pp_schedule="interleaved-1f1b", virtual_stages=2)
 FIVE_D = ("tiny-moe", dict(pp=2, fsdp=2, tp=2, cp=2, ep=2, sp=True))
-CASES: dict[int, list[tuple[str, dict]]] = {
+LAYOUTS: dict[int, list[tuple[str, dict]]] = {
     4: [
         ("tiny", dict(pp=2, cp=2, cp_impl="allgather", pp_schedule="gpipe")),  # E
         ("tiny", dict(pp=2, cp=2, pp_schedule="zero-bubble")),
@@ -44,51 +47,35 @@ CASES: dict[int, list[tuple[str, dict]]] = {
     ],
     16: [FIVE_D],
 }
-
-_cache: dict[int, list] = {}
-
-
-def results_for(world: int) -> list[list[dict]]:
-    """Per case, per rank (one spawn per world, cached)."""
-    if world not in _cache:
-        from axis_pairs import run_cases
-        from distributed import run_distributed
-
-        per_rank = run_distributed(run_cases, world, CASES[world], timeout=600)
-        _cache[world] = [[per_rank[r][i] for r in range(world)] for i in range(len(CASES[world]))]
-    return _cache[world]
-
-
-def case_id(world: int, case: tuple[str, dict]) -> str:
-    return f"w{world}-{case[0]}:" + ",".join(f"{k}{'' if v is True else v}" for k, v in case[1].items())
-
-
-ALL = [(world, i, case) for world, cases in CASES.items() for i, case in enumerate(cases)]
+# one pipeline micro-batch of `micro_batch` rows per data-parallel rank, or two accumulation steps
+# without a pipeline; the ledger and the experts' received rows of every step
+CASES = Batch(
+    [
+        Case(m, lay, world, TRAIN, STEPS, None if "pp" in lay else 2, ledger_steps=tuple(range(STEPS)))
+        for world, layouts in LAYOUTS.items()
+        for m, lay in layouts
+    ],
+    timeout=600,
+)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "index", "case"), ALL, ids=[case_id(w, c) for w, _, c in ALL])
-def test_matches_single_process(world: int, index: int, case: tuple[str, dict]) -> None:
-    from fivefold.parallel.compare import compare, run_reference
+@pytest.mark.parametrize("case", CASES.cases, ids=[c.id for c in CASES.cases])
+def test_matches_single_process(case: Case) -> None:
+    from harness import reference
 
-    model, lay = case
-    layout, train, rows = layout_and_rows(world, lay)
-    ranks = results_for(world)[index]
-    ref = run_reference(model_spec(model), train, rows, STEPS)
+    ranks = CASES.ranks(case)
+    assert_matches(case, ranks, TOLERANCE)
     params: dict = {}
     for r in ranks:
-        assert r["losses"] == ranks[0]["losses"]  # the global mean, reported on every rank
-        params.update(r["params"])
-    got = type(ref)(ranks[0]["losses"], ranks[0]["grad_norms"], params)
-    assert set(ref.params) <= set(params)
-    cmp = compare(ref, got, 1e-5, 1e-5)
-    assert max(cmp.loss_rel) <= 1e-5, (got.losses, ref.losses)
-    assert cmp.max_abs <= 1e-5, f"{cmp.worst_param}: {cmp.max_abs:.3g}"
-    if model == "tied":  # the last stage's head stayed equal to the first stage's embedding
+        params.update(r["params"] or {})
+    if case.model == "tied":  # the last stage's head stayed equal to the first stage's embedding
         assert (params["lm_head.weight"] - params["model.embed_tokens.weight"]).abs().max() <= 1e-6
+    layout, _, _ = case.resolve()
+    ref = reference(case)
     expert_fsdp = layout.fsdp * layout.cp // layout.ep if layout.fsdp > 1 else 1
     for r in ranks:
-        full = sum(ref.params[n].numel() * 4 for n in r["params"] if ".experts." in n)
+        full = sum(ref.params[n].numel() * 4 for n in r["names"] if ".experts." in n)
         assert r["expert_bytes"] == full // (layout.ep * expert_fsdp)
 
 
@@ -102,15 +89,15 @@ def test_five_d_step_ledger_matches_theory() -> None:
     from fivefold.plan.runshape import RunShape
     from parallel_theory import expected_expert_parallel, expected_stage_p2p
 
-    model, lay = FIVE_D
-    spec = model_spec(model)
-    layout, train, _ = layout_and_rows(16, lay)
+    [case] = [c for c in CASES.cases if c.world == 16]
+    spec = case.spec()
+    layout, train, _ = case.resolve()
     mb, seq, m = train.micro_batch, train.seq_len, layout.microbatches
     info = build_mesh(layout, 16, 16)
-    ranks = results_for(16)[0]
+    ranks = CASES.ranks(case)
     sent = 0
     for rank, r in enumerate(ranks):
-        got = {(row["axis"], row["op"]): (row["count"], row["bytes"]) for row in r["ledger"][STEPS - 1]}
+        got = _whole_step(*r["ledger"][STEPS - 1])
         pp_rank = info.ranks[rank].coords["pp"]
         layers = [i for chunk in RunShape(spec, layout, mb, seq, m).chunks(pp_rank) for i in chunk.layers]
         theory = expected_expert_parallel(spec, layout, mb, seq, m, r["received"][STEPS - 1], layers)
@@ -130,6 +117,15 @@ def test_five_d_step_ledger_matches_theory() -> None:
         sent += m * sum(spec.is_moe_layer(i) for i in layers) * mb * seq // layout.cp * spec.experts_per_token
     # every row routed in the step landed on some rank's experts
     assert sum(r["received"][STEPS - 1] for r in ranks) == sent
+
+
+def _whole_step(fwd_bwd: list[dict], optimizer_phase: list[dict]) -> dict[tuple[str, str], tuple[int, int]]:
+    """(axis, op) -> (count, bytes) over a step's forward + backward and optimizer phases."""
+    got: dict[tuple[str, str], tuple[int, int]] = {}
+    for row in fwd_bwd + optimizer_phase:
+        count, nbytes = got.get((row["axis"], row["op"]), (0, 0))
+        got[(row["axis"], row["op"])] = (count + row["count"], nbytes + row["bytes"])
+    return got
 
 
 SEARCHES = [

@@ -20,16 +20,10 @@ Checks per layout:
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import time
-import warnings
-
 import pytest
-import torch
 
-from distributed import run_distributed
-from fivefold.config import Layout, ModelSpec, TrainSpec, load_model
+from fivefold.config import TrainSpec
+from harness import Batch, Case, Tolerance, assert_matches
 from parallel_theory import (
     expected_forward_backward,
     expected_param_storage,
@@ -40,14 +34,11 @@ from parallel_theory import (
 STEPS = 5
 ACCUMULATION = 2
 TRAIN = TrainSpec(seq_len=16, micro_batch=2, lr=1e-3, eps=1e-6, grad_clip=0.3, seed=3)
-PARAM_ATOL = 1e-5
 LEDGER_STEP = 2  # after DDP's bucket rebuild and FSDP's lazy init
-
-# a model whose vocabulary (250) does not divide by 4: FSDP pads it
-ODD = dict(name="odd", layers=2, hidden=24, heads=4, kv_heads=2, ffn_hidden=40, vocab=250, max_seq_len=64)
+TOLERANCE = Tolerance(loss_rel=1e-5, param_abs=1e-5, first_norm_rel=1e-6, norm_rel=1e-4)
 
 DENSE_MOE = ("tiny", "tiny-moe")
-CASES: dict[int, list[tuple[str, dict]]] = {
+LAYOUTS: dict[int, list[tuple[str, dict]]] = {
     2: [
         (m, lay)
         for m in DENSE_MOE
@@ -67,122 +58,34 @@ CASES: dict[int, list[tuple[str, dict]]] = {
     + [("odd", dict(fsdp=4, zero=3)), ("tied", dict(fsdp=2, tp=2, sp=True))],
     8: [(m, dict(dp=2, fsdp=2, tp=2, sp=True)) for m in DENSE_MOE] + [("tiny", dict(dp=2, fsdp=2, tp=2))],
 }
-
-
-def model_spec(name: str) -> ModelSpec:
-    if name == "tied":  # input and output embeddings share one weight (as the demo's `small` does)
-        return dataclasses.replace(load_model("tiny"), name="tied", tie_embeddings=True)
-    return ModelSpec(**ODD).validate() if name == "odd" else load_model(name)
-
-
-def case_id(case: tuple[str, dict]) -> str:
-    model, lay = case
-    return model + ":" + ",".join(f"{k}{'' if v is True else v}" for k, v in lay.items())
-
-
-def layout_and_rows(world: int, lay: dict) -> tuple[Layout, TrainSpec, int]:
-    layout = Layout(**lay).resolve(world)
-    rows = TRAIN.micro_batch * layout.dp * layout.fsdp * ACCUMULATION
-    return layout, dataclasses.replace(TRAIN, global_batch=rows), rows
-
-
-def _run_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dict]:
-    """On every rank: train each layout, with the ledger on one step and the memory meter after."""
-    warnings.filterwarnings("ignore")
-    logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)  # 2-D gather notes
-    from fivefold.measure.ledger import CommLedger
-    from fivefold.measure.memory import local_tensor, state_bytes
-    from fivefold.parallel.compare import ledger_step_hook, run_layout
-    from fivefold.parallel.device_mesh import build_runtime_mesh
-
-    results = []
-    for model, lay in cases:
-        start = time.perf_counter()
-        spec = model_spec(model)
-        layout, train, rows = layout_and_rows(world, lay)
-        mesh = build_runtime_mesh(layout)
-        ledger = CommLedger(mesh)
-
-        hook = ledger_step_hook(ledger, LEDGER_STEP)
-        result, runner, optimizer = run_layout(spec, train, layout, rows, STEPS, mesh, hook)
-        part = runner.model_parts[0]
-        storage = sum(local_tensor(p).untyped_storage().nbytes() for p in part.parameters())
-        results.append(
-            {
-                "losses": result.losses,
-                "grad_norms": result.grad_norms,
-                "params": result.params if rank == 0 else None,
-                "ledger": ledger.per_step(),
-                "memory": state_bytes([part], optimizer),
-                "storage": storage,
-                "coords": {a: mesh.coord(a) for a in ("dp", "fsdp", "tp")},
-                "seconds": time.perf_counter() - start,
-            }
-        )
-        del runner, optimizer, part
-        torch.distributed.barrier()
-    return results
-
-
-_cache: dict[int, list[list[dict]]] = {}
-_references: dict[tuple[str, int], object] = {}
-
-
-def results_for(world: int) -> list[list[dict]]:
-    """Per case, per rank: what `_run_cases` returned (one spawn per world size, cached)."""
-    if world not in _cache:
-        per_rank = run_distributed(_run_cases, world, CASES[world], timeout=400)
-        _cache[world] = [[per_rank[r][i] for r in range(world)] for i in range(len(CASES[world]))]
-    return _cache[world]
-
-
-def reference(model: str, rows: int):
-    from fivefold.parallel.compare import run_reference
-
-    key = (model, rows)
-    if key not in _references:
-        train = dataclasses.replace(TRAIN, global_batch=rows)
-        _references[key] = run_reference(model_spec(model), train, rows, STEPS)
-    return _references[key]
-
-
-ALL = [(world, i, case) for world, cases in CASES.items() for i, case in enumerate(cases)]
-IDS = [f"w{w}-{case_id(c)}" for w, _, c in ALL]
+CASES = Batch(
+    [
+        Case(m, lay, world, TRAIN, STEPS, ACCUMULATION, ledger_steps=(LEDGER_STEP,), memory=True)
+        for world, layouts in LAYOUTS.items()
+        for m, lay in layouts
+    ]
+)
+IDS = [c.id for c in CASES.cases]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "index", "case"), ALL, ids=IDS)
-def test_matches_single_process(world: int, index: int, case: tuple[str, dict]) -> None:
-    from fivefold.parallel.compare import compare
-
-    model, lay = case
-    _, _, rows = layout_and_rows(world, lay)
-    ranks = results_for(world)[index]
-    ref = reference(model, rows)
-    assert min(ref.grad_norms) > TRAIN.grad_clip, "clipping must be active for this test to cover it"
-    for r in ranks:  # the loss is the global mean on every rank
-        assert r["losses"] == ranks[0]["losses"]
-    got = ranks[0]
-    cmp = compare(ref, type(ref)(got["losses"], got["grad_norms"], got["params"]), 1e-5, PARAM_ATOL)
-    assert max(cmp.loss_rel) <= 1e-5, (got["losses"], ref.losses)
-    # same weights at step 0: the clip's global norm agrees to rounding; later steps carry the
-    # (tolerated) parameter differences along
-    assert got["grad_norms"][0] == pytest.approx(ref.grad_norms[0], rel=1e-6)
-    assert got["grad_norms"] == pytest.approx(ref.grad_norms, rel=1e-4)
-    assert cmp.max_abs <= PARAM_ATOL, f"{cmp.worst_param}: {cmp.max_abs:.3g}"
+@pytest.mark.parametrize("case", CASES.cases, ids=IDS)
+def test_matches_single_process(case: Case) -> None:
+    # same weights at step 0: the clip's global norm agrees to rounding (first_norm_rel); later
+    # steps carry the (tolerated) parameter differences along (norm_rel)
+    assert_matches(case, CASES.ranks(case), TOLERANCE, clipping=True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "index", "case"), ALL, ids=IDS)
-def test_ledger_matches_theory(world: int, index: int, case: tuple[str, dict]) -> None:
-    model, lay = case
-    if model == "tied":
+@pytest.mark.parametrize("case", CASES.cases, ids=IDS)
+def test_ledger_matches_theory(case: Case) -> None:
+    if case.model == "tied":
         pytest.skip("tied embeddings: checked against the single process only (one FSDP unit for both ends)")
-    spec = model_spec(model)
-    layout, train, _ = layout_and_rows(world, lay)
+    spec = case.spec()
+    layout, train, _ = case.resolve()
     expected = expected_forward_backward(spec, layout, train.micro_batch, train.seq_len, ACCUMULATION)
-    for rank, r in enumerate(results_for(world)[index]):
-        fwd_bwd, optimizer_phase = (r["ledger"] + [[]])[:2]  # a phase with no traffic has no rows
+    for rank, r in enumerate(CASES.ranks(case)):
+        [(fwd_bwd, optimizer_phase)] = r["ledger"]
         got = {(row["axis"], row["op"]): (row["count"], row["bytes"]) for row in fwd_bwd}
         assert got == expected, f"rank {rank}"
         zero_broadcast = {(r["axis"], r["op"]): r for r in optimizer_phase if r["op"] == "broadcast"}
@@ -197,14 +100,13 @@ def test_ledger_matches_theory(world: int, index: int, case: tuple[str, dict]) -
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "index", "case"), ALL, ids=IDS)
-def test_memory_matches_sharding(world: int, index: int, case: tuple[str, dict]) -> None:
-    model, lay = case
-    if model == "tied":
+@pytest.mark.parametrize("case", CASES.cases, ids=IDS)
+def test_memory_matches_sharding(case: Case) -> None:
+    if case.model == "tied":
         pytest.skip("tied embeddings: checked against the single process only")
-    spec = model_spec(model)
-    layout, _, _ = layout_and_rows(world, lay)
-    for rank, r in enumerate(results_for(world)[index]):
+    spec = case.spec()
+    layout, _, _ = case.resolve()
+    for rank, r in enumerate(CASES.ranks(case)):
         assert r["memory"] == expected_state_bytes(spec, layout, r["coords"]), f"rank {rank}"
         if layout.fsdp > 1:
             assert r["storage"] == expected_param_storage(spec, layout), f"rank {rank}"

@@ -7,7 +7,6 @@ import itertools
 
 import pytest
 
-from distributed import run_distributed
 from fivefold.config import Layout, TrainSpec, load_model
 from fivefold.errors import FivefoldError
 from fivefold.parallel.pipeline import (
@@ -19,7 +18,8 @@ from fivefold.parallel.pipeline import (
     stage_costs,
     stage_to_rank,
 )
-from pipeline_cases import MICRO, SEQ, run_cases
+from harness import Batch, Tolerance, assert_matches
+from pipeline_cases import MICRO, SEQ, p2p, pipeline_case, train_briefly
 
 SCHEDULES = [
     ("gpipe", 1),
@@ -124,15 +124,24 @@ def test_virtual_stages_must_divide_layers():
 # ---- every schedule on 2 gloo ranks, against the single-process model
 
 
-def _assert_matches(result: dict, rel: float = 1e-5) -> None:
-    for got, want in zip(result["loss"], result["ref_loss"]):
-        assert got == pytest.approx(want, rel=rel)
-    for got, want in zip(result["norm"], result["ref_norm"]):
-        assert got == pytest.approx(want, rel=1e-4)
-    assert result["eval"] == pytest.approx(result["ref_eval"], rel=rel)
+TOLERANCE = Tolerance(
+    loss_rel=1e-5,
+    first_norm_rel=1e-4,
+    norm_rel=1e-4,
+    eval_rel=1e-5,
     # AdamW at lr 1e-2 moves every weight ~1e-2 a step: a wrong gradient shows at that size, while
     # float summation order (stages, clipping) leaves ~1e-5 on the few weights with tiny gradients
-    assert result["param_err"] < 5e-5
+    param_abs=5e-5,
+)
+CASES = [
+    pipeline_case(2, pp=2, pp_schedule=s, virtual_stages=v, microbatches=4, ledger=(s in ("1f1b", "zbv")))
+    for s, v in SCHEDULES
+] + [
+    pipeline_case(2, model="tiny-moe", pp=2, pp_schedule="1f1b", microbatches=4),
+    pipeline_case(2, model="tiny-moe", pp=2, pp_schedule="zero-bubble", virtual_stages=2, microbatches=4),
+    pipeline_case(2, pp=2, pp_schedule="1f1b", microbatches=4, recompute="full"),
+    pipeline_case(2, pp=2, pp_schedule="gpipe", pp_split="3,1", microbatches=2),
+]
 
 
 @pytest.fixture(scope="module")
@@ -141,39 +150,29 @@ def train_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(train_dir):
-    cases = [
-        dict(pp=2, pp_schedule=s, virtual_stages=v, microbatches=4, ledger=(s in ("1f1b", "zbv")))
-        for s, v in SCHEDULES
-    ]
-    cases.append(dict(model="tiny-moe", pp=2, pp_schedule="1f1b", microbatches=4))
-    cases.append(dict(model="tiny-moe", pp=2, pp_schedule="zero-bubble", virtual_stages=2, microbatches=4))
-    cases.append(dict(pp=2, pp_schedule="1f1b", microbatches=4, recompute="full"))
-    cases.append(dict(pp=2, pp_schedule="gpipe", pp_split="3,1", microbatches=2))
-    return run_distributed(
-        run_cases, 2, cases, timeout=400, train_dir=str(train_dir), pp=2, pp_schedule="1f1b", microbatches=4
-    )
+def two_ranks(train_dir) -> list[list[dict]]:
+    """Per case, per rank; the spawn also runs a short training run through the loop."""
+    loop = dict(pp=2, pp_schedule="1f1b", microbatches=4)
+    batch = Batch(CASES, then=lambda: (train_briefly, (str(train_dir), loop)))
+    return [batch.ranks(case) for case in CASES]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(SCHEDULES) + 4))
+@pytest.mark.parametrize("index", range(len(CASES)))
 def test_two_stage_pipeline_matches_single_process(two_ranks, index):
-    per_rank = [two_ranks[r][index] for r in range(2)]
-    for result in per_rank:
-        _assert_matches(result)
-        assert result["loss"] == per_rank[0]["loss"]  # every rank reports the same loss
+    case, per_rank = CASES[index], two_ranks[index]
+    assert_matches(case, per_rank, TOLERANCE)
     names = per_rank[0]["names"] + per_rank[1]["names"]
     assert len(names) == len(set(names))  # disjoint stages ...
-    spec = load_model("tiny-moe" if index in (6, 7) else "tiny")
     from fivefold.model import build_model
 
     # ... covering the model
-    assert sorted(names) == sorted(n for n, _ in build_model(spec).named_parameters())
+    assert sorted(names) == sorted(n for n, _ in build_model(case.spec()).named_parameters())
 
 
 @pytest.mark.slow
 def test_manual_split_is_used(two_ranks):
-    result = two_ranks[0][-1]
+    result = two_ranks[-1][0]
     assert result["split"] == [3, 1]
     assert sum(".layers." in n for n in result["names"]) == 3 * 9  # 9 tensors per tiny layer
 
@@ -186,7 +185,7 @@ def test_ledger_counts_activations_and_gradients_per_micro_batch(two_ranks, sche
     m, v = 4, 2 if schedule == "zbv" else 1
     activation = MICRO * SEQ * spec.hidden * 4  # fp32
     for rank in range(2):
-        result = two_ranks[rank][index]
+        result = two_ranks[index][rank]
         # boundaries between chunks on different ranks, seen from this rank: each carries m
         # activations forward and m gradients back
         boundaries = [
@@ -197,7 +196,7 @@ def test_ledger_counts_activations_and_gradients_per_micro_batch(two_ranks, sche
         ]
         ops = m * len(boundaries)  # per step and direction: one tensor per micro-batch per boundary
         for op in ("send", "recv"):
-            count, nbytes = result["p2p"][op]
+            count, nbytes = p2p(result)[op]
             assert count == pytest.approx(ops) and nbytes == pytest.approx(ops * activation)
 
 
@@ -205,7 +204,7 @@ def test_ledger_counts_activations_and_gradients_per_micro_batch(two_ranks, sche
 def test_timeline_records_every_op_of_the_schedule(two_ranks):
     for index, (schedule, _) in enumerate(SCHEDULES):
         for rank in range(2):
-            result = two_ranks[rank][index]
+            result = two_ranks[index][rank]
             kinds = {(s, k, mb) for s, k, mb in result["kinds"]}
             for stage in result["stages"]:
                 forwards = {mb for s, k, mb in kinds if s == stage and k == "F"}
@@ -214,7 +213,7 @@ def test_timeline_records_every_op_of_the_schedule(two_ranks):
             if schedule == "zero-bubble":
                 assert any(k == "W" for _, k, _ in kinds)
             assert result["comm_events"] > 0
-        assert 0.0 < two_ranks[0][index]["measured_idle"] < 1.0  # gathered on rank 0
+        assert 0.0 < two_ranks[index][0]["measured_idle"] < 1.0  # gathered on rank 0
 
 
 @pytest.mark.slow
@@ -246,5 +245,5 @@ def test_1f1b_holds_fewer_micro_batches_than_gpipe(two_ranks):
     # on pp rank r (Narayanan et al. 2019): here m = 4, p = 2 -> ratios 2 and 4
     m, p = 4, 2
     for rank in range(p):
-        gpipe, one_f_one_b = two_ranks[rank][0]["activation_peak"], two_ranks[rank][1]["activation_peak"]
+        gpipe, one_f_one_b = two_ranks[0][rank]["activation_peak"], two_ranks[1][rank]["activation_peak"]
         assert gpipe / one_f_one_b == pytest.approx(m / min(p - rank, m), rel=0.2)

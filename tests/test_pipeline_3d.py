@@ -5,85 +5,69 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import run_distributed
 from fivefold.config import load_model
 from fivefold.parallel.pipeline import stage_to_rank
-from pipeline_cases import MICRO, SEQ, run_cases
+from harness import Batch, Case, Tolerance, assert_matches
+from pipeline_cases import MICRO, SEQ, p2p, pipeline_case
 
 FOUR = [
-    dict(pp=2, fsdp=2, pp_schedule="1f1b", microbatches=4, ledger=True),
-    dict(pp=2, fsdp=2, zero=2, pp_schedule="zbv", virtual_stages=2, microbatches=4),
-    dict(pp=2, tp=2, pp_schedule="zero-bubble", virtual_stages=2, microbatches=4),
-    dict(pp=2, tp=2, sp=True, pp_schedule="1f1b", microbatches=4, ledger=True),
-    dict(pp=2, dp=2, zero=1, pp_schedule="1f1b", microbatches=4),
-    dict(pp=4, layers=8, pp_schedule="interleaved-1f1b", virtual_stages=2, microbatches=4),
-    dict(pp=4, layers=8, pp_schedule="dualpipev", virtual_stages=2, microbatches=8),
+    pipeline_case(4, pp=2, fsdp=2, pp_schedule="1f1b", microbatches=4, ledger=True),
+    pipeline_case(4, pp=2, fsdp=2, zero=2, pp_schedule="zbv", virtual_stages=2, microbatches=4),
+    pipeline_case(4, pp=2, tp=2, pp_schedule="zero-bubble", virtual_stages=2, microbatches=4),
+    pipeline_case(4, pp=2, tp=2, sp=True, pp_schedule="1f1b", microbatches=4, ledger=True),
+    pipeline_case(4, pp=2, dp=2, zero=1, pp_schedule="1f1b", microbatches=4),
+    pipeline_case(4, pp=4, layers=8, pp_schedule="interleaved-1f1b", virtual_stages=2, microbatches=4),
+    pipeline_case(4, pp=4, layers=8, pp_schedule="dualpipev", virtual_stages=2, microbatches=8),
 ]
 EIGHT = [
-    dict(pp=2, fsdp=2, tp=2, pp_schedule="1f1b", microbatches=4, ledger=True),
+    pipeline_case(8, pp=2, fsdp=2, tp=2, pp_schedule="1f1b", microbatches=4, ledger=True),
 ]
-
-
-def _assert_matches(result: dict) -> None:
-    for got, want in zip(result["loss"], result["ref_loss"]):
-        assert got == pytest.approx(want, rel=1e-5)
+CASES = Batch(FOUR + EIGHT)
+TOLERANCE = Tolerance(
+    loss_rel=1e-5,
     # the first step's norm is taken on identical weights: only the summation order differs. Later
     # steps inherit the weights' float-order differences, which AdamW at lr 1e-2 amplifies in the
     # gradients (8 layers, pp 4 interleaved: 1.5e-4 on the fifth step while its loss agrees to 1e-7)
-    assert result["norm"][0] == pytest.approx(result["ref_norm"][0], rel=1e-5)
-    for got, want in zip(result["norm"][1:], result["ref_norm"][1:]):
-        assert got == pytest.approx(want, rel=5e-4)
-    assert result["eval"] == pytest.approx(result["ref_eval"], rel=1e-5)
-    # see test_pipeline._assert_matches; TP's all-reduces reorder a few more sums
-    assert result["param_err"] < 1e-4
+    first_norm_rel=1e-5,
+    norm_rel=5e-4,
+    eval_rel=1e-5,
+    param_abs=1e-4,  # see test_pipeline.TOLERANCE; TP's all-reduces reorder a few more sums
+)
 
 
-def _assert_ledger(results: list[dict], case: dict) -> None:
+def _assert_ledger(results: list[dict], case: Case) -> None:
     hidden = load_model("tiny").hidden
-    m = case["microbatches"]
+    m = case.layout["microbatches"]
     for result in results:
         # tiny's two stages sit on two pp ranks: one boundary, m activations out and m gradients back
         # per data-parallel rank; each tp rank sends its own full copy, or its sequence shard with SP
-        shard = case.get("tp", 1) if case.get("sp") else 1
+        shard = case.layout.get("tp", 1) if case.layout.get("sp") else 1
         activation = MICRO * SEQ * hidden * 4 // shard
-        assert result["p2p"]["send"] == (pytest.approx(m), pytest.approx(m * activation))
-        assert result["p2p"]["recv"] == (pytest.approx(m), pytest.approx(m * activation))
-
-
-@pytest.fixture(scope="module")
-def four_ranks():
-    return run_distributed(run_cases, 4, FOUR, timeout=400)
-
-
-@pytest.fixture(scope="module")
-def eight_ranks():
-    return run_distributed(run_cases, 8, EIGHT, timeout=400)
+        assert p2p(result)["send"] == (pytest.approx(m), pytest.approx(m * activation))
+        assert p2p(result)["recv"] == (pytest.approx(m), pytest.approx(m * activation))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(FOUR)))
-def test_pipeline_with_fsdp_tp_dp_on_four_ranks(four_ranks, index):
-    results = [four_ranks[r][index] for r in range(4)]
-    for result in results:
-        _assert_matches(result)
-        assert result["loss"] == results[0]["loss"]
-    if FOUR[index].get("ledger"):
-        _assert_ledger(results, FOUR[index])
+def test_pipeline_with_fsdp_tp_dp_on_four_ranks(index):
     case = FOUR[index]
-    if case["pp"] == 4:  # each pp rank holds its chunks, placed as the schedule wants
+    results = CASES.ranks(case)
+    assert_matches(case, results, TOLERANCE)
+    if case.ledger_steps:
+        _assert_ledger(results, case)
+    if case.layout["pp"] == 4:  # each pp rank holds its chunks, placed as the schedule wants
         for result in results:
-            owners = {stage_to_rank(s, 4, case["pp_schedule"]) for s in result["stages"]}
+            owners = {stage_to_rank(s, 4, case.layout["pp_schedule"]) for s in result["stages"]}
             assert owners == {result["pp_rank"]}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(EIGHT)))
-def test_pipeline_3d_pp2_fsdp2_tp2_on_eight_ranks(eight_ranks, index):
+def test_pipeline_3d_pp2_fsdp2_tp2_on_eight_ranks(index):
     # (zero-bubble at ZeRO-2 with fsdp and with tp is covered on four ranks; also checked here in
     # development: pp2×fsdp2×tp2 zero-bubble --zero 2 matches too)
-    results = [eight_ranks[r][index] for r in range(8)]
-    for result in results:
-        _assert_matches(result)
-        assert result["loss"] == results[0]["loss"]
-    if EIGHT[index].get("ledger"):
-        _assert_ledger(results, EIGHT[index])
+    case = EIGHT[index]
+    results = CASES.ranks(case)
+    assert_matches(case, results, TOLERANCE)
+    if case.ledger_steps:
+        _assert_ledger(results, case)

@@ -27,6 +27,7 @@ class RunResult:
     losses: list[float]
     grad_norms: list[float]
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # full (gathered) tensors
+    eval_loss: float | None = None  # on the batch after the last step, when asked for
 
 
 def global_batch(spec: ModelSpec, train: TrainSpec, rows: int, step: int) -> tuple[torch.Tensor, ...]:
@@ -40,8 +41,11 @@ def rows_of(batch: torch.Tensor, coord: int, ranks: int) -> torch.Tensor:
     return batch[coord * per : (coord + 1) * per]
 
 
-def run_reference(spec: ModelSpec, train: TrainSpec, rows: int, steps: int) -> RunResult:
-    """The single-process model: LocalRunner, AdamW, clipping, `steps` steps on the global batches."""
+def run_reference(
+    spec: ModelSpec, train: TrainSpec, rows: int, steps: int, evaluate: bool = False
+) -> RunResult:
+    """The single-process model: LocalRunner, AdamW, clipping, `steps` steps on the global batches
+    (with `evaluate`, then the eval loss on the next global batch)."""
     model = materialize(build_model(spec, "meta"), "cpu", train.seed)
     runner = LocalRunner(model, train.micro_batch)
     opt = make_optimizer(model, train, Layout(), None)
@@ -52,29 +56,10 @@ def run_reference(spec: ModelSpec, train: TrainSpec, rows: int, steps: int) -> R
         result.losses.append(float(runner.forward_backward(x, y)))
         result.grad_norms.append(float(runner.clip_grad_norm(train.grad_clip)))
         opt.step()
+    if evaluate:
+        result.eval_loss = float(runner.eval_loss(*global_batch(spec, train, rows, steps)))
     result.params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return result
-
-
-def ledger_step_hook(ledger: Any, step: int, split_optimizer: bool = True) -> Any:
-    """A `run_layout` step hook that records step `step` into `ledger`.
-
-    With `split_optimizer`, forward + backward form one ledger step and the optimizer step the next,
-    so tests can assert each against its own theory.
-    """
-
-    def hook(at: int, phase: str) -> None:
-        if at != step:
-            return
-        if phase == "begin":
-            ledger.__enter__()
-        elif phase == "backward":
-            if split_optimizer:
-                ledger.next_step()
-        else:
-            ledger.__exit__(None, None, None)
-
-    return hook
 
 
 def run_layout(
@@ -115,7 +100,10 @@ def train_steps(
     runner: Any,
     optimizers: list[torch.optim.Optimizer],
     step_hook: Any = None,
+    evaluate: bool = False,
 ) -> RunResult:
+    """`steps` steps of `runner` on this rank's rows of the global batches (with `evaluate`, then
+    the eval loss on the next global batch); the parameters come back gathered."""
     coord, ranks = runtime_mesh.coord("batch"), runtime_mesh.size("batch")
     result = RunResult([], [])
     for step in range(steps):
@@ -133,6 +121,9 @@ def train_steps(
             opt.step()
         if step_hook is not None:
             step_hook(step, "end")
+    if evaluate:
+        x, y = global_batch(spec, train, rows, steps)
+        result.eval_loss = float(runner.eval_loss(rows_of(x, coord, ranks), rows_of(y, coord, ranks)))
     for part in runner.model_parts:
         result.params.update(gather_params(part))
     return result

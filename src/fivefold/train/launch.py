@@ -6,8 +6,10 @@ NCCL on GPU (chosen by the loop from the device). Nothing is parsed again in the
 
 Failures surface once: a rank that fails writes its one-line reason to a shared folder and exits
 non-zero; the launcher stops the other ranks, and the parent reports the first failure — a
-`FivefoldError` (exit code 2) for bad input, otherwise the exception with the path of its
-traceback (exit code 1). The launcher's own log chatter is silenced.
+`FivefoldError` (exit code 2) for bad input, a rank killed by a signal (whose peers then fail on
+the lost connection: their errors are echoes, not the cause), otherwise the exception with the
+path of its traceback (exit code 1). The shared folder is removed on every way out; a traceback is
+kept in a file of its own. The launcher's own log chatter is silenced.
 """
 
 from __future__ import annotations
@@ -96,6 +98,28 @@ def _first_failure(error_dir: Path) -> tuple[int, int, str] | None:
     return None
 
 
+def _keep_traceback(error_dir: Path, rank: int, message: str) -> str:
+    """`message` pointing at a copy of the rank's traceback outside the shared folder, which is
+    removed however the run ends; the echoes of other ranks go with it."""
+    trace = error_dir / f"rank{rank}.traceback"
+    if not trace.exists():
+        return message
+    handle, name = tempfile.mkstemp(prefix=f"fivefold-rank{rank}-", suffix=".traceback")
+    with os.fdopen(handle, "w") as out:
+        out.write(trace.read_text())
+    return message.replace(str(trace), name)
+
+
+def _killed_rank(exc: ChildFailedError, error_dir: Path) -> tuple[int, int] | None:
+    """(rank, signal) of a rank that a signal ended without a word of its own: the cause of its
+    peers' failures (a lost connection), which torch's launcher saw first."""
+    reported = {p.stem.removeprefix("rank") for p in error_dir.glob("rank*.error")}
+    for rank, failure in sorted(exc.failures.items()):
+        if failure.exitcode is not None and failure.exitcode < 0 and str(rank) not in reported:
+            return rank, -failure.exitcode
+    return None
+
+
 def launch(nproc: int, job: TrainJob) -> int:
     """Start `nproc` local ranks training `job`; 0 when all of them succeed."""
     # each spawned rank reads it when torch starts: cores ÷ ranks, unless the user set it
@@ -106,7 +130,6 @@ def launch(nproc: int, job: TrainJob) -> int:
             "use --device cpu for gloo ranks on the CPU"
         )
     error_dir = Path(tempfile.mkdtemp(prefix="fivefold-ranks-"))
-    keep_errors = False
     watchdog = None
     received: list[int] = []
     try:
@@ -128,6 +151,15 @@ def launch(nproc: int, job: TrainJob) -> int:
             message = stopped[0][2] if stopped else f"interrupted by {signal_name(signum)}"
             print(f"fivefold train: stopped: {message}", file=sys.stderr)
             return 128 + signum
+        killed = _killed_rank(exc, error_dir)
+        if killed is not None:
+            rank, signum = killed
+            print(
+                f"fivefold train: rank {rank} was killed by {signal_name(signum)}; "
+                "the other ranks stopped because they lost it",
+                file=sys.stderr,
+            )
+            return 128 + signum
         if failure is None:  # died without reporting (killed, out of memory, a signal)
             rank, info = next(iter(sorted(exc.failures.items())))
             print(
@@ -138,9 +170,8 @@ def launch(nproc: int, job: TrainJob) -> int:
         rank, code, message = failure
         if code == 2:
             raise FivefoldError(f"rank {rank}: {message}") from None
-        keep_errors = True
+        message = _keep_traceback(error_dir, rank, message)
         print(f"fivefold train: rank {rank} failed: {message}", file=sys.stderr)
         return 1
     finally:
-        if not keep_errors:
-            shutil.rmtree(error_dir, ignore_errors=True)
+        shutil.rmtree(error_dir, ignore_errors=True)

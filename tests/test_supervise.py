@@ -126,6 +126,35 @@ def test_a_killed_rank_is_named_as_the_cause_not_its_peers_lost_connection(tmp_p
     assert not list(temp.glob("fivefold-*")), list(temp.iterdir())  # no rank folder, no echoed traceback
 
 
+@pytest.mark.slow
+def test_the_ranks_of_a_killed_launcher_stop_and_remove_its_folder(tmp_path, corpus):
+    proc, run, temp = _start(tmp_path, corpus, "--watchdog", "5")
+    try:
+        (ranks,) = temp.glob("fivefold-ranks-*")
+        pids = [int((ranks / f"rank{r}.pid").read_text()) for r in range(2)]
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher only: nothing of it runs any more
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 5 + 20
+        while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        orphans = [pid for pid in pids if _running(pid)]
+    finally:
+        _end(proc)
+        for pid in pids if "pids" in locals() else []:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert orphans == [], "the ranks trained on without their launcher"
+    assert not list(temp.glob("fivefold-ranks-*")), "\n".join(_own_lines(proc.stderr.read()))[-3000:]
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan is reaped by init, not by this test)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _failing_launch(failures, reports):
     """Stands in for torch's launcher: the ranks wrote `reports` ({rank: (code, message)}, with a
     traceback each) and torch saw `failures` ({rank: exit code})."""

@@ -14,6 +14,7 @@ kept in a file of its own. The launcher's own log chatter is silenced.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -30,7 +31,7 @@ from fivefold.config import RunConfig
 from fivefold.errors import FivefoldError
 from fivefold.parallel.spawn import local_launcher, threads_per_rank
 from fivefold.train.loop import train
-from fivefold.train.supervise import Watchdog, forward_signals, signal_name
+from fivefold.train.supervise import Watchdog, forward_signals, launcher_gone, signal_name
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ def run_job(job: TrainJob, control_folder: str | None = None) -> int:
 def _rank_entry(job: TrainJob, error_dir: str) -> int:
     """Runs in each spawned rank."""
     rank = os.environ.get("RANK", "?")
+    launcher = os.getppid()
     (Path(error_dir) / f"rank{rank}.pid").write_text(str(os.getpid()))  # for forwarded signals
     try:
         return run_job(job, error_dir)
@@ -76,16 +78,21 @@ def _rank_entry(job: TrainJob, error_dir: str) -> int:
         sys.exit(130)
     except BaseException as exc:  # noqa: BLE001 - anything else is reported with its traceback
         trace = Path(error_dir) / f"rank{rank}.traceback"
-        trace.write_text(traceback.format_exc())
+        with contextlib.suppress(OSError):
+            trace.write_text(traceback.format_exc())
         _report(error_dir, rank, 1, f"{type(exc).__name__}: {exc}".splitlines()[0] + f" (traceback: {trace})")
         sys.exit(1)
+    finally:
+        if launcher_gone(launcher):  # the launcher died (the store went with it): nobody else cleans up
+            shutil.rmtree(error_dir, ignore_errors=True)
 
 
 def _report(error_dir: str, rank: str, code: int, message: str) -> None:
     path = Path(error_dir) / f"rank{rank}.error"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(f"{code}\n{message}")
-    os.replace(tmp, path)  # whole or absent: the parent never reads half a message
+    with contextlib.suppress(OSError):  # the folder is gone with the launcher: nobody to tell
+        tmp.write_text(f"{code}\n{message}")
+        os.replace(tmp, path)  # whole or absent: the parent never reads half a message
 
 
 def _first_failure(error_dir: Path) -> tuple[int, int, str] | None:

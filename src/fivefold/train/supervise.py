@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -93,30 +94,45 @@ class Heartbeat:
         self._thread.join(timeout=2)
 
 
+def launcher_gone(pid: int) -> bool:
+    """The process `pid` that started this one has died: this one was handed to another parent,
+    or `pid` is exiting (a killed process is a zombie while its last threads end, and torch's
+    spawn already sent its children SIGINT by then)."""
+    if os.getppid() != pid:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False  # no /proc: the change of parent alone tells
+
+
 class ParentWatch:
     """A thread that ends this rank (exit code 1) when the process that started it is gone.
 
-    Polling `os.getppid()` works wherever the rank runs; an orphan is re-parented (to init or a
-    subreaper), so a change of parent is the launcher's death."""
+    Polling the parent works wherever the rank runs (an orphan is re-parented to init or a
+    subreaper); with `folder`, the launcher's shared folder is removed on the way out."""
 
     POLL_SECONDS = 0.5
     EXIT_CODE = 1
 
-    def __init__(self, rank: int) -> None:
-        self.rank, self.parent = rank, os.getppid()
+    def __init__(self, rank: int, folder: str | None = None) -> None:
+        self.rank, self.parent, self.folder = rank, os.getppid(), folder
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fivefold-parent-watch", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.POLL_SECONDS):
-            if os.getppid() != self.parent:
+            if launcher_gone(self.parent):
                 print(
                     f"fivefold train: rank {self.rank}: its launcher (pid {self.parent}) is gone; "
                     "this rank stops so that its peers do not train on without it",
                     file=sys.stderr,
                     flush=True,
                 )
+                if self.folder is not None:  # the launcher's folder: nobody else is left to remove it
+                    shutil.rmtree(self.folder, ignore_errors=True)
                 os._exit(self.EXIT_CODE)  # the main thread may be inside a collective: no unwinding
 
     def close(self) -> None:
@@ -182,7 +198,7 @@ def rank_supervision(folder: str | None, rank: int, heartbeat: bool = True) -> I
             previous[sig] = signal.signal(sig, note)
     if folder is not None and heartbeat:
         _heartbeat = Heartbeat(Path(folder), rank)
-    parent_watch = ParentWatch(rank) if launched() else None
+    parent_watch = ParentWatch(rank, folder) if launched() else None
     try:
         yield
     finally:

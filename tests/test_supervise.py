@@ -110,18 +110,19 @@ def test_a_stopped_rank_ends_the_run_within_the_watchdog_time(tmp_path, corpus):
 
 
 @pytest.mark.slow
-def test_a_killed_rank_is_named_as_the_cause_not_its_peers_lost_connection(tmp_path, corpus):
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_killed_rank_is_named_as_the_cause_not_its_peers_lost_connection(tmp_path, corpus, killed):
     proc, run, temp = _start(tmp_path, corpus, "--watchdog", "5")
     try:
         (ranks,) = temp.glob("fivefold-ranks-*")
-        os.kill(int((ranks / "rank0.pid").read_text()), signal.SIGKILL)
+        os.kill(int((ranks / f"rank{killed}.pid").read_text()), signal.SIGKILL)
         _, stderr = proc.communicate(timeout=5 + 20)
     finally:
         _end(proc)
     assert proc.returncode == 128 + signal.SIGKILL, stderr[-3000:]
     lines = _own_lines(stderr)
     assert lines == [
-        "fivefold train: rank 0 was killed by SIGKILL; the other ranks stopped because they lost it"
+        f"fivefold train: rank {killed} was killed by SIGKILL; the other ranks stopped because they lost it"
     ]
     assert not list(temp.glob("fivefold-*")), list(temp.iterdir())  # no rank folder, no echoed traceback
 

@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,11 @@ from fivefold.config import RunConfig
 from fivefold.errors import FivefoldError
 from fivefold.parallel.spawn import local_launcher, threads_per_rank
 from fivefold.train.loop import train
-from fivefold.train.supervise import Watchdog, forward_signals, launcher_gone, signal_name
+from fivefold.train.supervise import Watchdog, forward_signals, launcher_gone, lost_peer, signal_name
+
+# a rank that failed only because a peer died exits this much later than it would: torch's launcher
+# (polling every 0.1 s) then sees the dead peer first and reports it, not the echo
+ECHO_DELAY_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,8 @@ def _rank_entry(job: TrainJob, error_dir: str) -> int:
         with contextlib.suppress(OSError):
             trace.write_text(traceback.format_exc())
         _report(error_dir, rank, 1, f"{type(exc).__name__}: {exc}".splitlines()[0] + f" (traceback: {trace})")
+        if lost_peer(exc):  # an echo: let torch's launcher see the rank that died first
+            time.sleep(ECHO_DELAY_SECONDS)
         sys.exit(1)
     finally:
         if launcher_gone(launcher):  # the launcher died (the store went with it): nobody else cleans up

@@ -106,3 +106,114 @@ def test_a_stopped_rank_ends_the_run_within_the_watchdog_time(tmp_path, corpus):
     assert "while in" in lines[0] and "at step" in lines[0]
     with pytest.raises(ProcessLookupError):  # killed, not left stopped
         os.kill(stopped, 0)
+    assert not list(temp.glob("fivefold-ranks-*")), list(temp.iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_killed_rank_is_named_as_the_cause_not_its_peers_lost_connection(tmp_path, corpus, killed):
+    proc, run, temp = _start(tmp_path, corpus, "--watchdog", "5")
+    try:
+        (ranks,) = temp.glob("fivefold-ranks-*")
+        os.kill(int((ranks / f"rank{killed}.pid").read_text()), signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=5 + 20)
+    finally:
+        _end(proc)
+    assert proc.returncode == 128 + signal.SIGKILL, stderr[-3000:]
+    lines = _own_lines(stderr)
+    assert lines == [
+        f"fivefold train: rank {killed} was killed by SIGKILL; the other ranks stopped because they lost it"
+    ]
+    assert not list(temp.glob("fivefold-*")), list(temp.iterdir())  # no rank folder, no echoed traceback
+
+
+@pytest.mark.slow
+def test_the_ranks_of_a_killed_launcher_stop_and_remove_its_folder(tmp_path, corpus):
+    proc, run, temp = _start(tmp_path, corpus, "--watchdog", "5")
+    try:
+        (ranks,) = temp.glob("fivefold-ranks-*")
+        pids = [int((ranks / f"rank{r}.pid").read_text()) for r in range(2)]
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher only: nothing of it runs any more
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 5 + 20
+        while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        orphans = [pid for pid in pids if _running(pid)]
+    finally:
+        _end(proc)
+        for pid in pids if "pids" in locals() else []:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert orphans == [], "the ranks trained on without their launcher"
+    assert not list(temp.glob("fivefold-ranks-*")), "\n".join(_own_lines(proc.stderr.read()))[-3000:]
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan is reaped by init, not by this test)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _failing_launch(failures, reports):
+    """Stands in for torch's launcher: the ranks wrote `reports` ({rank: (code, message)}, with a
+    traceback each) and torch saw `failures` ({rank: exit code})."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def launcher(config, entry):
+        def run(job, error_dir):
+            for rank, (code, message) in reports.items():
+                trace = Path(error_dir) / f"rank{rank}.traceback"
+                trace.write_text("Traceback (most recent call last): ...")
+                (Path(error_dir) / f"rank{rank}.error").write_text(f"{code}\n{message} (traceback: {trace})")
+            raise ChildFailedError(
+                "fivefold",
+                {
+                    r: ProcessFailure(local_rank=r, pid=1, exitcode=c, error_file="<N/A>")
+                    for r, c in failures.items()
+                },
+            )
+
+        return run
+
+    return launcher
+
+
+@pytest.mark.parametrize(
+    ("failures", "reports", "code", "line"),
+    [
+        (  # rank 0 died by a signal; rank 1's lost connection is the echo
+            {0: -9},
+            {1: (1, "RuntimeError: Connection reset by peer")},
+            137,
+            "fivefold train: rank 0 was killed by SIGKILL; the other ranks stopped because they lost it",
+        ),
+        (  # a real failure: named with a traceback that outlives the rank folder
+            {1: 1},
+            {1: (1, "ValueError: broken")},
+            1,
+            "fivefold train: rank 1 failed: ValueError: broken (traceback: ",
+        ),
+    ],
+)
+def test_the_launcher_names_the_cause_and_leaves_no_rank_folder(
+    tmp_path, monkeypatch, capsys, failures, reports, code, line
+):
+    import tempfile
+
+    import fivefold.train.launch as launch_module
+    from fivefold.config import RunConfig, load_model
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(launch_module, "elastic_launch", _failing_launch(failures, reports))
+    job = launch_module.TrainJob(RunConfig(model=load_model("tiny")), tmp_path / "run", watchdog=0)
+    assert launch_module.launch(2, job) == code
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert err.startswith(line), err
+    assert not list(tmp_path.glob("fivefold-ranks-*")) and not list(tmp_path.glob("fivefold-launch-*"))
+    kept = list(tmp_path.glob("fivefold-rank*.traceback"))
+    if code == 1:
+        assert len(kept) == 1 and f"(traceback: {kept[0]})" in err and "Traceback" in kept[0].read_text()
+    else:
+        assert kept == []  # an echo's traceback is not kept

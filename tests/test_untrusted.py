@@ -65,6 +65,55 @@ def test_a_crafted_checkpoint_index_does_not_run(run_dir, tmp_path, capsys, comm
     assert not marker.exists()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["resume", "generate"])
+def test_a_crafted_checkpoint_index_does_not_run_in_the_ranks(run_dir, tmp_path, capfd, monkeypatch, command):
+    """The ranks read the index themselves: with the launcher's own check out of the way, each
+    rank must refuse it too (one line, exit code 2), and no rank runs what it holds."""
+    import fivefold.commands.train
+    import fivefold.train.checkpoint
+
+    for name in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME"):  # the launcher sets them for its ranks
+        monkeypatch.setenv(name, os.environ.get(name, "1" if name == "OMP_NUM_THREADS" else "lo"))
+    run = tmp_path / "copy"
+    shutil.copytree(run_dir, run)
+    marker = tmp_path / "ran"
+    (run / "checkpoints" / "step_1" / ".metadata").write_bytes(pickle.dumps(_RunsCommand(marker)))
+    spawned: list[int] = []
+    if command == "resume":
+        monkeypatch.setattr(fivefold.commands.train, "preflight", lambda *args, **kwargs: None)
+        argv = ["train", "--run-dir", str(run), "--resume", "--steps", "2", "--no-progress", "--nproc", "2"]
+        argv += ["--global-batch", "4", "--watchdog", "60"]
+    else:
+        import fivefold.parallel.spawn
+
+        real_find, real_spawn = fivefold.train.checkpoint.find_checkpoint, fivefold.parallel.spawn.spawn_ranks
+
+        def launcher_check(path, step=None, **kwargs):  # as if it had read the untouched index
+            return real_find(run_dir, step, **kwargs)
+
+        def spawn(*args, **kwargs):
+            spawned.append(1)
+            return real_spawn(*args, **kwargs)
+
+        monkeypatch.setattr(fivefold.train.checkpoint, "find_checkpoint", launcher_check)
+        monkeypatch.setattr(fivefold.parallel.spawn, "spawn_ranks", spawn)
+        argv = ["generate", "--from", str(run), "--prompt", "x", "--max-new-tokens", "2", "--nproc", "2"]
+        argv += ["--tp", "2"]
+    capfd.readouterr()
+    code = main(argv)
+    err = capfd.readouterr().err
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err and "weights_only" not in err, err
+    assert "refused" in lines[0] and "posix.system" in lines[0], err
+    if command == "resume":
+        assert lines[0].startswith("fivefold train: error: rank "), err  # said by a rank, not before
+    else:
+        assert spawned == [1]  # the ranks started and refused it themselves
+    assert not marker.exists()
+
+
 def test_a_crafted_or_damaged_rng_file_is_one_line(run_dir, tmp_path, capsys):
     run = tmp_path / "copy"
     shutil.copytree(run_dir, run)

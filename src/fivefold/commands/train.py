@@ -32,6 +32,7 @@ from fivefold.config import (
 )
 from fivefold.errors import FivefoldError
 from fivefold.parallel.compile import check_compile
+from fivefold.train import supervise
 from fivefold.train.launch import TrainJob, launch, run_job
 from fivefold.train.loop import preflight, runtime_layout
 
@@ -220,4 +221,18 @@ def start(job: TrainJob, nproc: int) -> int:
         check_compile(runtime_layout(job.config.layout, world, job.config.model, job.config.train.seq_len))
     if nproc > 1:
         return launch(nproc, job)
-    return run_job(job)
+    if not _launched():
+        return run_job(job)
+    try:  # one rank under torchrun: its agent prints its own report, this rank says why in one line
+        return run_job(job)
+    except RuntimeError as exc:
+        if not supervise.lost_peer(exc):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(
+            f"fivefold train: rank {os.environ.get('RANK', '?')} stopped: it lost a peer rank "
+            f"(that rank or its launcher died): {first}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1

@@ -6,16 +6,20 @@ NCCL on GPU (chosen by the loop from the device). Nothing is parsed again in the
 
 Failures surface once: a rank that fails writes its one-line reason to a shared folder and exits
 non-zero; the launcher stops the other ranks, and the parent reports the first failure — a
-`FivefoldError` (exit code 2) for bad input, otherwise the exception with the path of its
-traceback (exit code 1). The launcher's own log chatter is silenced.
+`FivefoldError` (exit code 2) for bad input, a rank killed by a signal (whose peers then fail on
+the lost connection: their errors are echoes, not the cause), otherwise the exception with the
+path of its traceback (exit code 1). The shared folder is removed on every way out; a traceback is
+kept in a file of its own. The launcher's own log chatter is silenced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +32,11 @@ from fivefold.config import RunConfig
 from fivefold.errors import FivefoldError
 from fivefold.parallel.spawn import local_launcher, threads_per_rank
 from fivefold.train.loop import train
-from fivefold.train.supervise import Watchdog, forward_signals, signal_name
+from fivefold.train.supervise import Watchdog, forward_signals, launcher_gone, lost_peer, signal_name
+
+# a rank that failed only because a peer died exits this much later than it would: torch's launcher
+# (polling every 0.1 s) then sees the dead peer first and reports it, not the echo
+ECHO_DELAY_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,7 @@ def run_job(job: TrainJob, control_folder: str | None = None) -> int:
 def _rank_entry(job: TrainJob, error_dir: str) -> int:
     """Runs in each spawned rank."""
     rank = os.environ.get("RANK", "?")
+    launcher = os.getppid()
     (Path(error_dir) / f"rank{rank}.pid").write_text(str(os.getpid()))  # for forwarded signals
     try:
         return run_job(job, error_dir)
@@ -74,16 +83,23 @@ def _rank_entry(job: TrainJob, error_dir: str) -> int:
         sys.exit(130)
     except BaseException as exc:  # noqa: BLE001 - anything else is reported with its traceback
         trace = Path(error_dir) / f"rank{rank}.traceback"
-        trace.write_text(traceback.format_exc())
+        with contextlib.suppress(OSError):
+            trace.write_text(traceback.format_exc())
         _report(error_dir, rank, 1, f"{type(exc).__name__}: {exc}".splitlines()[0] + f" (traceback: {trace})")
+        if lost_peer(exc):  # an echo: let torch's launcher see the rank that died first
+            time.sleep(ECHO_DELAY_SECONDS)
         sys.exit(1)
+    finally:
+        if launcher_gone(launcher):  # the launcher died (the store went with it): nobody else cleans up
+            shutil.rmtree(error_dir, ignore_errors=True)
 
 
 def _report(error_dir: str, rank: str, code: int, message: str) -> None:
     path = Path(error_dir) / f"rank{rank}.error"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(f"{code}\n{message}")
-    os.replace(tmp, path)  # whole or absent: the parent never reads half a message
+    with contextlib.suppress(OSError):  # the folder is gone with the launcher: nobody to tell
+        tmp.write_text(f"{code}\n{message}")
+        os.replace(tmp, path)  # whole or absent: the parent never reads half a message
 
 
 def _first_failure(error_dir: Path) -> tuple[int, int, str] | None:
@@ -93,6 +109,28 @@ def _first_failure(error_dir: Path) -> tuple[int, int, str] | None:
         code, _, message = path.read_text().partition("\n")
         rank = path.stem.removeprefix("rank")
         return (int(rank) if rank.isdigit() else -1), int(code), message
+    return None
+
+
+def _keep_traceback(error_dir: Path, rank: int, message: str) -> str:
+    """`message` pointing at a copy of the rank's traceback outside the shared folder, which is
+    removed however the run ends; the echoes of other ranks go with it."""
+    trace = error_dir / f"rank{rank}.traceback"
+    if not trace.exists():
+        return message
+    handle, name = tempfile.mkstemp(prefix=f"fivefold-rank{rank}-", suffix=".traceback")
+    with os.fdopen(handle, "w") as out:
+        out.write(trace.read_text())
+    return message.replace(str(trace), name)
+
+
+def _killed_rank(exc: ChildFailedError, error_dir: Path) -> tuple[int, int] | None:
+    """(rank, signal) of a rank that a signal ended without a word of its own: the cause of its
+    peers' failures (a lost connection), which torch's launcher saw first."""
+    reported = {p.stem.removeprefix("rank") for p in error_dir.glob("rank*.error")}
+    for rank, failure in sorted(exc.failures.items()):
+        if failure.exitcode is not None and failure.exitcode < 0 and str(rank) not in reported:
+            return rank, -failure.exitcode
     return None
 
 
@@ -106,7 +144,6 @@ def launch(nproc: int, job: TrainJob) -> int:
             "use --device cpu for gloo ranks on the CPU"
         )
     error_dir = Path(tempfile.mkdtemp(prefix="fivefold-ranks-"))
-    keep_errors = False
     watchdog = None
     received: list[int] = []
     try:
@@ -128,6 +165,15 @@ def launch(nproc: int, job: TrainJob) -> int:
             message = stopped[0][2] if stopped else f"interrupted by {signal_name(signum)}"
             print(f"fivefold train: stopped: {message}", file=sys.stderr)
             return 128 + signum
+        killed = _killed_rank(exc, error_dir)
+        if killed is not None:
+            rank, signum = killed
+            print(
+                f"fivefold train: rank {rank} was killed by {signal_name(signum)}; "
+                "the other ranks stopped because they lost it",
+                file=sys.stderr,
+            )
+            return 128 + signum
         if failure is None:  # died without reporting (killed, out of memory, a signal)
             rank, info = next(iter(sorted(exc.failures.items())))
             print(
@@ -138,9 +184,8 @@ def launch(nproc: int, job: TrainJob) -> int:
         rank, code, message = failure
         if code == 2:
             raise FivefoldError(f"rank {rank}: {message}") from None
-        keep_errors = True
+        message = _keep_traceback(error_dir, rank, message)
         print(f"fivefold train: rank {rank} failed: {message}", file=sys.stderr)
         return 1
     finally:
-        if not keep_errors:
-            shutil.rmtree(error_dir, ignore_errors=True)
+        shutil.rmtree(error_dir, ignore_errors=True)

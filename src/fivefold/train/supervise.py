@@ -13,6 +13,12 @@ runs, no rank has moved on for that long (hung in a collective, or waiting for a
 names the stuck rank (the silent one, else the ones furthest behind) and what it was doing, kills
 every rank, and the run exits non-zero. torch's collective timeout (minutes) is only
 the last resort.
+
+Orphans. A rank whose launcher died (SIGKILL of a `fivefold train` launcher or of a torchrun agent)
+would go on training for nobody, and keep its peers under the surviving launcher in step with it.
+Each launched rank therefore watches its parent process and, once that is gone, says so in one line
+and exits non-zero; its peers then fail on the lost connection instead of finishing as if all was
+well.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -86,6 +94,66 @@ class Heartbeat:
         self._thread.join(timeout=2)
 
 
+def launcher_gone(pid: int) -> bool:
+    """The process `pid` that started this one has died: this one was handed to another parent,
+    or `pid` is exiting (a killed process is a zombie while its last threads end, and torch's
+    spawn already sent its children SIGINT by then)."""
+    if os.getppid() != pid:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False  # no /proc: the change of parent alone tells
+
+
+class ParentWatch:
+    """A thread that ends this rank (exit code 1) when the process that started it is gone.
+
+    Polling the parent works wherever the rank runs (an orphan is re-parented to init or a
+    subreaper); with `folder`, the launcher's shared folder is removed on the way out."""
+
+    POLL_SECONDS = 0.5
+    EXIT_CODE = 1
+
+    def __init__(self, rank: int, folder: str | None = None) -> None:
+        self.rank, self.parent, self.folder = rank, os.getppid(), folder
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fivefold-parent-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.POLL_SECONDS):
+            if launcher_gone(self.parent):
+                print(
+                    f"fivefold train: rank {self.rank}: its launcher (pid {self.parent}) is gone; "
+                    "this rank stops so that its peers do not train on without it",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                if self.folder is not None:  # the launcher's folder: nobody else is left to remove it
+                    shutil.rmtree(self.folder, ignore_errors=True)
+                os._exit(self.EXIT_CODE)  # the main thread may be inside a collective: no unwinding
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+# how gloo (and the store) word a peer that went away mid-collective
+_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """`exc` is a collective failing because another rank's process is gone."""
+    return isinstance(exc, RuntimeError) and any(words in str(exc) for words in _LOST_PEER)
+
+
+def launched() -> bool:
+    """This process is a rank that a launcher (torchrun's agent or `--nproc`) started."""
+    return "LOCAL_RANK" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ
+
+
 _heartbeat: Heartbeat | None = None
 _stop_signal: list[int] = []
 
@@ -112,7 +180,8 @@ def stop_requested() -> int:
 @contextlib.contextmanager
 def rank_supervision(folder: str | None, rank: int, heartbeat: bool = True) -> Iterator[None]:
     """Inside a rank: stop-at-a-step-boundary signals, the launcher's stop file in `folder` (its
-    forwarded signal) and, with `heartbeat`, the heartbeat its watchdog reads there."""
+    forwarded signal) and, with `heartbeat`, the heartbeat its watchdog reads there. A launched rank
+    also stops when its launcher dies (`ParentWatch`)."""
     global _heartbeat
     _stop_signal.clear()
     _stop_file[:] = [Path(folder) / STOP_FILE] if folder is not None else []
@@ -129,9 +198,12 @@ def rank_supervision(folder: str | None, rank: int, heartbeat: bool = True) -> I
             previous[sig] = signal.signal(sig, note)
     if folder is not None and heartbeat:
         _heartbeat = Heartbeat(Path(folder), rank)
+    parent_watch = ParentWatch(rank, folder) if launched() else None
     try:
         yield
     finally:
+        if parent_watch is not None:
+            parent_watch.close()
         if _heartbeat is not None:
             _heartbeat.close()
             _heartbeat = None

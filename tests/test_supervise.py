@@ -123,7 +123,7 @@ def test_a_killed_rank_is_named_as_the_cause_not_its_peers_lost_connection(tmp_p
     lines = _own_lines(stderr)
     assert lines == [
         f"fivefold train: rank {killed} was killed by SIGKILL; the other ranks stopped because they lost it"
-    ]
+    ], repr(stderr[-1500:])
     assert not list(temp.glob("fivefold-*")), list(temp.iterdir())  # no rank folder, no echoed traceback
 
 

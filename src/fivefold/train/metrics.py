@@ -102,7 +102,10 @@ class MetricsLog:
         if self._bar is not None:
             self._bar.write(text, file=sys.stderr)
         else:
-            print(text, file=sys.stderr, flush=True)
+            # one write per line: ranks share the terminal, and print() writes the text and its
+            # newline separately, which lets another rank's line land between them
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
 
     def close(self) -> None:
         if self._bar is not None:

@@ -12,6 +12,9 @@ on a shared machine says how far to trust a row.
     python benchmarks/bench_vs_torchtitan.py --from KIT_OUTPUT_DIR --log compare.log [--md OUT.md]
 
 `--compile` passes fivefold `--compile` and TorchTitan `--compile.enable` to every run.
+`--rounds N` runs the kit N times back to back and pools the steps after warm-up of every round:
+the table then gives the median over all of them and each round's own ratio, so a reader sees how
+far one round on a shared machine moves.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from statistics import median
 
 LOAD = re.compile(r"^## (\S+) (titan|fivefold) (\S+) \(load ([\d.]+) ([\d.]+) ([\d.]+)\)")
 
@@ -63,44 +67,79 @@ def loads(log: Path) -> dict[tuple[str, str], str]:
     return found
 
 
-def table(results: Path, log: Path, title: str) -> str:
-    load = loads(log)
-    header = next((ln for ln in log.read_text().splitlines() if ln.startswith("# compare.sh")), "")
+def _rounds(outs: list[tuple[Path, Path]]) -> tuple[dict, dict]:
+    """Per (case, dtype): the rows of every round, and the start loads of every round."""
+    rows: dict[tuple[str, str], list[dict]] = {}
+    starts: dict[tuple[str, str], list[str]] = {}
+    for results, log in outs:
+        load = loads(log)
+        for raw in results.read_text().splitlines():
+            if not raw.strip():
+                continue
+            row = json.loads(raw)
+            key = (row["case"], row["dtype"])
+            rows.setdefault(key, []).append(row)
+            tag = f"{row['case']}_{row['dtype']}"
+            starts.setdefault(key, []).append(
+                f"{load.get(('titan', tag), '?')} / {load.get(('fivefold', tag), '?')}"
+            )
+    return rows, starts
+
+
+def _pooled(runs: list[dict]) -> float | None:
+    """Median tokens/s over the measured steps of every round (None if a round failed)."""
+    steps = [v for run in runs for v in run.get("per_step_tok_s", [])]
+    if any("tok_s" not in run for run in runs) or not steps:
+        return None
+    return median(steps)
+
+
+def table(outs: list[tuple[Path, Path]], title: str) -> str:
+    header = next((ln for ln in outs[0][1].read_text().splitlines() if ln.startswith("# compare.sh")), "")
+    rows, starts = _rounds(outs)
+    many = len(outs) > 1
+    pooled = f" · {len(outs)} rounds, steps pooled" if many else ""
     lines = [
         f"### {title}",
         "",
-        f"`{header.lstrip('# ')}`" if header else "",
+        f"`{header.lstrip('# ')}`{pooled}" if header else "",
         "",
         "| case | dtype | tokens/step | TorchTitan tok/s | fivefold tok/s | ratio "
-        "| load at start (titan / fivefold) |",
-        "|---|---|---|---|---|---|---|",
+        + ("| ratio per round " if many else "")
+        + "| load at start (titan / fivefold) |",
+        "|---|---|---|---|---|---|---|" + ("---|" if many else ""),
     ]
-    for raw in results.read_text().splitlines():
-        if not raw.strip():
+    for (case, dtype), found in rows.items():
+        if "na" in found[0]:
+            gap = " - |" if many else ""
+            lines.append(f"| {case} | {dtype} | - | n/a | n/a | - |{gap} {found[0]['na']} |")
             continue
-        row = json.loads(raw)
-        case, dtype = row["case"], row["dtype"]
-        if "na" in row:
-            lines.append(f"| {case} | {dtype} | - | n/a | n/a | - | {row['na']} |")
-            continue
-        res = row["res"]
-        titan, ff = res["titan"], res["fivefold"]
-        ratio = f"**{res['ratio']:.3f}**" if "ratio" in res else "-"
-        tag = f"{case}_{dtype}"
+        titan_runs = [r["res"]["titan"] for r in found]
+        ff_runs = [r["res"]["fivefold"] for r in found]
+        titan, ff = _pooled(titan_runs), _pooled(ff_runs)
 
-        def rate(d: dict) -> str:
-            return f"{d['tok_s']:,.0f}" if "tok_s" in d else f"FAIL ({d.get('error', '?')})"
+        def rate(value: float | None, runs: list[dict]) -> str:
+            if value is not None:
+                return f"{value:,.0f}"
+            return "FAIL (" + "; ".join(r.get("error", "?") for r in runs if "tok_s" not in r) + ")"
 
-        tokens = ff.get("tokens_per_step", titan.get("tokens_per_step", "?"))
-        where = f"{load.get(('titan', tag), '?')} / {load.get(('fivefold', tag), '?')}"
-        lines.append(f"| {case} | {dtype} | {tokens} | {rate(titan)} | {rate(ff)} | {ratio} | {where} |")
+        ratio = f"**{ff / titan:.3f}**" if ff is not None and titan else "-"
+        per_round = ", ".join(f"{r['res']['ratio']:.3f}" if "ratio" in r["res"] else "-" for r in found)
+        tokens = ff_runs[0].get("tokens_per_step", titan_runs[0].get("tokens_per_step", "?"))
+        cells = [case, dtype, str(tokens), rate(titan, titan_runs), rate(ff, ff_runs), ratio]
+        if many:
+            cells.append(per_round)
+        cells.append("; ".join(starts[(case, dtype)]))
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kit", help="folder holding the kit's compare.sh (set up with its setup.sh)")
-    parser.add_argument("--from", dest="source", help="read a finished kit run (its OUT folder) instead")
+    parser.add_argument(
+        "--from", dest="source", help="read finished kit runs (their OUT folders, comma-separated) instead"
+    )
     parser.add_argument("--log", help="the kit's console log (with --from; default OUT/compare.log)")
     parser.add_argument("--fivefold", default=".venv/bin/fivefold", help="fivefold executable")
     parser.add_argument("--steps", type=int, default=7, help="steps per run (median of those after warm-up)")
@@ -110,19 +149,23 @@ def main() -> int:
     parser.add_argument("--cases", default="np1 fsdp2 tp2 pp2")
     parser.add_argument("--dtypes", default="fp32 bf16")
     parser.add_argument("--compile", action="store_true", help="both systems compiled")
+    parser.add_argument("--rounds", type=int, default=1, help="run the kit this many times, pool the steps")
     parser.add_argument("--title", default="fivefold ÷ TorchTitan tokens/s")
     parser.add_argument("--md", help="append the table to this Markdown file (default: print it)")
     args = parser.parse_args()
+    outs: list[tuple[Path, Path]] = []
     if args.source:
-        out = Path(args.source)
-        log = Path(args.log) if args.log else out / "compare.log"
+        for source in args.source.split(","):
+            out = Path(source)
+            outs.append((out / "results.jsonl", Path(args.log) if args.log else out / "compare.log"))
     elif args.kit:
-        out = Path(tempfile.mkdtemp(prefix="bench-vs-torchtitan-"))
-        log = run_kit(args, out)
+        for _ in range(max(args.rounds, 1)):
+            out = Path(tempfile.mkdtemp(prefix="bench-vs-torchtitan-"))
+            outs.append((out / "results.jsonl", run_kit(args, out)))
     else:
         print("bench_vs_torchtitan: give --kit DIR (run the kit) or --from OUT (read a run)", file=sys.stderr)
         return 2
-    text = table(out / "results.jsonl", log, args.title)
+    text = table(outs, args.title)
     if args.md:
         with open(args.md, "a") as sink:
             sink.write(text + "\n")

@@ -67,21 +67,25 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq.copy_(rope_inverse_frequencies(self.spec).to(self.inv_freq.device))
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # position_ids: [b, s] -> cos, sin: [b, s, head_dim]
+        """position_ids: [b, s] -> cos, signed sin: [b, s, head_dim].
+
+        The sin table carries the rotation's sign in its first half (-sin, +sin), so applying it
+        needs no negation per layer: (-x2) * sin and x2 * (-sin) are the same float.
+        """
         freqs = position_ids[..., None].float() * self.inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        sin = freqs.sin()
+        return torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
+    return torch.cat((second, first), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [b, heads, s, d]; cos/sin: [b, s, d]."""
-    cos, sin = cos[:, None], sin[:, None]
-    return x * cos + _rotate_half(x) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [b, heads, s, d]; cos/signed_sin: [b, s, d] from `RotaryEmbedding` (HF's rotate-half form)."""
+    cos, signed_sin = cos[:, None], signed_sin[:, None]
+    return x * cos + _swap_halves(x) * signed_sin
 
 
 class AttentionCore(nn.Module):

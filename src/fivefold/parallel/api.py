@@ -25,7 +25,7 @@ class StepRunner(Protocol):
     Every runner also has (the parallel ones from `fivefold.parallel.runner_core.RunnerCore`):
       * `build_optimizer(part) -> Optimizer`: the optimizer for one of `model_parts` (the layout's
         choice: ZeroRedundancyOptimizer for `--zero 1`, per-parameter AdamW where DTensors of
-        several meshes cannot share foreach kernels);
+        several meshes cannot share fused kernels);
       * `after_optimizer_step()`: per-step updates outside the optimizer (MoE balancing bias from
         token counts summed over replicas).
     """

@@ -104,13 +104,23 @@ def make_optimizer(
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
-    hyper = dict(lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps)
-    # foreach kernels take one kind of tensor per list: DTensors on different meshes (TP, FSDP,
-    # plain MoE experts under TP) do not mix, so those layouts step parameter by parameter
-    foreach = len({_mesh_key(p) for p in params}) == 1
+    hyper = dict(lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps, **optimizer_kernels(params))
     if layout.zero == 1 and layout.dp > 1 and layout.fsdp == 1 and dp_group is not None:
-        return _zero_with_groups(groups, dp_group, foreach, hyper)
-    return torch.optim.AdamW(groups, foreach=foreach, **hyper)
+        return _zero_with_groups(groups, dp_group, hyper)
+    return torch.optim.AdamW(groups, **hyper)
+
+
+def optimizer_kernels(params: list[torch.Tensor]) -> dict[str, bool]:
+    """Which AdamW implementation steps `params`.
+
+    The fused kernel (one pass over each tensor; also TorchTitan's default) where every parameter
+    is the same kind of tensor. On CPU torch's foreach path falls back to one op per tensor per
+    update term and costs several times the fused step. Fused kernels take one kind of tensor per
+    list: DTensors on different meshes (TP, FSDP, plain MoE experts under TP) do not mix, so those
+    layouts step parameter by parameter.
+    """
+    one_kind = len({_mesh_key(p) for p in params}) == 1
+    return {"fused": one_kind, "foreach": False}
 
 
 class ShardedOptimizer(ZeroRedundancyOptimizer):
@@ -163,13 +173,12 @@ class ShardedOptimizer(ZeroRedundancyOptimizer):
 
 
 def _zero_with_groups(
-    groups: list[dict], dp_group: torch.distributed.ProcessGroup, foreach: bool, hyper: dict
+    groups: list[dict], dp_group: torch.distributed.ProcessGroup, hyper: dict
 ) -> ZeroRedundancyOptimizer:
     zero = ShardedOptimizer(
         groups[0]["params"],
         optimizer_class=torch.optim.AdamW,
         process_group=dp_group,
-        foreach=foreach,
         weight_decay=groups[0]["weight_decay"],
         **hyper,
     )

@@ -266,12 +266,26 @@ def load_checkpoint(
     for part, opt in zip(model_parts, optimizers, strict=True):
         names = set(get_model_state_dict(part))
         set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in names})
+        kernels = [{k: g.get(k) for k in ("fused", "foreach")} for g in opt.param_groups]
         set_optimizer_state_dict(part, opt, state["optim"], options=_OPTIONS)
+        _keep_kernels(opt, kernels)
     rng_file = path / f"rng_rank{_rank()}.pt"
     if rng_file.exists():
         _restore_rng(rng_file)
     trainer_state["step"] = step
     return trainer_state
+
+
+def _keep_kernels(optimizer: torch.optim.Optimizer, groups_before: list[dict]) -> None:
+    """Put back the implementation this layout chose after a checkpoint's param groups were
+    loaded: the run that saved them may have had another layout, and another choice."""
+    targets = [optimizer.param_groups]
+    inner = getattr(optimizer, "optim", None)  # ZeRO's local optimizer keeps its own groups
+    if inner is not None:
+        targets.append(inner.param_groups)
+    for param_groups in targets:
+        for group, before in zip(param_groups, groups_before, strict=False):
+            group["fused"], group["foreach"] = before.get("fused"), before.get("foreach")
 
 
 def _restore_rng(rng_file: Path) -> None:

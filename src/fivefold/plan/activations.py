@@ -7,7 +7,8 @@ not the HBM estimate of `fivefold.plan.memory`, which models fused production ke
 Per layer and micro-batch, T tokens on the rank (its cp shard), n = T/tp with SP else T, in the
 run's dtypes (fp32 stream under autocast, matmul outputs in the compute dtype):
   * each RMSNorm: its input, the fp32 reciprocal RMS (n values), its output, and the projection's
-    input (the gathered sequence under SP);
+    input (the gathered sequence under SP; cast once to the compute dtype before attention and a
+    dense MLP, per projection before an MoE layer under autocast);
   * attention: rotary q and k, v, the output and its copy into the output projection, and the
     fp32 log-sum-exp (one per query head and token);
   * SwiGLU: gate, silu(gate), up and their product (f/tp wide).
@@ -23,9 +24,15 @@ from fivefold.plan.runshape import Chunk, RunShape
 
 
 def _linear_inputs(run: RunShape, t: int, h: int, consumers: int) -> float:
-    """A norm's output as its projections save it: one fp32 (or FSDP bf16) tensor they share, or
-    under autocast one bf16 cast per projection (autocast caches weight casts, not inputs)."""
+    """A norm's output as an MoE layer's projections save it: one fp32 (or FSDP bf16) tensor they
+    share, or under autocast one bf16 cast per projection (autocast caches weight casts, not inputs)."""
     return consumers * t * h * 2 if run.autocast else t * h * run.act_bytes
+
+
+def _matmul_input(run: RunShape, t: int, h: int) -> float:
+    """A norm's output as attention's and a dense MLP's projections save it: cast once to the
+    compute dtype by the block (`fivefold.model.transformer`) and shared."""
+    return t * h * run.act_bytes
 
 
 def _weights(run: RunShape, elements: float) -> float:
@@ -48,7 +55,8 @@ def layer_saved(run: RunShape, moe: bool) -> float:
     # copy of its input and the bf16 normalised tensor its weight multiplies
     fp32_norm = 4 * n + 4 * n * h + (2 * n * h if bf16_weights else 0)
     mlp_consumers = (1 + 2 * (spec.experts > 0)) if moe else 2
-    norms = 2 * fp32_norm + _linear_inputs(run, t, h, 3) + _linear_inputs(run, t, h, mlp_consumers)
+    mlp_input = _linear_inputs(run, t, h, mlp_consumers) if moe else _matmul_input(run, t, h)
+    norms = 2 * fp32_norm + _matmul_input(run, t, h) + mlp_input
     # the residual between the halves (and, under autocast, the block's output) in the stream dtype;
     # with bf16 weights the norms' fp32 input copies are what is kept
     stream = 0 if bf16_weights else n * h * st * (2 if run.autocast else 1)

@@ -8,7 +8,8 @@ Per micro-batch and b·s·h activation A (this rank's sequence shard under cp):
     ends swap direction; MoE blocks gather their input and their output gradient, scatter nothing.
   * full recompute runs every block's forward collectives again in the backward, except the last
     (torch's non-reentrant checkpoint stops once the saved tensors are rebuilt).
-  * bf16 without FSDP (autocast): matmul outputs are bf16, the residual stream and norms fp32.
+  * bf16 without FSDP (autocast): matmul outputs are bf16, the residual stream and norms fp32;
+    the inputs of attention and dense MLPs are cast to bf16 before they are gathered.
   * the loss on vocabulary shards (loss_parallel): three all_reduces of one fp32 value per token
     forward (max logit, sum of exponentials, target logit).
   * once a step: partial weight gradients of SP norms (fp32) and of replicated K/V projections
@@ -38,15 +39,22 @@ def tensor_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
         ends = int(chunk.first) + int(chunk.last)
         # forward: block inputs (stream) in, matmul outputs out; backward the other way round.
         # Early-stopping recompute (torch.utils.checkpoint) skips a block's last collective.
+        # Inputs of attention and of dense MLPs are cast to the compute dtype by the block before
+        # they are gathered (their gradients come back in it); an MoE layer's input and the ends
+        # stay in the stream dtype.
+        cast_inputs = 2 * dense + moe  # per micro-batch: attention in every layer, dense MLPs
         if lay.sp:
             rc = full * (dense + moe)
-            out.add("tp", ALL_GATHER, m * (2 * dense + 3 * moe + ends + 2 * rc), st)
+            out.add("tp", ALL_GATHER, m * (2 * moe + ends + full * moe), st)
+            out.add("tp", ALL_GATHER, m * (cast_inputs + full * cast_inputs), mm)
             out.add("tp", ALL_GATHER, m * (2 * dense + moe), mm)
             out.add("tp", REDUCE_SCATTER, m * (2 * dense + moe + rc), mm)
-            out.add("tp", REDUCE_SCATTER, m * (2 * dense + moe + ends), st)
+            out.add("tp", REDUCE_SCATTER, m * cast_inputs, mm)
+            out.add("tp", REDUCE_SCATTER, m * ends, st)
         else:
             out.add("tp", ALL_REDUCE, m * (2 * dense + moe + full * (dense + moe)), mm)
-            out.add("tp", ALL_REDUCE, m * (2 * dense + moe + ends), st)
+            out.add("tp", ALL_REDUCE, m * cast_inputs, mm)
+            out.add("tp", ALL_REDUCE, m * ends, st)
         if chunk.last:  # loss_parallel's reductions over the vocabulary shards
             out.add("tp", ALL_REDUCE, 3 * m, run.tokens * 4)
         if lay.sp:  # norm weights' partial gradients, once a step

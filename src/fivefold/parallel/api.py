@@ -15,6 +15,7 @@ from torch import nn
 from fivefold.config import Layout, TrainSpec
 from fivefold.model.moe import moe_layers, set_aux_loss_scale
 from fivefold.model.transformer import lm_loss
+from fivefold.parallel.compile import training_loss
 from fivefold.parallel.data import make_optimizer
 from fivefold.parallel.precision import forward_context
 
@@ -67,6 +68,7 @@ class LocalRunner:
         self.micro_batch = micro_batch
         self.train = train or TrainSpec()
         self.dtype = self.train.dtype  # bf16: autocast around each forward (fivefold.parallel.precision)
+        self.loss = training_loss(self.train, Layout())
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         with forward_context(self.dtype, Layout(), x.device.type):
@@ -78,7 +80,7 @@ class LocalRunner:
         set_aux_loss_scale(self.model, scale)
         total = torch.zeros((), device=inputs.device)
         for x, y in chunks:
-            loss = lm_loss(self._forward(x), y)
+            loss = self.loss(self._forward(x), y)
             (loss * scale).backward()
             total += loss.detach() * scale
         return total

@@ -75,7 +75,7 @@ class PipelineRunner(RunnerCore):
 
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             # the mean over micro-batches, built in: the schedule then leaves gradients unscaled
-            return lm_loss(logits, labels) / m
+            return self.loss(logits, labels) / m
 
         target = self.stages[0] if layout.pp_schedule in SINGLE_STAGE else self.stages
         self.schedule = schedule_cls(target, m, loss_fn=loss_fn, scale_grads=False)

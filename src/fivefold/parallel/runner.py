@@ -55,7 +55,7 @@ class ParallelRunner(RunnerCore):
             with self._sync_context(last), loss_context(self.model):
                 with self.autocast:
                     logits = self.wrapped(x, position_ids=positions)
-                loss = lm_loss(logits, y)
+                loss = self.loss(logits, y)
                 (loss * scale).backward()
             total += plain(loss).detach() * scale
         self.finish_gradients()

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from fivefold.config import Layout, TrainSpec
 from fivefold.model.moe import moe_layers
+from fivefold.parallel.compile import training_loss
 from fivefold.parallel.data import make_optimizer
 from fivefold.parallel.expert import reduce_expert_replicas
 from fivefold.parallel.gradnorm import grad_norm_squared
@@ -42,6 +43,7 @@ class RunnerCore:
         self.replicas = runtime_mesh.size(replicas)
         self.replica_group = runtime_mesh.group(replicas) if self.replicas > 1 else None
         self.pp_group = runtime_mesh.group("pp") if layout.pp > 1 else None
+        self.loss = training_loss(train, layout)  # what a training step's backward starts from
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.model_parts for p in part.parameters()]

@@ -300,6 +300,8 @@ NAMED = [
     ("verify", ["--seq-len", "100000"], "max_seq_len"),
     ("plan", ["--gpus-per-node", "0"], "--gpus-per-node"),
     ("explore", ["--seq-len", "0"], "--seq-len"),
+    # a pipeline's micro-batch count that the per-rank batch (2) does not divide: refused before launch
+    ("train", ["--nproc", "2", "--pp", "2", "--microbatches", "4"], "valid microbatches: 2"),
 ]
 
 

@@ -58,15 +58,20 @@ def check_pipeline(spec: ModelSpec, layout: Layout, train: TrainSpec | None = No
     check_trainable(spec, layout, train.seq_len if train else None)
     check_microbatches(layout.pp, layout.microbatches, layout.pp_schedule)
     if train is not None:
-        local = train.micro_batch * train.grad_accum(layout.data_parallel)
-        if local % layout.microbatches:
-            ok = [d for d in divisors(local) if d >= min_microbatches(layout.pp, layout.pp_schedule)]
-            raise FivefoldError(
-                f"each data-parallel rank's batch of {local} sequences (micro_batch × accumulation) does "
-                f"not divide into --microbatches {layout.microbatches}; valid microbatches: "
-                f"{suggest(ok) or 'none'}"
-            )
+        check_pipeline_batch(layout, train)
     return stage_split(spec, layout, train.seq_len if train else spec.max_seq_len)
+
+
+def check_pipeline_batch(layout: Layout, train: TrainSpec) -> None:
+    """Each data-parallel rank's batch must split into the schedule's micro-batches."""
+    local = train.micro_batch * train.grad_accum(layout.data_parallel)
+    if local % layout.microbatches:
+        ok = [d for d in divisors(local) if d >= min_microbatches(layout.pp, layout.pp_schedule)]
+        raise FivefoldError(
+            f"each data-parallel rank's batch of {local} sequences (micro_batch × accumulation) does "
+            f"not divide into --microbatches {layout.microbatches}; valid microbatches: "
+            f"{suggest(ok) or 'none'}"
+        )
 
 
 # --------------------------------------------------------------------------------------------

@@ -43,16 +43,17 @@ def tensor_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
         # they are gathered (their gradients come back in it); an MoE layer's input and the ends
         # stay in the stream dtype.
         cast_inputs = 2 * dense + moe  # per micro-batch: attention in every layer, dense MLPs
+        outputs = 2 * dense + moe  # row-parallel outputs: attention's o in every layer, dense MLPs' down
         if lay.sp:
             rc = full * (dense + moe)
             out.add("tp", ALL_GATHER, m * (2 * moe + ends + full * moe), st)
             out.add("tp", ALL_GATHER, m * (cast_inputs + full * cast_inputs), mm)
-            out.add("tp", ALL_GATHER, m * (2 * dense + moe), mm)
-            out.add("tp", REDUCE_SCATTER, m * (2 * dense + moe + rc), mm)
+            out.add("tp", ALL_GATHER, m * outputs, mm)
+            out.add("tp", REDUCE_SCATTER, m * (outputs + rc), mm)
             out.add("tp", REDUCE_SCATTER, m * cast_inputs, mm)
             out.add("tp", REDUCE_SCATTER, m * ends, st)
         else:
-            out.add("tp", ALL_REDUCE, m * (2 * dense + moe + full * (dense + moe)), mm)
+            out.add("tp", ALL_REDUCE, m * (outputs + full * (dense + moe)), mm)
             out.add("tp", ALL_REDUCE, m * cast_inputs, mm)
             out.add("tp", ALL_REDUCE, m * ends, st)
         if chunk.last:  # loss_parallel's reductions over the vocabulary shards

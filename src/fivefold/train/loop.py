@@ -33,7 +33,7 @@ from fivefold.parallel import runners
 from fivefold.parallel.api import LocalRunner
 from fivefold.parallel.compile import check_compile, compile_blocks
 from fivefold.parallel.device_mesh import build_runtime_mesh
-from fivefold.parallel.pipeline import check_pipeline
+from fivefold.parallel.pipeline import check_pipeline_batch
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.support import check_trainable
 from fivefold.train import supervise
@@ -121,7 +121,7 @@ def preflight(cfg: RunConfig, run_dir: Path, resume: str | None, world: int) -> 
     layout = runtime_layout(cfg.layout, world, spec, tspec.seq_len)
     tspec.grad_accum(layout.dp * layout.fsdp)
     if layout.pp > 1:  # the batch against --microbatches, which the ranks would find only after a launch
-        check_pipeline(spec, layout, tspec)
+        check_pipeline_batch(layout, tspec)
     if tspec.device == "cuda" and not torch.cuda.is_available():
         raise FivefoldError("device cuda was asked for but no CUDA GPU is visible; use --device cpu")
     check_data_source(tspec.data)

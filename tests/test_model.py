@@ -352,3 +352,66 @@ def test_grouped_matmul_experts_equal_the_per_expert_loop() -> None:
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.count_nonzero(results[0][2][1]) == 0  # gate_proj of the expert without rows: zeros
+
+
+# --------------------------------------------------------------------------------------------
+# 16-bit attention on CPU runs torch's kernel in fp32 (fivefold.model.cpu_attention)
+
+
+def _saved_bytes(fn, *inputs: torch.Tensor) -> int:
+    """Bytes autograd keeps for fn's backward, once per storage (what `fivefold verify` meters)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*inputs)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("through_autocast", [False, True])
+def test_cpu_attention_in_fp32_matches_reference_and_saves_what_bf16_sdpa_saves(
+    through_autocast: bool,
+) -> None:
+    from fivefold.model.attention import AttentionCore
+    from fivefold.model.cpu_attention import serves
+
+    b, h, s, d = 2, 4, 64, 16
+    leaves = [torch.randn(b, h, s, d, requires_grad=True) for _ in range(3)]
+    grad = torch.randn(b, h, s, d)
+
+    def run(fn, dtype: torch.dtype | None):
+        for t in leaves:
+            t.grad = None
+        if through_autocast:  # fp32 q/k/v handed in, autocast asks for bf16 (np1 and tp under bf16)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = fn(*leaves)
+        else:  # bf16 q/k/v (FSDP's bf16 weights)
+            out = fn(*[t.to(dtype or torch.float32) for t in leaves])
+        out.float().backward(grad)
+        return out.float().detach(), [t.grad.clone() for t in leaves]
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    exact = [t.detach().to(torch.bfloat16).double().requires_grad_() for t in leaves]
+    ref = F.scaled_dot_product_attention(*exact, is_causal=True)
+    ref.backward(grad.double())
+    core = AttentionCore()
+    ours, ours_grads = run(core, torch.bfloat16)
+    kernel, kernel_grads = run(sdpa, torch.bfloat16)
+    assert ours.dtype == kernel.dtype and not torch.equal(ours, kernel)  # not torch's bf16 kernel
+    # closer to the float64 answer than torch's bf16 kernel, and within bf16 rounding of it
+    err_ours = (ours.double() - ref).abs().max()
+    assert err_ours <= (kernel.double() - ref).abs().max() + 1e-3
+    torch.testing.assert_close(ours.double(), ref.detach(), atol=2e-2, rtol=2e-2)
+    for g, g_kernel, leaf in zip(ours_grads, kernel_grads, exact):
+        torch.testing.assert_close(g.double(), leaf.grad, atol=5e-2, rtol=5e-2)
+        assert (g.double() - leaf.grad).abs().max() <= (g_kernel.double() - leaf.grad).abs().max() + 1e-2
+    # the path is taken, and autograd keeps exactly the bytes torch's bf16 kernel keeps
+    q16 = leaves[0].detach().to(torch.bfloat16)
+    assert serves(q16, q16) == torch.bfloat16 and serves(leaves[0], leaves[0]) is None
+    inputs = [t.detach().to(torch.bfloat16).requires_grad_() for t in leaves]
+    assert _saved_bytes(core, *inputs) == _saved_bytes(sdpa, *inputs)

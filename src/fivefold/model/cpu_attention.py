@@ -23,12 +23,11 @@ _OPS = cpu_flash_attention_ops()
 
 
 def serves(q: torch.Tensor, k: torch.Tensor) -> torch.dtype | None:
-    """The 16-bit dtype this path runs q/k in, or None where it does not apply: on CPU, as many kv
-    heads as query heads, not traced by torch.compile, and q either 16-bit or, under a 16-bit
-    autocast, fp32 (rotary's fp32 tables promote it), which SDPA would then cast down."""
+    """The 16-bit dtype this path runs q/k in, or None where it does not apply: on CPU (eager, or
+    under torch.compile, which traces the function), as many kv heads as query heads, and q either
+    16-bit or, under a 16-bit autocast, fp32 (rotary's fp32 tables promote it), which SDPA would
+    then cast down."""
     if _OPS is None or q.device.type != "cpu" or q.shape[1] != k.shape[1]:
-        return None
-    if torch.compiler.is_compiling():
         return None
     if q.dtype in (torch.bfloat16, torch.float16):
         return q.dtype

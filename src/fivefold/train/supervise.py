@@ -133,6 +133,11 @@ class ParentWatch:
                 )
                 if self.folder is not None:  # the launcher's folder: nobody else is left to remove it
                     shutil.rmtree(self.folder, ignore_errors=True)
+                    # this rank's main thread may be writing its report into it right now (its
+                    # collective failed with the lost peer): a file created after the listing
+                    # keeps the folder, so remove again once that write has had its moment
+                    time.sleep(self.POLL_SECONDS)
+                    shutil.rmtree(self.folder, ignore_errors=True)
                 os._exit(self.EXIT_CODE)  # the main thread may be inside a collective: no unwinding
 
     def close(self) -> None:

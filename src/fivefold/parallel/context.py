@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from fivefold.errors import FivefoldError
+from fivefold.model import cpu_attention
 from fivefold.model.moe import MoE
 
 # the autograd-aware all-gather (backward: reduce-scatter); torch 2.13 renamed it, keeping the old name
@@ -109,7 +110,11 @@ class ContextParallelCore(nn.Module):
         order = gathered_positions(seq_len, self.cp).to(q.device)
         to_positions = torch.argsort(order)
         q, k, v = (self._heads_to_sequence(t)[:, :, to_positions] for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        low = cpu_attention.serves(q, k)  # the single process's kernel choice (see there)
+        if low is not None:
+            out = cpu_attention.causal_attention_in_fp32(q, k, v, low)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         return self._sequence_to_heads(out[:, :, order])
 
     def _heads_to_sequence(self, x: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ FLASH3_SPEEDUP = 1.75
 ATTENTION_RATIO = 0.80  # attention kernels relative to plain GEMMs (softmax, masking, tiling)
 # every step also pays a fixed time no layout changes: the optimizer's and clipping's kernel launches,
 # the loss and grad-norm synchronisation with the host, the next batch (a fitted knob, docs/planner.md)
-DEFAULT_STEP_OVERHEAD_S = 0.048  # fitted to every bundled source (docs/planner.md)
+DEFAULT_STEP_OVERHEAD_S = 0.0435  # fitted to every bundled source (docs/planner.md)
 OPTIMIZER_BYTES_PER_PARAM = 34  # Adam step: read grad + master/m/v, write master/m/v/16-bit param, zero grad
 BYTES = 2  # 16-bit activations
 HOST_LINK_BPS = 25e9  # PCIe 4.0 x16 per GPU, one direction, sustained

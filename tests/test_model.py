@@ -382,14 +382,14 @@ def test_cpu_attention_in_fp32_matches_reference_and_saves_what_bf16_sdpa_saves(
     leaves = [torch.randn(b, h, s, d, requires_grad=True) for _ in range(3)]
     grad = torch.randn(b, h, s, d)
 
-    def run(fn, dtype: torch.dtype | None):
+    def run(fn):
         for t in leaves:
             t.grad = None
         if through_autocast:  # fp32 q/k/v handed in, autocast asks for bf16 (np1 and tp under bf16)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 out = fn(*leaves)
         else:  # bf16 q/k/v (FSDP's bf16 weights)
-            out = fn(*[t.to(dtype or torch.float32) for t in leaves])
+            out = fn(*[t.to(torch.bfloat16) for t in leaves])
         out.float().backward(grad)
         return out.float().detach(), [t.grad.clone() for t in leaves]
 
@@ -400,8 +400,8 @@ def test_cpu_attention_in_fp32_matches_reference_and_saves_what_bf16_sdpa_saves(
     ref = F.scaled_dot_product_attention(*exact, is_causal=True)
     ref.backward(grad.double())
     core = AttentionCore()
-    ours, ours_grads = run(core, torch.bfloat16)
-    kernel, kernel_grads = run(sdpa, torch.bfloat16)
+    ours, ours_grads = run(core)
+    kernel, kernel_grads = run(sdpa)
     assert ours.dtype == kernel.dtype and not torch.equal(ours, kernel)  # not torch's bf16 kernel
     # closer to the float64 answer than torch's bf16 kernel, and within bf16 rounding of it
     err_ours = (ours.double() - ref).abs().max()

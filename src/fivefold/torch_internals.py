@@ -79,15 +79,19 @@ def unflatten_mesh(mesh: Any, dim: int, sizes: tuple[int, ...], names: tuple[str
     return mesh._unflatten(dim, sizes, names)
 
 
+def _cpu_flash_attention_ops() -> tuple[Any, Any]:
+    aten = torch.ops.aten
+    return (
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    )
+
+
 def cpu_flash_attention_ops() -> tuple[Any, Any] | None:
     """The forward and backward of torch's CPU flash-attention kernel (what SDPA dispatches to on
     CPU), or None where this torch has no such op."""
-    aten = torch.ops.aten
     try:
-        return (
-            aten._scaled_dot_product_flash_attention_for_cpu.default,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-        )
+        return _cpu_flash_attention_ops()
     except AttributeError:
         return None
 
@@ -113,9 +117,7 @@ def missing() -> list[str]:
         "pipelining.schedules._wait_batch_p2p": lambda: schedules._wait_batch_p2p,
         "DeviceMesh._flatten": lambda: device_mesh.DeviceMesh._flatten,
         "DeviceMesh._unflatten": lambda: device_mesh.DeviceMesh._unflatten,
-        "aten._scaled_dot_product_flash_attention_for_cpu": lambda: (
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-        ),
+        "aten._scaled_dot_product_flash_attention_for_cpu(_backward)": _cpu_flash_attention_ops,
     }
     lacking = []
     for name, probe in probes.items():

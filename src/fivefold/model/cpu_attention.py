@@ -17,6 +17,7 @@ reference than the bf16 kernel's (tests/test_model.py).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from fivefold.torch_internals import cpu_flash_attention_ops
 
@@ -65,3 +66,12 @@ def causal_attention_in_fp32(
     """softmax(QK^T/sqrt(d))V with a causal mask, q/k/v [b, heads, s, d], rounded to `dtype` first
     (as autocast would) and returned in it."""
     return _CausalAttentionInFp32.apply(q.to(dtype), k.to(dtype), v.to(dtype))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA of q [b, hq, s, d] over k/v [b, hkv, s, d]; through the fp32 kernel where
+    `serves` says so, torch's own choice otherwise."""
+    low = serves(q, k)
+    if low is not None:
+        return causal_attention_in_fp32(q, k, v, low)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])

@@ -110,11 +110,7 @@ class ContextParallelCore(nn.Module):
         order = gathered_positions(seq_len, self.cp).to(q.device)
         to_positions = torch.argsort(order)
         q, k, v = (self._heads_to_sequence(t)[:, :, to_positions] for t in (q, k, v))
-        low = cpu_attention.serves(q, k)  # the single process's kernel choice (see there)
-        if low is not None:
-            out = cpu_attention.causal_attention_in_fp32(q, k, v, low)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        out = cpu_attention.causal_attention(q, k, v)  # the single process's kernel choice
         return self._sequence_to_heads(out[:, :, order])
 
     def _heads_to_sequence(self, x: torch.Tensor) -> torch.Tensor:

@@ -304,3 +304,46 @@ def test_unseen_runs_are_predicted_as_shipped_and_unknowns_filled(tmp_path, caps
     assert main(["plan", "--validate", str(path)]) == 0
     out = capsys.readouterr().out
     assert "as shipped" in out and "in-sample" not in out
+
+
+ACCUMULATION_ONLY = """
+[[run]]
+id = "zero3-batch-unstated"
+source = "example"
+kind = "measured"
+unknown = ["micro_batch", "global_batch"]
+[run.hardware]
+gpu = "A100 80GB"
+gpus_per_node = 8
+[run.model]
+layers = 24
+hidden = 4096
+heads = 32
+vocab = 50257
+seq_len = 1024
+[run.layout]
+gpus = 64
+fsdp = 64
+zero_stage = 3
+grad_accum = 2
+recompute = "full"
+[run.measured]
+tflops_per_gpu = 150.0
+tflops_basis = "hardware"
+"""
+
+
+def test_an_unstated_global_batch_follows_the_filled_micro_batch(tmp_path) -> None:
+    """Only the accumulation count published: every filled micro-batch brings its own global batch
+    (micro-batch x accumulation x data ranks), so the fill is not stuck at one sequence per rank."""
+    from fivefold.plan import validation as V
+
+    path = tmp_path / "runs.toml"
+    path.write_text(ACCUMULATION_ONLY)
+    (case,) = V.cases(load_runs(path))
+    assert "global_batch" in case.inputs.free
+    variants = V._variants(case.inputs)
+    assert {s.global_batch for _, s in variants} == {mb * 2 * 64 for mb in (1, 2, 4, 8, 16, 32)}
+    assert all(s.global_batch == s.micro_batch * 2 * 64 for _, s in variants)
+    assert case.inputs.shape.micro_batch > 1  # one sequence per rank keeps ZeRO-3 waiting on gathers
+    assert case.inputs.shape.global_batch == case.inputs.shape.micro_batch * 2 * 64

@@ -273,14 +273,16 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     seq = _int(run, "model", "seq_len", seq)
     data = layout.dp * layout.fsdp
     mb = _int(run, "layout", "micro_batch", lt.get("micro_batch", FILL["micro_batch"]))
+    accumulation = _int(run, "layout", "grad_accum", lt.get("grad_accum", 1))
+    batch_published = bool(lt.get("global_batch") or lt.get("global_batch_tokens") or lt.get("local_batch"))
     if lt.get("global_batch"):
         batch = _int(run, "layout", "global_batch", lt["global_batch"])
     elif lt.get("global_batch_tokens"):
         batch = int(lt["global_batch_tokens"]) // seq
     elif lt.get("local_batch"):
         batch = int(lt["local_batch"]) * data
-    else:  # unpublished: one micro-batch per data rank
-        batch = mb * data
+    else:  # unpublished: the micro-batches a data rank accumulates (one, unless the run says)
+        batch = mb * data * accumulation
     if batch % data:
         raise FivefoldError(
             f"run {rid}: global_batch {batch} is not a multiple of the data-parallel ranks {data}"
@@ -323,6 +325,8 @@ def build(run: dict[str, Any]) -> RunInputs | None:
             shape = dataclasses.replace(shape, micro_batch=batch // data // layout.pp)
         else:
             free.append("micro_batch")
+            if not batch_published:  # the global batch is the micro-batch times what the run states
+                free.append("global_batch")
     if (
         layout.pp > 1
         and "virtual_stages" not in lt

@@ -179,15 +179,19 @@ def _plan_case(case: Case, hw: HardwareSpec) -> Plan:
 
 
 def _variants(inp: RunInputs) -> list[tuple[Layout, TrainShape]]:
-    """Every way to fill what the run leaves unpublished (micro-batch, pipeline schedule, ZeRO stage)."""
+    """Every way to fill what the run leaves unpublished (micro-batch, and with it the global batch when
+    only the accumulation count is published; pipeline schedule; ZeRO stage)."""
     lay, shape = inp.layout, inp.shape
     local = shape.global_batch // (lay.dp * lay.fsdp)
-    if "micro_batch" in inp.free:  # powers of two, and the whole local batch in one micro-batch
+    if "global_batch" in inp.free:  # only the accumulation count is published: the batch follows
+        mbs = [1, 2, 4, 8, 16, 32]
+    elif "micro_batch" in inp.free:  # powers of two, and the whole local batch in one micro-batch
         mbs = sorted(
             {b for b in (1, 2, 4, 8, 16, 32) if local % b == 0} | ({local} if local <= 64 else set())
         )
     else:
         mbs = [shape.micro_batch]
+    accumulation = local // shape.micro_batch
     schedules = [(lay.pp_schedule, lay.virtual_stages)]
     if "pipeline_schedule" in inp.free:
         chunks = [v for v in (2, 4) if inp.model.layers >= lay.pp * v]
@@ -199,10 +203,13 @@ def _variants(inp: RunInputs) -> list[tuple[Layout, TrainShape]]:
     for base in layouts:
         for sched, v in schedules:
             for mb in mbs:
+                batch = shape.global_batch
+                if "global_batch" in inp.free:
+                    batch = mb * accumulation * lay.dp * lay.fsdp
                 out.append(
                     (
                         dataclasses.replace(base, pp_schedule=sched, virtual_stages=v),
-                        dataclasses.replace(shape, micro_batch=mb),
+                        dataclasses.replace(shape, micro_batch=mb, global_batch=batch),
                     )
                 )
     return out

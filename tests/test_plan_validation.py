@@ -347,3 +347,50 @@ def test_an_unstated_global_batch_follows_the_filled_micro_batch(tmp_path) -> No
     assert all(s.global_batch == s.micro_batch * 2 * 64 for _, s in variants)
     assert case.inputs.shape.micro_batch > 1  # one sequence per rank keeps ZeRO-3 waiting on gathers
     assert case.inputs.shape.global_batch == case.inputs.shape.micro_batch * 2 * 64
+
+
+MEGATRON_HOPPER = """
+[[run]]
+id = "megatron-h100-interleaved"
+source = "NVIDIA/Megatron-LM README (scaling table)"
+kind = "measured"
+unknown = ["micro_batch", "recompute", "virtual_stages"]
+[run.hardware]
+gpu = "{gpu}"
+gpus_per_node = 8
+[run.model]
+arch = "GPT (GeLU MLP 4h)"
+layers = 96
+hidden = 12288
+heads = 96
+vocab = 131072
+seq_len = 4096
+[run.layout]
+gpus = 4608
+tp = 8
+pp = 12
+pipeline_schedule = "interleaved"
+global_batch = 1152
+[run.measured]
+mfu = 0.42
+"""
+
+
+def test_megatron_on_hopper_runs_transformer_engine_and_tunes_the_chunk_count(tmp_path) -> None:
+    """Megatron-LM on Hopper is planned as Megatron-Core with Transformer Engine runs there (cuDNN
+    attention, tp collectives overlapped), as NeMo's and dgxc's runs are; on A100 it keeps the plain
+    kernels. An interleaved pipeline without a published chunk count is filled with the count that
+    splits a stage evenly and pays: 24 micro-batches over 12 stages leave v=2 a 17% bubble."""
+    from fivefold.plan import validation as V
+
+    path = tmp_path / "runs.toml"
+    path.write_text(MEGATRON_HOPPER.format(gpu="H100 80GB"))
+    (hopper,) = V.cases(load_runs(path))
+    assert hopper.inputs.shape.attention == "flash3" and hopper.inputs.shape.tp_overlap
+    assert "virtual_stages" in hopper.inputs.free
+    chunks = {lay.virtual_stages for lay, _ in V._variants(hopper.inputs)}
+    assert chunks == {2, 4, 8}  # 8 layers a stage
+    assert hopper.inputs.layout.virtual_stages > 2
+    path.write_text(MEGATRON_HOPPER.format(gpu="A100 80GB"))
+    (ampere,) = V.cases(load_runs(path))
+    assert ampere.inputs.shape.attention == "flash" and not ampere.inputs.shape.tp_overlap

@@ -291,11 +291,17 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         mb = 1  # a published micro-batch that does not divide the local batch (a short last one)
     precision = str(lt.get("precision", "")).lower()
     trainer = TRAINERS.get(source_of(run), {})
+    gpu_name = str(run.get("hardware", {}).get("gpu", "")).upper()
+    hopper_or_newer = any(k in gpu_name for k in ("H100", "H200", "H800", "B200", "B100"))
+    if source_of(run) == "NVIDIA/Megatron-LM" and hopper_or_newer:
+        # Megatron-LM's Hopper-era runs go through Transformer Engine like NeMo's and dgxc's (the same
+        # Megatron-Core): cuDNN's fused attention, and tp collectives overlapped with the GEMMs
+        # (--tp-comm-overlap, which its published H100 scaling runs use)
+        trainer = {**trainer, "attention": "flash3", "tp_overlap": True}
     if "jax" in str(lt.get("framework", "")).lower():
         trainer = {"fused": True, "tp_overlap": False}  # XLA fuses elementwise ops
     attention = trainer.get("attention", "flash")
-    gpu_name = str(run.get("hardware", {}).get("gpu", "")).upper()
-    if attention == "flash3" and not any(k in gpu_name for k in ("H100", "H200", "H800", "B200", "B100")):
+    if attention == "flash3" and not hopper_or_newer:
         attention = "flash"  # FlashAttention-3 class kernels (cuDNN's fused attention): Hopper and newer
     arch = str(mt.get("arch", "")).lower()
     gated = any(w in arch for w in ("swiglu", "geglu", "swi-glu"))
@@ -333,6 +339,12 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         and ("pipeline_schedule" not in lt or "pipeline_schedule" in unknown)
     ):
         free.append("pipeline_schedule")
+    elif (
+        schedule == "interleaved-1f1b"
+        and ("virtual_stages" not in lt or "virtual_stages" in unknown)
+        and (model.layers // pp) % 2 == 0
+    ):
+        free.append("virtual_stages")  # interleaved, with the chunk count its authors tuned unpublished
     megatron_like = trainer.get("grad_bytes") == 2 or source_of(run) in ("NVIDIA/Megatron-LM", "Korthikanti")
     if "zero_stage" not in lt and layout.dp > 1 and layout.fsdp == 1 and not megatron_like:
         free.append("zero_stage")  # a distributed optimizer, and whether it also shards gradients

@@ -180,7 +180,7 @@ def _plan_case(case: Case, hw: HardwareSpec) -> Plan:
 
 def _variants(inp: RunInputs) -> list[tuple[Layout, TrainShape]]:
     """Every way to fill what the run leaves unpublished (micro-batch, and with it the global batch when
-    only the accumulation count is published; pipeline schedule; ZeRO stage)."""
+    only the accumulation count is published; pipeline schedule or its chunk count; ZeRO stage)."""
     lay, shape = inp.layout, inp.shape
     local = shape.global_batch // (lay.dp * lay.fsdp)
     if "global_batch" in inp.free:  # only the accumulation count is published: the batch follows
@@ -196,6 +196,9 @@ def _variants(inp: RunInputs) -> list[tuple[Layout, TrainShape]]:
     if "pipeline_schedule" in inp.free:
         chunks = [v for v in (2, 4) if inp.model.layers >= lay.pp * v]
         schedules = [("1f1b", 1)] + [("interleaved-1f1b", v) for v in chunks]
+    elif "virtual_stages" in inp.free:  # chunk counts that split a stage's layers evenly, 2 first
+        per_rank = inp.model.layers // lay.pp
+        schedules = [("interleaved-1f1b", v) for v in range(2, min(per_rank, 8) + 1) if per_rank % v == 0]
     layouts = [lay]
     if "zero_stage" in inp.free:  # ZeRO-2 over the data ranks is fsdp at zero 2 in fivefold's words
         layouts.append(dataclasses.replace(lay, dp=1, fsdp=lay.dp, zero=2))

@@ -200,3 +200,22 @@ def test_the_busiest_pipeline_rank_sets_the_step() -> None:
     assert in_flight("interleaved-1f1b", 4, 8, 2, 0) == 4 * (1 + 3 / 8)
     assert in_flight("interleaved-1f1b", 4, 8, 2, 3) == (4 + 1) / 2
     assert in_flight("zbv", 4, 8, 2, 3) == 4
+
+
+def test_fsdp_inside_a_pipeline_reduces_gradients_once_a_step() -> None:
+    """torch's pipeline stage keeps FSDP gradients unsynced until the step's last backward, as the
+    ledger counts it: the time model reduce-scatters a step's gradients once, not once per
+    micro-batch; outside a pipeline FSDP reduce-scatters every micro-batch's."""
+    model = load_model("llama3-8b")
+    hw = load_hardware("h100-80gb")
+    shape = TrainShape(seq_len=4096, global_batch=64, micro_batch=1)
+
+    def reduced(lay: Layout) -> float:
+        p = plan(model, hw, lay.resolve(64), shape)
+        return sum(c.bytes for c in p.comm if c.axis == "fsdp" and c.op == "reduce_scatter")
+
+    piped = reduced(Layout(fsdp=16, tp=2, pp=2, zero=3))  # 8 micro-batches a step
+    flat = reduced(Layout(fsdp=32, tp=2, zero=3))  # 2 micro-batches a step
+    grads_per_rank_piped = 4 * model.num_params() / (2 * 2)  # fp32, one tp rank's half of one stage
+    assert piped == pytest.approx(grads_per_rank_piped, rel=0.1)
+    assert flat == pytest.approx(2 * 4 * model.num_params() / 2, rel=0.1)

@@ -134,15 +134,20 @@ def data_parallel_traffic(
             grp: collective_time(hw, REDUCE_SCATTER, g * pl, grp, shard_link, per_node)[1]
             for pl, grp in shards
         }
+        # torch's pipeline stage syncs FSDP gradients at the last backward of the step only (as
+        # fivefold's ledger counts it): one reduce-scatter a step behind that backward, not m
+        rs_each = layout.pp == 1
         busy_f = sum(t_ag.values())
-        busy_b = bwd_gathers * busy_f + sum(t_rs.values())
+        busy_b = bwd_gathers * busy_f + (sum(t_rs.values()) if rs_each else 0.0)
         exposed_f = max(busy_f - t_f, 0.0)
         exposed_b = max(busy_b - t_b, 0.0)
         # inside a pipeline a ZeRO-3 unit stays gathered from a backward to the next forward:
         # m + 1 gathers a step rather than 2m (see fsdp_gathers)
         gathers = m + 1 if (layout.pp > 1 and z == 3) else (1 + bwd_gathers) * m
         for payload, group in shards:
-            ag_exposed = t_ag[group] / busy_f * exposed_f + bwd_gathers * t_ag[group] / busy_b * exposed_b
+            ag_exposed = t_ag[group] / busy_f * exposed_f
+            if busy_b > 0:
+                ag_exposed += bwd_gathers * t_ag[group] / busy_b * exposed_b
             add(
                 shard_axis,
                 ALL_GATHER,
@@ -154,6 +159,9 @@ def data_parallel_traffic(
                 overlap="micro-batch compute",
                 per_node=per_node,
             )
+            if not rs_each:
+                once(shard_axis, REDUCE_SCATTER, g * payload, group, shard_link, t_b)
+                continue
             add(
                 shard_axis,
                 REDUCE_SCATTER,

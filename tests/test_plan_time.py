@@ -214,8 +214,42 @@ def test_fsdp_inside_a_pipeline_reduces_gradients_once_a_step() -> None:
         p = plan(model, hw, lay.resolve(64), shape)
         return sum(c.bytes for c in p.comm if c.axis == "fsdp" and c.op == "reduce_scatter")
 
-    piped = reduced(Layout(fsdp=16, tp=2, pp=2, zero=3))  # 8 micro-batches a step
+    piped = reduced(Layout(fsdp=16, tp=2, pp=2, zero=3))  # 4 micro-batches a step
     flat = reduced(Layout(fsdp=32, tp=2, zero=3))  # 2 micro-batches a step
     grads_per_rank_piped = 4 * model.num_params() / (2 * 2)  # fp32, one tp rank's half of one stage
     assert piped == pytest.approx(grads_per_rank_piped, rel=0.1)
     assert flat == pytest.approx(2 * 4 * model.num_params() / 2, rel=0.1)
+
+
+def test_fsdp_zero2_inside_a_pipeline_gathers_once_a_step() -> None:
+    """ZeRO-2 over fsdp in a pipeline keeps the stage's weights gathered from the first forward on:
+    one gather a step in the time model, as in the ledger (fsdp_gathers), against m + 1 under ZeRO-3."""
+    model = load_model("llama3-8b")
+    hw = load_hardware("h100-80gb")
+    shape = TrainShape(seq_len=4096, global_batch=64, micro_batch=1)
+
+    def gathered(zero: int) -> float:
+        p = plan(model, hw, Layout(fsdp=16, tp=2, pp=2, zero=zero).resolve(64), shape)
+        return sum(c.bytes for c in p.comm if c.axis == "fsdp" and c.op == "all_gather")
+
+    m = 64 // 16  # micro-batches a step: one sequence each, 4 per data rank
+    assert gathered(3) == pytest.approx((m + 1) * gathered(2), rel=1e-6)
+    assert gathered(2) == pytest.approx(2 * model.num_params() / (2 * 2), rel=0.1)  # bf16, one stage's tp half
+
+
+def test_published_fsdp_with_a_pipeline_keeps_weights_gathered(tmp_path) -> None:
+    """A run that states fsdp and pp but no ZeRO stage is planned as torchtitan and Llama 3 run it:
+    no reshard after forward (ZeRO-2 in fivefold's words); without a pipeline FSDP stays ZeRO-3."""
+    from fivefold.plan.runs import build
+
+    run = {
+        "id": "fsdp-pp",
+        "source": "example",
+        "hardware": {"gpu": "H100 80GB", "gpus_per_node": 8},
+        "model": {"layers": 32, "hidden": 4096, "heads": 32, "seq_len": 4096},
+        "layout": {"gpus": 64, "tp": 2, "pp": 2, "fsdp": 16, "global_batch": 64},
+        "measured": {"mfu": 0.4},
+    }
+    assert build(run).layout.zero == 2
+    run["layout"] = {"gpus": 64, "tp": 2, "fsdp": 32, "global_batch": 64}
+    assert build(run).layout.zero == 3

@@ -141,9 +141,12 @@ def data_parallel_traffic(
         busy_b = bwd_gathers * busy_f + (sum(t_rs.values()) if rs_each else 0.0)
         exposed_f = max(busy_f - t_f, 0.0)
         exposed_b = max(busy_b - t_b, 0.0)
-        # inside a pipeline a ZeRO-3 unit stays gathered from a backward to the next forward:
-        # m + 1 gathers a step rather than 2m (see fsdp_gathers)
-        gathers = m + 1 if (layout.pp > 1 and z == 3) else (1 + bwd_gathers) * m
+        # inside a pipeline a ZeRO-3 unit stays gathered from a backward to the next forward (m + 1
+        # gathers a step rather than 2m) and a ZeRO-2 unit from its first forward on (one gather),
+        # as fsdp_gathers counts them for the ledger
+        gathers = (1 + bwd_gathers) * m
+        if layout.pp > 1:
+            gathers = m + 1 if z == 3 else 1
         for payload, group in shards:
             ag_exposed = t_ag[group] / busy_f * exposed_f
             if busy_b > 0:

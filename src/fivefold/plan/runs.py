@@ -235,6 +235,8 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         zero = int(lt["zero_stage"])
     else:  # unpublished: FSDP shards everything, Megatron/NeMo use the distributed optimizer
         zero = 3 if fsdp > 1 else (1 if dp != 1 else 0)
+        if zero == 3 and pp > 1:  # with a pipeline FSDP keeps the weights gathered across the
+            zero = 2  # micro-batches (torchtitan's default there, Llama 3's "no reshard after forward")
     if ep > 1 and (fsdp * cp) % ep:  # experts fold onto sharded data ranks in fivefold's vocabulary
         dp, fsdp, zero = 1, -1 if dp == -1 else dp, max(zero, 2)
     # DeepSpeed's ZeRO-2 stated over the data ranks keeps every weight whole on every rank and

@@ -270,7 +270,8 @@ def explain(plans: list[Plan], model: ModelSpec, hw: HardwareSpec, gpus: int, gp
     lay = p.layout
     lines = [
         f"Best: {layout_flags(lay)}, micro-batch {p.shape.micro_batch}: step {p.step_time_s:.3g} s, "
-        f"MFU {p.mfu:.1%}, {_fmt_gb(p.memory.total)} of {hw.gpu_memory_gb:g} GB per GPU."
+        # against what the planner may fill, in the same decimal GB (an "80 GB" H100 holds 82.5 usable)
+        f"MFU {p.mfu:.1%}, {_fmt_gb(p.memory.total)} of {_fmt_gb(capacity(hw))} usable per GPU."
     ]
     weights = p.params * p.shape.param_bytes
     if lay.tp == 1:

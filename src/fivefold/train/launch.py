@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -32,11 +33,21 @@ from fivefold.config import RunConfig
 from fivefold.errors import FivefoldError
 from fivefold.parallel.spawn import local_launcher, threads_per_rank
 from fivefold.train.loop import train
-from fivefold.train.supervise import Watchdog, forward_signals, launcher_gone, lost_peer, signal_name
+from fivefold.train.supervise import (
+    Watchdog,
+    forward_signals,
+    launcher_gone,
+    lost_peer,
+    signal_name,
+    stopped_by_signal,
+)
 
 # a rank that failed only because a peer died exits this much later than it would: torch's launcher
 # (polling every 0.1 s) then sees the dead peer first and reports it, not the echo
 ECHO_DELAY_SECONDS = 1.0
+# how long a rank that a signal stopped looks for its launcher's death before leaving the shared
+# folder to it (torch's spawn sends that SIGINT while the killed launcher is still exiting)
+LAUNCHER_GRACE_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -73,12 +84,14 @@ def _rank_entry(job: TrainJob, error_dir: str) -> int:
     rank = os.environ.get("RANK", "?")
     launcher = os.getppid()
     (Path(error_dir) / f"rank{rank}.pid").write_text(str(os.getpid()))  # for forwarded signals
+    interrupted = False
     try:
         return run_job(job, error_dir)
     except FivefoldError as exc:
         _report(error_dir, rank, exc.exit_code, str(exc))
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:  # SIGINT before the loop took over the signal
+        interrupted = True
         _report(error_dir, rank, 130, "interrupted by SIGINT before the first step")
         sys.exit(130)
     except BaseException as exc:  # noqa: BLE001 - anything else is reported with its traceback
@@ -90,7 +103,12 @@ def _rank_entry(job: TrainJob, error_dir: str) -> int:
             time.sleep(ECHO_DELAY_SECONDS)
         sys.exit(1)
     finally:
-        if launcher_gone(launcher):  # the launcher died (the store went with it): nobody else cleans up
+        # leaving anyway: a repeated stop signal (the killed launcher's) must not cut the cleanup short
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):  # not the main thread
+                signal.signal(sig, signal.SIG_IGN)
+        grace = LAUNCHER_GRACE_SECONDS if interrupted or stopped_by_signal() else 0.0
+        if launcher_gone(launcher, grace):  # the launcher died (the store with it): nobody else cleans up
             shutil.rmtree(error_dir, ignore_errors=True)
 
 

@@ -94,10 +94,21 @@ class Heartbeat:
         self._thread.join(timeout=2)
 
 
-def launcher_gone(pid: int) -> bool:
+def launcher_gone(pid: int, wait_s: float = 0.0) -> bool:
     """The process `pid` that started this one has died: this one was handed to another parent,
     or `pid` is exiting (a killed process is a zombie while its last threads end, and torch's
-    spawn already sent its children SIGINT by then)."""
+    spawn already sent its children SIGINT by then). With `wait_s`, keep looking that long: the
+    SIGINT comes when the launcher's spawning thread ends, which can be before the process shows
+    as exiting."""
+    deadline = time.monotonic() + wait_s
+    while not _parent_gone(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _parent_gone(pid: int) -> bool:
     if os.getppid() != pid:
         return True
     try:
@@ -161,6 +172,8 @@ def launched() -> bool:
 
 _heartbeat: Heartbeat | None = None
 _stop_signal: list[int] = []
+# a stop signal repeated within this long counts once (see rank_supervision)
+REPEAT_WINDOW_SECONDS = 1.0
 
 
 def mark(step: int, phase: str) -> None:
@@ -170,6 +183,11 @@ def mark(step: int, phase: str) -> None:
 
 
 _stop_file: list[Path] = []
+
+
+def stopped_by_signal() -> bool:
+    """A stop signal reached this rank itself (not only its launcher's stop file)."""
+    return bool(_stop_signal)
 
 
 def stop_requested() -> int:
@@ -192,10 +210,21 @@ def rank_supervision(folder: str | None, rank: int, heartbeat: bool = True) -> I
     _stop_file[:] = [Path(folder) / STOP_FILE] if folder is not None else []
     previous: dict[int, Any] = {}
 
+    first_at: list[float] = []
+    launcher = os.getppid()
+
     def note(signum: int, frame: Any) -> None:
-        if _stop_signal:  # asked twice: stop now
+        now = time.monotonic()
+        # torch's spawn sends its parent-death SIGINT once for every thread of a killed launcher
+        # that the rank passes through on its way to a new parent: repeats within a moment are
+        # that one event, not a second request
+        if _stop_signal and now - first_at[0] > REPEAT_WINDOW_SECONDS:  # asked twice: stop now
+            if folder is not None and launched() and launcher_gone(launcher):
+                shutil.rmtree(folder, ignore_errors=True)  # nobody is left to remove it
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
+        if not _stop_signal:
+            first_at.append(now)
         _stop_signal.append(signum)
 
     if threading.current_thread() is threading.main_thread():

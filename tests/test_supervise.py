@@ -217,3 +217,16 @@ def test_the_launcher_names_the_cause_and_leaves_no_rank_folder(
         assert len(kept) == 1 and f"(traceback: {kept[0]})" in err and "Traceback" in kept[0].read_text()
     else:
         assert kept == []  # an echo's traceback is not kept
+
+
+def test_a_stop_signal_repeated_at_once_counts_once(tmp_path):
+    """A killed launcher's parent-death SIGINT reaches a rank once per launcher thread, within
+    milliseconds: the rank still stops at its step boundary rather than dying without its cleanup."""
+    from fivefold.train.supervise import rank_supervision, stop_requested, stopped_by_signal
+
+    with rank_supervision(str(tmp_path), rank=0, heartbeat=False):
+        for _ in range(3):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)  # the handler runs between bytecodes
+        assert stop_requested() == signal.SIGINT and stopped_by_signal()
+    assert tmp_path.exists()

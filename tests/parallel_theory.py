@@ -127,7 +127,8 @@ def expected_forward_backward(
         if layout.sp:
             add("tp", "all_gather", accumulation * (2 + 4 * spec.layers), act)
             add("tp", "reduce_scatter", accumulation * (2 + 4 * dense_layers + 2 * moe_layers), act)
-            norms = 2 * spec.layers + 1  # SP norm weights' partial gradients, once per step
+            # SP norm weights' partial gradients: with each FSDP gradient sync, else once per step
+            norms = (2 * spec.layers + 1) * (accumulation if fsdp > 1 else 1)
             add("tp", "all_reduce", norms, spec.hidden * F32)
         else:
             add("tp", "all_reduce", accumulation * (2 + 4 * dense_layers + 2 * moe_layers), act)
@@ -142,9 +143,9 @@ def expected_forward_backward(
         for unit in unit_list:
             full = sum(padded(local[n], fsdp) for n in unit) * F32
             add("fsdp", "all_gather", accumulation * passes, full)
-            add("fsdp", "reduce_scatter", 1, full)
+            add("fsdp", "reduce_scatter", accumulation, full)  # every micro-batch's gradients
             if dp > 1:  # HSDP: the reduced shard is averaged across replicas
-                add("dp", "all_reduce", 1, full // fsdp)
+                add("dp", "all_reduce", accumulation, full // fsdp)
     elif dp > 1 and tp > 1:  # replicate per unit
         for unit in unit_list:
             add("dp", "all_reduce", 1, sum(numel(local[n]) for n in unit) * F32)
@@ -195,16 +196,18 @@ def expected_expert_parallel(
     shapes = param_shapes(spec)
     expert_fsdp = layout.fsdp * layout.cp // layout.ep
     passes = 2 if layout.zero == 3 else 1
+    # every micro-batch's gradients, but once a step in a pipeline (its stage defers the sync)
+    syncs = microbatches if layout.pp == 1 else 1
     for i in moe:
         names = [n for n in shapes if n.startswith(f"model.layers.{i}.mlp.experts.")]
         local = {n: (shapes[n][0] // layout.ep, *shapes[n][1:]) for n in names}
         if layout.fsdp > 1 and expert_fsdp > 1:
             full = sum(padded(s, expert_fsdp) for s in local.values()) * F32
             add("expert_fsdp", "all_gather", microbatches * passes, full)
-            add("expert_fsdp", "reduce_scatter", 1, full)
+            add("expert_fsdp", "reduce_scatter", syncs, full)
             for s in local.values():
                 if layout.dp > 1:
-                    add("dp", "all_reduce", 1, padded(s, expert_fsdp) // expert_fsdp * F32)
+                    add("dp", "all_reduce", syncs, padded(s, expert_fsdp) // expert_fsdp * F32)
             continue
         for s in local.values():
             for axis, size in (("expert_fsdp", expert_fsdp), ("dp", layout.dp)):

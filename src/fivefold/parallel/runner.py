@@ -39,6 +39,7 @@ class ParallelRunner(RunnerCore):
         self.is_fsdp_module = isinstance(model, FSDPModule)  # FSDP, HSDP or `replicate`
         self.is_ddp = isinstance(wrapped, DistributedDataParallel)
         self.cp, self.cp_rank = layout.cp, runtime_mesh.coord("cp")
+        self.sharded = layout.fsdp > 1  # FSDP proper, not replicate (FSDP's module over whole weights)
         # bf16: autocast around each forward, or nothing where FSDP2's policy casts the weights
         self.autocast = forward_context(train.dtype, layout, runtime_mesh.device_mesh.device_type)
 
@@ -86,8 +87,11 @@ class ParallelRunner(RunnerCore):
         return x, y, positions
 
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager:
+        # whole gradients (DDP, replicate) are reduced once, after the last micro-batch; sharded ones
+        # every micro-batch (as torchtitan does): deferring would keep the whole model's unsharded
+        # gradients on every rank until the last one
         if self.is_ddp and not last:
             return self.wrapped.no_sync()
-        if self.is_fsdp_module:
+        if self.is_fsdp_module and not self.sharded:
             self.model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()

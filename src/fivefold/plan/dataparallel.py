@@ -3,7 +3,8 @@
 DDP all-reduces gradients once a step behind the last micro-batch's backward; the sharded optimizer
 (zero 1) reduce-scatters them and all-gathers the updated weights behind the next forward; FSDP
 (zero 2, 3) gathers weights and reduce-scatters gradients every micro-batch behind that micro-batch's
-compute; HSDP replicas all-reduce their shard once a step.
+compute (once a step inside a pipeline, whose stage defers the sync to its last backward); HSDP
+replicas all-reduce their shard as often.
 """
 
 from __future__ import annotations
@@ -176,14 +177,15 @@ def data_parallel_traffic(
                 overlap="micro-batch backward",
                 per_node=per_node,
             )
-        if layout.dp > 1 and layout.fsdp > 1:  # HSDP: replicas all-reduce their shard once a step
+        if layout.dp > 1 and layout.fsdp > 1:  # HSDP: replicas all-reduce their shard each sync
+            syncs = m if rs_each else 1
             once(
                 "dp",
                 ALL_REDUCE,
-                g * (dense / n + experts / n_exp),
+                syncs * g * (dense / n + experts / n_exp),
                 layout.dp,
                 kinds.get("dp", "inter"),
-                t_b,
+                syncs * t_b,
             )
 
 
@@ -192,10 +194,11 @@ def data_parallel_traffic(
 # Units are those fivefold.parallel.data wraps: the embedding, each block, the final norm + head
 # (a tied embedding and head share the first unit). FSDP gathers a unit's parameters in the
 # compute dtype (padded to a multiple of the shard group) and reduce-scatters its fp32 gradients
-# once a step; HSDP all-reduces the reduced shard over dp; `replicate` (tensor-parallel replicas)
-# all-reduces each unit's gradients; DDP all-reduces every gradient in one bucket (a model under
-# 25 MB); plain pipeline replicas all-reduce gradient by gradient; ZeRO-1 broadcasts each updated
-# parameter from its owner. Experts sharded over ep are left to fivefold.plan.expert.
+# every micro-batch (once a step in a pipeline), HSDP then all-reduces the reduced shard over dp;
+# `replicate` (tensor-parallel replicas) all-reduces each unit's gradients; DDP all-reduces every
+# gradient in one bucket (a model under 25 MB); plain pipeline replicas all-reduce gradient by
+# gradient; ZeRO-1 broadcasts each updated parameter from its owner. Experts sharded over ep are
+# left to fivefold.plan.expert.
 
 
 def units(run: RunShape, chunk: Chunk) -> list[list[str]]:
@@ -237,13 +240,13 @@ def data_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
     if lay.fsdp > 1:
         n = lay.fsdp * lay.cp
         axis = replica_axis(lay, ("fsdp", "cp"))
-        gathers = fsdp_gathers(run)
+        gathers, syncs = fsdp_gathers(run), run.fsdp_syncs
         for chunk in chunks:
             for unit in units(run, chunk):
                 full = sum(padded(tp_local_shape(p, shapes[p], spec, lay.tp), n) for p in unit)
                 out.add(axis, ALL_GATHER, gathers, full * gather_bytes)
-                out.add(axis, REDUCE_SCATTER, 1, full * GRAD_BYTES)
-                out.add("dp", ALL_REDUCE, 1 if lay.dp > 1 else 0, full // n * GRAD_BYTES)
+                out.add(axis, REDUCE_SCATTER, syncs, full * GRAD_BYTES)
+                out.add("dp", ALL_REDUCE, syncs if lay.dp > 1 else 0, full // n * GRAD_BYTES)
         return out
     replicas = lay.dp * lay.cp
     if replicas == 1:

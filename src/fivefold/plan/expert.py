@@ -51,10 +51,11 @@ def expert_traffic(run: RunShape, chunks: list[Chunk], received: int | None = No
 
         h, fe, local = spec.hidden, spec.expert_ffn_hidden, spec.experts // lay.ep
         full = 3 * padded((local, fe, h), expert_fsdp)
+        syncs = run.fsdp_syncs
         out.add("expert_fsdp", ALL_GATHER, fsdp_gathers(run) * moe, full * run.act_bytes)
-        out.add("expert_fsdp", REDUCE_SCATTER, moe, full * 4)
+        out.add("expert_fsdp", REDUCE_SCATTER, syncs * moe, full * 4)
         if lay.dp > 1:
-            out.add("dp", ALL_REDUCE, 3 * moe, full // 3 // expert_fsdp * 4)
+            out.add("dp", ALL_REDUCE, syncs * 3 * moe, full // 3 // expert_fsdp * 4)
         return out
     for axis, size in (("expert_fsdp", expert_fsdp), ("dp", lay.dp)):
         if size > 1:

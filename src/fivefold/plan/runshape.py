@@ -60,6 +60,12 @@ class RunShape:
         return 4 if self.autocast else self.act_bytes
 
     @property
+    def fsdp_syncs(self) -> int:
+        """FSDP gradient reductions a step: every micro-batch's (the runner keeps FSDP's gradients
+        sharded), except in a pipeline, whose stage defers them to its last backward."""
+        return 1 if self.layout.pp > 1 else self.microbatches
+
+    @property
     def tokens(self) -> int:
         """Tokens of one micro-batch on one rank (its sequence shard under cp)."""
         return self.micro_batch * self.seq_len // self.layout.cp

@@ -58,9 +58,12 @@ def tensor_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
             out.add("tp", ALL_REDUCE, m * ends, st)
         if chunk.last:  # loss_parallel's reductions over the vocabulary shards
             out.add("tp", ALL_REDUCE, 3 * m, run.tokens * 4)
-        if lay.sp:  # norm weights' partial gradients, once a step
+        if lay.sp:  # norm weights' partial gradients, once a step, or with each FSDP sync
             norms = 2 * len(chunk.layers) + int(chunk.last)
-            out.add("tp", ALL_REDUCE, norms, spec.hidden * GRAD_BYTES)
+            if lay.fsdp > 1 and run.fsdp_syncs > 1:  # every micro-batch's, in the weights' dtype
+                out.add("tp", ALL_REDUCE, norms * run.fsdp_syncs, spec.hidden * run.weight_bytes)
+            else:  # the accumulated fp32 gradient's
+                out.add("tp", ALL_REDUCE, norms, spec.hidden * GRAD_BYTES)
         if lay.tp > spec.kv_heads:  # replicated K/V projections' partial gradients, reduced in the
             # backward in the weights' dtype (bf16 under FSDP's mixed precision)
             kv = spec.kv_heads * spec.head_dim * spec.hidden * run.weight_bytes

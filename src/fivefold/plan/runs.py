@@ -276,7 +276,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     data = layout.dp * layout.fsdp
     mb = _int(run, "layout", "micro_batch", lt.get("micro_batch", FILL["micro_batch"]))
     accumulation = _int(run, "layout", "grad_accum", lt.get("grad_accum", 1))
-    batch_published = bool(lt.get("global_batch") or lt.get("global_batch_tokens") or lt.get("local_batch"))
+    batch_published = True
     if lt.get("global_batch"):
         batch = _int(run, "layout", "global_batch", lt["global_batch"])
     elif lt.get("global_batch_tokens"):
@@ -284,7 +284,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     elif lt.get("local_batch"):
         batch = int(lt["local_batch"]) * data
     else:  # unpublished: the micro-batches a data rank accumulates (one, unless the run says)
-        batch = mb * data * accumulation
+        batch, batch_published = mb * data * accumulation, False
     if batch % data:
         raise FivefoldError(
             f"run {rid}: global_batch {batch} is not a multiple of the data-parallel ranks {data}"

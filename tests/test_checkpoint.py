@@ -66,6 +66,12 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path, corpus):
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "r")] == [6, 8]
 
 
+def test_checkpoint_every_minus_one_saves_nothing(tmp_path, corpus):
+    result = train(config(corpus, steps=2, checkpoint_every=-1), tmp_path / "r", progress=False)
+    assert len(result.losses) == 2
+    assert ckpt.list_checkpoints(tmp_path / "r") == []
+
+
 def test_an_interrupted_save_leaves_the_previous_checkpoint_intact(tmp_path, corpus, monkeypatch):
     run = tmp_path / "run"
     first = train(config(corpus, steps=3), run, progress=False)

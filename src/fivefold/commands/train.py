@@ -46,7 +46,7 @@ TRAIN_FLAGS: dict[str, tuple[type, str]] = {
     "global_batch": (int, "sequences per optimizer step (0: micro-batch × data-parallel ranks)"),
     "warmup": (int, "learning-rate warm-up steps"),
     "eval_every": (int, "held-out loss every N steps (and at the end)"),
-    "checkpoint_every": (int, "checkpoint every N steps (0: only at the end)"),
+    "checkpoint_every": (int, "checkpoint every N steps (0: only at the end; -1: never)"),
     "data": (str, "stdlib (default), a text file or folder, .jsonl or a pre-tokenized .bin"),
     "tokenizer": (str, "bytes (default) or a tokenizer.json / HF directory"),
     "device": (str, "auto (default), cpu or cuda"),

@@ -32,7 +32,7 @@ class TrainSpec:
     global_batch: int = 0  # sequences per optimizer step; 0: micro_batch × data-parallel ranks
     eval_every: int = 100
     eval_batches: int = 8
-    checkpoint_every: int = 0  # 0: only at the end
+    checkpoint_every: int = 0  # 0: only at the end; -1: never (a benchmark that needs no weights)
     data: str = "stdlib"  # stdlib | path to a text file, folder, .jsonl or .bin
     tokenizer: str = "bytes"  # bytes | path to an HF tokenizer.json
     log_every: int = 10
@@ -73,12 +73,12 @@ class TrainSpec:
             "eval_batches": 1,
             "log_every": 1,
             "warmup_steps": 0,
-            "checkpoint_every": 0,
+            "checkpoint_every": -1,
         }
         for name, low in at_least.items():
             if getattr(self, name) < low:
                 flag = {"warmup_steps": "--warmup"}.get(name, f"--{name.replace('_', '-')}")
-                hint = " (0: only at the end)" if name == "checkpoint_every" else ""
+                hint = " (0: only at the end, -1: never)" if name == "checkpoint_every" else ""
                 raise FivefoldError(f"{flag} must be >= {low}{hint}, got {getattr(self, name)}")
         if not 0 <= self.seed < 2**63:
             raise FivefoldError(f"--seed must be in 0..2^63-1, got {self.seed}")

@@ -427,7 +427,8 @@ def _train(
             metrics.record(rec)
             result.losses.append(loss_value)
             saved = None
-            if step == tspec.steps or (tspec.checkpoint_every and step % tspec.checkpoint_every == 0):
+            every = tspec.checkpoint_every
+            if (step == tspec.steps and every >= 0) or (every > 0 and step % every == 0):
                 supervise.mark(step, "saving a checkpoint")
                 with tracer.span("checkpoint", cat="checkpoint", step=step):
                     saved = save_checkpoint(

@@ -80,7 +80,12 @@ class GroupedExperts(nn.Module):
     def forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x_sorted: [n, hidden], rows grouped by expert; counts: [E] rows of each expert."""
         weights = (self.gate_proj, self.up_proj, self.down_proj)
-        if grouped_mm_fits(x_sorted, self.gate_proj):
+        if x_sorted.is_cuda and torch.is_autocast_enabled("cuda"):
+            # autocast does not cover torch's grouped matmul: cast as autocast would for each
+            # expert's matmul, so bf16 autocast over fp32 masters takes the grouped kernel too
+            low = torch.get_autocast_dtype("cuda")
+            x_sorted, weights = x_sorted.to(low), tuple(w.to(low) for w in weights)
+        if grouped_mm_fits(x_sorted, weights[0]):
             return swiglu_grouped_mm(x_sorted, counts, *weights)
         return swiglu_per_expert(x_sorted, counts, *weights)
 

@@ -287,6 +287,30 @@ def test_calibrate_reads_run_directories(capsys, tmp_path) -> None:
     assert step == pytest.approx(2.0, rel=0.05)  # the median step after the first, reproduced
 
 
+def test_a_gpu_run_directory_is_planned_on_the_gpu_it_ran_on(tmp_path) -> None:
+    """`run.json` names the preset the run measured its MFU against; `--compile` plans fused kernels."""
+    from fivefold.config import Layout, RunConfig, TrainSpec, load_model
+    from fivefold.plan.runs import hardware, run_from_dir
+
+    run = tmp_path / "gpu-run"
+    run.mkdir()
+    cfg = RunConfig(
+        model=load_model("small"),
+        train=TrainSpec(seq_len=256, micro_batch=8, device="cuda", dtype="bf16", compile=True),
+        layout=Layout().resolve(1),
+    )
+    (run / "config.toml").write_text(cfg.to_toml())
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": i, "step_time_s": 0.2}) + "\n" for i in (1, 2))
+    )
+    (run / "run.json").write_text(json.dumps({"world": 1, "mfu_peak_from": "h200"}))
+    described = run_from_dir(run)
+    assert hardware(described).name == "h200"
+    assert described["layout"]["torch_compile"] is True
+    (run / "run.json").write_text("not json")  # an older or damaged run.json: the device decides
+    assert run_from_dir(run)["hardware"]["gpu"] == "H100"
+
+
 def test_calibrate_separates_compute_from_collective_latency(capsys, tmp_path) -> None:
     """A data-parallel and a tensor-parallel run of one machine: the fit takes the matmul rate from
     the first and the per-collective latency from the second, so both are reproduced."""

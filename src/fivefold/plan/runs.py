@@ -417,6 +417,20 @@ def contradictions(run: dict[str, Any]) -> list[str]:
     return out
 
 
+def _measured_on(run_dir: Path, device: str) -> str:
+    """The hardware preset the run measured its MFU against (`run.json`, written by `fivefold train`
+    from the device's name), else the `cpu` preset, or H100 for a cuda run that does not say."""
+    import json
+
+    try:
+        named = json.loads((run_dir / "run.json").read_text()).get("mfu_peak_from")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if isinstance(named, str) and named:
+        return named
+    return "H100" if device == "cuda" else "cpu"
+
+
 def run_from_dir(path: str | Path) -> dict[str, Any]:
     """A fivefold run directory (`config.toml` + `metrics.jsonl`) as a run of the reference schema:
     its model, layout and batch, on the machine it ran on (the `cpu` preset unless `device` says
@@ -453,7 +467,7 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
         "source": f"run-directory/{p.name}",
         "kind": "measured",
         "flops_definition": "fivefold (non-causal)",
-        "hardware": {"gpu": "cpu" if tr.device != "cuda" else "H100", "gpus_per_node": world},
+        "hardware": {"gpu": _measured_on(p, tr.device), "gpus_per_node": world},
         "model": model,
         "layout": {
             "gpus": world,
@@ -470,7 +484,7 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
             "global_batch": tr.global_batch or tr.micro_batch * lay.dp * lay.fsdp,
             "pipeline_schedule": lay.pp_schedule,
             "virtual_stages": lay.virtual_stages,
-            "torch_compile": False,
+            "torch_compile": tr.compile,
         },
         "measured": {"iteration_time_s": statistics.median(times[1:])},
     }

@@ -254,3 +254,20 @@ def test_published_fsdp_with_a_pipeline_keeps_weights_gathered(tmp_path) -> None
     assert build(run).layout.zero == 2
     run["layout"] = {"gpus": 64, "tp": 2, "fsdp": 32, "global_batch": 64}
     assert build(run).layout.zero == 3
+
+
+def test_the_step_overhead_is_synchronisation_none_on_one_gpu() -> None:
+    """One GPU pays Adam's stream and nothing fixed (measured: benchmarks/bench_gpu.md); the overhead
+    grows with the reduction tree's depth and is the knob's value at 64 GPUs."""
+    from fivefold.plan.compute import step_overhead
+
+    hw = dataclasses.replace(load_hardware("h100-80gb"), step_overhead_s=0.03)
+    assert step_overhead(hw, 1) == 0.0
+    assert step_overhead(hw, 64) == pytest.approx(0.03)
+    assert step_overhead(hw, 8) < step_overhead(hw, 64) < step_overhead(hw, 4096) == pytest.approx(0.06)
+    shape = TrainShape(seq_len=2048, global_batch=8, micro_batch=1)
+    slow = dataclasses.replace(hw, step_overhead_s=10.0)
+    one = [plan(load_model("llama3-8b"), h, Layout(), shape).optimizer_time_s for h in (hw, slow)]
+    assert one[0] == pytest.approx(one[1])  # the knob never reaches a single GPU
+    eight = [plan(load_model("llama3-8b"), h, Layout(fsdp=8), shape).optimizer_time_s for h in (hw, slow)]
+    assert eight[1] - eight[0] == pytest.approx((10.0 - 0.03) / 2)  # log2(8) / log2(64)

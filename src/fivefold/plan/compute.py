@@ -11,6 +11,7 @@ the matmul efficiency.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from fivefold.config import HardwareSpec, Layout, ModelSpec
@@ -22,9 +23,12 @@ DEFAULT_FP8_SPEEDUP = 1.4  # fp8 over 16-bit matmul rate, end to end (peak ratio
 # FlashAttention-3 / cuDNN fused attention over FlashAttention-2 on H100 (Shah et al. 2024: 1.5-2.0×)
 FLASH3_SPEEDUP = 1.75
 ATTENTION_RATIO = 0.80  # attention kernels relative to plain GEMMs (softmax, masking, tiling)
-# every step also pays a fixed time no layout changes: the optimizer's and clipping's kernel launches,
-# the loss and grad-norm synchronisation with the host, the next batch (a fitted knob, docs/planner.md)
-DEFAULT_STEP_OVERHEAD_S = 0.0435  # fitted to every bundled source (docs/planner.md)
+# every step also pays a time no layout changes: the step's small host-synchronised collectives (loss,
+# grad norm, found-inf) and the wait for the slowest rank before them. Both grow with the depth of the
+# reduction tree, log2(GPUs), and vanish on one GPU, whose measured step is compute plus Adam's stream
+# (benchmarks/bench_gpu.md). The knob is the overhead at 64 GPUs (fitted, docs/planner.md).
+DEFAULT_STEP_OVERHEAD_S = 0.0376  # fitted to every bundled source (docs/planner.md)
+OVERHEAD_REFERENCE_GPUS = 64
 OPTIMIZER_BYTES_PER_PARAM = 34  # Adam step: read grad + master/m/v, write master/m/v/16-bit param, zero grad
 BYTES = 2  # 16-bit activations
 HOST_LINK_BPS = 25e9  # PCIe 4.0 x16 per GPU, one direction, sustained
@@ -203,13 +207,20 @@ def head_time(
     return fwd, bwd
 
 
+def step_overhead(hw: HardwareSpec, gpus: int) -> float:
+    """Seconds a step of `gpus` ranks spends on its synchronisation: the knob (its value at 64 GPUs)
+    scaled by the reduction tree's depth, log2(gpus) / log2(64); none on one GPU."""
+    knob = hw.step_overhead_s or DEFAULT_STEP_OVERHEAD_S
+    return knob * math.log2(max(gpus, 1)) / math.log2(OVERHEAD_REFERENCE_GPUS)
+
+
 def optimizer_time(
-    local_params: float, rates: Rates, hw: HardwareSpec | None = None, offload: bool = False
+    local_params: float, rates: Rates, hw: HardwareSpec | None = None, offload: bool = False, gpus: int = 1
 ) -> float:
-    """Adam over the parameters this rank updates (a memory-bound stream), plus the step's fixed
-    overhead when `hw` is given. Offloaded, the gradients go down and the 16-bit weights come back
-    over PCIe and the host streams the update."""
-    overhead = (hw.step_overhead_s or DEFAULT_STEP_OVERHEAD_S) if hw is not None else 0.0
+    """Adam over the parameters this rank updates (a memory-bound stream), plus the step's
+    synchronisation overhead for `gpus` ranks when `hw` is given. Offloaded, the gradients go down
+    and the 16-bit weights come back over PCIe and the host streams the update."""
+    overhead = step_overhead(hw, gpus) if hw is not None else 0.0
     if offload:
         moved = local_params * (4 + BYTES) / HOST_LINK_BPS
         return moved + OPTIMIZER_BYTES_PER_PARAM * local_params / HOST_MEMORY_BPS + overhead

@@ -346,7 +346,7 @@ def _plan(
     data_parallel_traffic(layout, shape, m, dense, experts, kinds, add, t_f, t_b, hw)
     n = shard_group(layout)
     local = (dense / n + experts / max(n // layout.ep, 1)) if layout.zero >= 1 else dense + experts
-    opt = optimizer_time(local, rates, hw, offload=shape.offload_optimizer)
+    opt = optimizer_time(local, rates, hw, offload=shape.offload_optimizer, gpus=layout.world)
     exposed = sum(c.exposed_s for c in comms.values() if c.axis in ("dp", "fsdp", "pp"))
     step = pipeline_time + exposed + opt
 

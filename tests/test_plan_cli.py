@@ -285,6 +285,13 @@ def test_calibrate_reads_run_directories(capsys, tmp_path) -> None:
     assert code == 0
     step = json.loads(capsys.readouterr().out)["step_time_s"]
     assert step == pytest.approx(2.0, rel=0.05)  # the median step after the first, reproduced
+    # --validate with --hardware plans the run directory on the calibrated file, not on the preset
+    assert main(["plan", "--validate", str(run), "--hardware", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert f"on --hardware {out_file}" in out
+    row = next(line for line in out.splitlines() if line.startswith("run-dp2")).split()
+    error = float(next(cell for cell in row if cell.endswith("%")).rstrip("%"))  # the first % column
+    assert abs(error) < 5
 
 
 def test_a_gpu_run_directory_is_planned_on_the_gpu_it_ran_on(tmp_path) -> None:

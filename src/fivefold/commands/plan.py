@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="*",
         metavar="RUNS.toml",
         default=None,
-        help="predicted vs published for every run (default: the bundled reference sets)",
+        help="predicted vs published for every run (default: the bundled reference sets); given "
+        "files or run directories with --hardware are planned on that hardware (a --calibrate file)",
     )
     runs.add_argument(
         "--cross-validate",

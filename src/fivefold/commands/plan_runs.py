@@ -41,9 +41,13 @@ def run_runs(args: argparse.Namespace) -> int:
     for line in left_out:
         print(line, file=sys.stderr)
     if not cross and paths:  # someone's own runs: predicted as the planner ships, nothing refitted
+        title = "as shipped (preset knobs; the constant is the bundled runs' median MFU)"
+        given = getattr(args, "hardware", None)
+        if given is not None:  # e.g. the file `--calibrate` wrote: does it predict the other runs?
+            cases = _on_hardware(cases, given)
+            title = f"on --hardware {given} (the constant is the bundled runs' median MFU)"
         shipped = V.as_shipped(cases, _runs([])[0])
         print(V.per_run_table(shipped))
-        title = "as shipped (preset knobs; the constant is the bundled runs' median MFU)"
         print(V.source_table(shipped, title))
         return 0
     inside = V.in_sample(cases)
@@ -57,6 +61,16 @@ def run_runs(args: argparse.Namespace) -> int:
         print(V.source_table(loso, "leave-one-source-out (knobs fitted without the source)"))
         print(V.knobs_table(loso))
     return 0
+
+
+def _on_hardware(cases: list, name: str) -> list:
+    """The cases planned on hardware `name` (a preset or HW.toml) instead of the GPU each names."""
+    import dataclasses
+
+    from fivefold.config import load_hardware
+
+    hw = load_hardware(name)
+    return [dataclasses.replace(c, inputs=dataclasses.replace(c.inputs, hw=hw)) for c in cases]
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -316,6 +316,21 @@ def test_a_gpu_run_directory_is_planned_on_the_gpu_it_ran_on(tmp_path) -> None:
     assert described["layout"]["torch_compile"] is True
     (run / "run.json").write_text("not json")  # an older or damaged run.json: the device decides
     assert run_from_dir(run)["hardware"]["gpu"] == "H100"
+    (run / "run.json").write_text(json.dumps({"mfu_peak_from": "../../etc/passwd"}))  # only a preset's name
+    assert run_from_dir(run)["hardware"]["gpu"] == "H100"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--validate", "--hardware", "h200"],
+        ["--cross-validate", "--hardware", "h200"],
+        ["--calibrate", "RUNS.toml", "--hardware", "h200"],
+    ],
+)
+def test_hardware_is_refused_where_runs_name_their_own_gpu(capsys, argv) -> None:
+    assert main(["plan", *argv]) == 2
+    assert "--hardware applies to --validate with your own runs" in capsys.readouterr().err
 
 
 def test_calibrate_separates_compute_from_collective_latency(capsys, tmp_path) -> None:

@@ -31,10 +31,15 @@ def _runs(paths: list[str]) -> tuple[list, list[str]]:
 def run_runs(args: argparse.Namespace) -> int:
     from fivefold.plan import validation as V
 
-    if args.calibrate is not None:
-        return _calibrate(args)
     cross = args.cross_validate is not None
     paths = args.cross_validate if cross else args.validate
+    if getattr(args, "hardware", None) is not None and (args.calibrate is not None or cross or not paths):
+        raise FivefoldError(
+            "--hardware applies to --validate with your own runs files or run directories; "
+            "--calibrate, --cross-validate and the bundled sets plan each run on the GPU it names"
+        )
+    if args.calibrate is not None:
+        return _calibrate(args)
     cases, left_out = _runs(paths)
     if not cases:
         raise FivefoldError("no run with a model shape and a published throughput to compare")

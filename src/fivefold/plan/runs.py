@@ -426,7 +426,7 @@ def _measured_on(run_dir: Path, device: str) -> str:
         named = json.loads((run_dir / "run.json").read_text()).get("mfu_peak_from")
     except (OSError, ValueError, AttributeError):
         named = None
-    if isinstance(named, str) and named:
+    if named in set(GPU_PRESETS.values()):  # a preset's name, nothing else a file could smuggle in
         return named
     return "H100" if device == "cuda" else "cpu"
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import re
 import subprocess
@@ -121,6 +122,21 @@ def _pooled(runs: list[dict]) -> float | None:
     return median(steps)
 
 
+def order_balanced(found: list[dict]) -> float | None:
+    """The ratio with the run order cancelled: the geometric mean of the rounds in which TorchTitan
+    ran first and of those in which fivefold did, each side averaged geometrically (None unless the
+    rounds hold both orders). The first run of a cell meets whatever the machine did just before,
+    so one round's ratio can carry a bias of either sign; rounds in both orders cancel it."""
+    by_first: dict[str, list[float]] = {}
+    for r in found:
+        if "ratio" in r.get("res", {}) and r.get("first") in ("titan", "fivefold"):
+            by_first.setdefault(r["first"], []).append(r["res"]["ratio"])
+    if len(by_first) < 2:
+        return None
+    sides = [math.exp(sum(map(math.log, v)) / len(v)) for v in by_first.values()]
+    return math.sqrt(sides[0] * sides[1])
+
+
 def table(outs: list[tuple[Path, Path]], title: str) -> str:
     header = next((ln for ln in outs[0][1].read_text().splitlines() if ln.startswith("# compare.sh")), "")
     rows, starts = _rounds(outs)
@@ -132,13 +148,13 @@ def table(outs: list[tuple[Path, Path]], title: str) -> str:
         f"`{header.lstrip('# ')}`{pooled}" if header else "",
         "",
         "| case | dtype | tokens/step | TorchTitan tok/s | fivefold tok/s | ratio "
-        + ("| ratio per round " if many else "")
+        + ("| ratio per round (who ran first) | both orders " if many else "")
         + "| load at start (titan / fivefold) |",
-        "|---|---|---|---|---|---|---|" + ("---|" if many else ""),
+        "|---|---|---|---|---|---|---|" + ("---|---|" if many else ""),
     ]
     for (case, dtype), found in rows.items():
         if "na" in found[0]:
-            gap = " - |" if many else ""
+            gap = " - | - |" if many else ""
             lines.append(f"| {case} | {dtype} | - | n/a | n/a | - |{gap} {found[0]['na']} |")
             continue
         titan_runs = [r["res"]["titan"] for r in found]
@@ -151,11 +167,17 @@ def table(outs: list[tuple[Path, Path]], title: str) -> str:
             return "FAIL (" + "; ".join(r.get("error", "?") for r in runs if "tok_s" not in r) + ")"
 
         ratio = f"**{ff / titan:.3f}**" if ff is not None and titan else "-"
-        per_round = ", ".join(f"{r['res']['ratio']:.3f}" if "ratio" in r["res"] else "-" for r in found)
+        per_round = ", ".join(
+            f"{r['res']['ratio']:.3f} ({'T' if r.get('first') == 'titan' else 'F'})"
+            if "ratio" in r["res"]
+            else "-"
+            for r in found
+        )
+        balanced = order_balanced(found)
         tokens = ff_runs[0].get("tokens_per_step", titan_runs[0].get("tokens_per_step", "?"))
         cells = [case, dtype, str(tokens), rate(titan, titan_runs), rate(ff, ff_runs), ratio]
         if many:
-            cells.append(per_round)
+            cells += [per_round, f"**{balanced:.3f}**" if balanced else "-"]
         cells.append("; ".join(starts[(case, dtype)]))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,41 @@
+"""The benchmark scripts' own arithmetic and their behaviour where the peer or the GPU is missing."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_order_balanced_ratio_cancels_who_ran_first() -> None:
+    order_balanced = _load("bench_vs_torchtitan").order_balanced
+    rows = [
+        {"first": "titan", "res": {"ratio": 1.10}},
+        {"first": "titan", "res": {"ratio": 1.00}},
+        {"first": "fivefold", "res": {"ratio": 0.90}},
+    ]
+    titan_side = math.sqrt(1.10 * 1.00)
+    assert order_balanced(rows) == pytest.approx(math.sqrt(titan_side * 0.90))
+    assert order_balanced(rows[:2]) is None  # one order only: nothing to cancel
+    assert order_balanced([{"first": "titan", "res": {}}, {"first": "fivefold", "res": {}}]) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+def test_the_gpu_benchmark_says_so_and_succeeds_without_a_gpu() -> None:
+    done = subprocess.run([sys.executable, str(BENCH / "bench_gpu.py")], capture_output=True, text=True)
+    assert done.returncode == 0
+    assert "no CUDA GPU" in done.stdout

@@ -316,8 +316,9 @@ def test_a_gpu_run_directory_is_planned_on_the_gpu_it_ran_on(tmp_path) -> None:
     assert described["layout"]["torch_compile"] is True
     (run / "run.json").write_text("not json")  # an older or damaged run.json: the device decides
     assert run_from_dir(run)["hardware"]["gpu"] == "H100"
-    (run / "run.json").write_text(json.dumps({"mfu_peak_from": "../../etc/passwd"}))  # only a preset's name
-    assert run_from_dir(run)["hardware"]["gpu"] == "H100"
+    for hostile in ("../../etc/passwd", ["h200"], {"a": 1}):  # only a preset's name is taken
+        (run / "run.json").write_text(json.dumps({"mfu_peak_from": hostile}))
+        assert run_from_dir(run)["hardware"]["gpu"] == "H100"
 
 
 @pytest.mark.parametrize(

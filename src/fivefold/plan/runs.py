@@ -426,15 +426,15 @@ def _measured_on(run_dir: Path, device: str) -> str:
         named = json.loads((run_dir / "run.json").read_text()).get("mfu_peak_from")
     except (OSError, ValueError, AttributeError):
         named = None
-    if named in set(GPU_PRESETS.values()):  # a preset's name, nothing else a file could smuggle in
+    if isinstance(named, str) and named in GPU_PRESETS.values():  # a preset's name, nothing else
         return named
     return "H100" if device == "cuda" else "cpu"
 
 
 def run_from_dir(path: str | Path) -> dict[str, Any]:
     """A fivefold run directory (`config.toml` + `metrics.jsonl`) as a run of the reference schema:
-    its model, layout and batch, on the machine it ran on (the `cpu` preset unless `device` says
-    cuda), and the median step time after the first step."""
+    its model, layout and batch, on the machine it ran on (`_measured_on`), with fused kernels if it
+    ran compiled, and the median step time after the first step."""
     import json
     import statistics
 

@@ -28,7 +28,7 @@ from fivefold.layout_math import (
 )
 from fivefold.plan.comm import collective_time, worst_link
 from fivefold.plan.memory import shard_group
-from fivefold.plan.runshape import Chunk, RunShape, Traffic
+from fivefold.plan.runshape import Chunk, RunShape, Traffic, fsdp_sync_deferred
 from fivefold.plan.spec import TrainShape
 
 GRAD_BYTES = 4  # fp32 gradients and master weights, whatever the compute dtype
@@ -137,7 +137,7 @@ def data_parallel_traffic(
         }
         # torch's pipeline stage syncs FSDP gradients at the last backward of the step only (as
         # fivefold's ledger counts it): one reduce-scatter a step behind that backward, not m
-        rs_each = layout.pp == 1
+        rs_each = not fsdp_sync_deferred(layout)
         busy_f = sum(t_ag.values())
         busy_b = bwd_gathers * busy_f + (sum(t_rs.values()) if rs_each else 0.0)
         exposed_f = max(busy_f - t_f, 0.0)

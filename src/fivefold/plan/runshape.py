@@ -16,6 +16,13 @@ from fivefold.layout_math import rank_stages, stage_split
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
+def fsdp_sync_deferred(layout: Layout) -> bool:
+    """Whether FSDP's gradients sync once a step instead of every micro-batch: torch's pipeline stage
+    defers the sync to its last backward. The ledger (`RunShape.fsdp_syncs`) and the time model
+    (`plan.dataparallel`) both ask here."""
+    return layout.pp > 1
+
+
 @dataclass(frozen=True)
 class Chunk:
     stage: int
@@ -63,7 +70,7 @@ class RunShape:
     def fsdp_syncs(self) -> int:
         """FSDP gradient reductions a step: every micro-batch's (the runner keeps FSDP's gradients
         sharded), except in a pipeline, whose stage defers them to its last backward."""
-        return 1 if self.layout.pp > 1 else self.microbatches
+        return 1 if fsdp_sync_deferred(self.layout) else self.microbatches
 
     @property
     def tokens(self) -> int:

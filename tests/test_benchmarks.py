@@ -39,3 +39,15 @@ def test_the_gpu_benchmark_says_so_and_succeeds_without_a_gpu() -> None:
     done = subprocess.run([sys.executable, str(BENCH / "bench_gpu.py")], capture_output=True, text=True)
     assert done.returncode == 0
     assert "no CUDA GPU" in done.stdout
+
+
+def test_plan_against_run_trains_plans_and_calibrates_here(tmp_path) -> None:
+    """The script behind docs/planner.md's GPU calibration table, on this CPU with the tiny model."""
+    keep = tmp_path / "runs"
+    command = [sys.executable, str(BENCH / "bench_plan_vs_run.py"), "--device", "cpu", "--model", "tiny"]
+    command += ["--dtype", "fp32", "--steps", "3", "--seq", "32", "--no-compile", "--keep-runs", str(keep)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| eager-")]
+    assert len(rows) == 5 and "(fitted)" in rows[0]
+    assert sorted(p.name for p in keep.iterdir()) == sorted(row.split()[1] for row in rows)

@@ -1,0 +1,168 @@
+"""The planner against fivefold's own runs on one device: as shipped, and calibrated on one run.
+
+Trains six layouts of one model on one device with `fivefold train` (eager micro-batches 4 and 2,
+twice the sequence, micro-batch 8 with full recompute, 4 accumulated micro-batches, and compiled),
+then predicts each run directory's median step time twice: with the knobs fivefold ships, and
+with the knobs `fivefold plan --calibrate` fits to the first run alone. The second column is what a
+user gets from one calibration run on their own machine; the table in docs/planner.md
+(Calibration knobs) came from this script on an H200.
+
+The same from the command line, on the run directories this leaves with `--keep-runs DIR`:
+
+    fivefold plan --validate DIR/*                          # as shipped
+    fivefold plan --calibrate DIR/eager-mb4 --out cal.toml  # fit on one run
+    fivefold plan --validate DIR/* --hardware cal.toml      # the others on the fitted file
+
+Without a CUDA GPU it says so and exits 0, unless `--device cpu` asks for a run here (with a small
+`--model`, e.g. `tiny`, this is how the script is tested).
+
+Run: python benchmarks/bench_plan_vs_run.py [--device cuda|cpu] [--model TOML|PRESET] [--steps 10]
+     [--seq 2048] [--no-compile] [--keep-runs DIR] [--md OUT.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+# name -> (micro-batch, global batch, sequence multiple, extra flags)
+LAYOUTS: dict[str, tuple[int, int, int, list[str]]] = {
+    "eager-mb4": (4, 4, 1, []),
+    "eager-mb2": (2, 2, 1, []),
+    "eager-long": (2, 2, 2, []),
+    "eager-full-mb8": (8, 8, 1, ["--recompute", "full"]),
+    "eager-accum4": (2, 8, 1, []),
+    "compiled-mb2": (2, 2, 1, ["--compile"]),
+}
+
+
+def default_model(tmp: Path) -> str:
+    """Llama 3.2 1B's shape (the model of benchmarks/bench_gpu.py), as a model TOML."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_gpu import MODEL, model_toml
+
+    return str(model_toml(MODEL, tmp / "llama-1b.toml"))
+
+
+def train(name: str, model: str, args: argparse.Namespace, out: Path) -> Path | str:
+    """One layout's run directory, or the error's last line."""
+    micro, batch, seq_times, extra = LAYOUTS[name]
+    run_dir = out / name
+    command = [
+        sys.executable, "-m", "fivefold", "train", "--model", model, "--device", args.device,
+        "--dtype", args.dtype, "--steps", str(args.steps), "--warmup", "1",
+        "--seq-len", str(args.seq * seq_times), "--micro-batch", str(micro), "--global-batch", str(batch),
+        "--eval-every", str(10 * args.steps), "--checkpoint-every", "-1", "--recompute", "none",
+        "--run-dir", str(run_dir), "--no-progress", *extra,
+    ]  # fmt: skip
+    if "--recompute" in extra:  # the layout's own recompute replaces the default above
+        at = command.index("--recompute")
+        del command[at : at + 2]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        return (done.stderr or done.stdout).strip().splitlines()[-1]
+    return run_dir
+
+
+def measured_step(run_dir: Path) -> float:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(r["step_time_s"] for r in records[1:])
+
+
+def compare(run_dirs: list[Path]) -> list[dict]:
+    """Per run: measured step, and the error of the plan as shipped and after calibrating on the
+    first run (predicted ÷ measured throughput − 1, as `plan --validate` prints it)."""
+    from fivefold.plan import validation as V
+    from fivefold.plan.runs import run_from_dir
+
+    cases = V.cases([run_from_dir(d) for d in run_dirs])
+    fitted = V.fit(cases[:1]).apply(cases[0].inputs.hw)
+    rows = []
+    for case, run_dir in zip(cases, run_dirs):
+        on_fitted = dataclasses.replace(case, inputs=dataclasses.replace(case.inputs, hw=fitted))
+        rows.append(
+            {
+                "run": case.id,
+                "measured_step_s": measured_step(run_dir),
+                "shipped": V.predict(case).error,
+                "calibrated": V.predict(on_fitted).error,
+            }
+        )
+    return rows
+
+
+def table(rows: list[dict], failed: dict[str, str], first: str) -> str:
+    lines = [
+        f"| run | measured step | as shipped | calibrated on `{first}` alone |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        fitted = " (fitted)" if r["run"] == first else ""
+        cells = (
+            r["run"],
+            f"{r['measured_step_s']:.4g} s",
+            f"{r['shipped']:+.1%}",
+            f"{r['calibrated']:+.1%}{fitted}",
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    for name, error in failed.items():
+        lines.append(f"| {name} | failed: {error[:100]} | | |")
+    held_out = [abs(r["calibrated"]) for r in rows if r["run"] != first]
+    if held_out:
+        lines.append("")
+        worst, mean = max(held_out), statistics.mean(held_out)
+        lines.append(f"- calibrated on one run, the others: worst {worst:.1%}, mean {mean:.1%}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--model", help="model preset or TOML (default: Llama 3.2 1B's shape)")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence (eager-long: twice)")
+    parser.add_argument("--no-compile", action="store_true", help="leave out the compiled layout")
+    parser.add_argument("--keep-runs", help="copy the run directories here")
+    parser.add_argument("--md", help="append the table to this Markdown file")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_plan_vs_run: no CUDA GPU here; nothing to measure (--device cpu runs here)")
+        return 0
+    names = [n for n in LAYOUTS if not (args.no_compile and "--compile" in LAYOUTS[n][3])]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        model = args.model or default_model(out)
+        run_dirs, failed = [], {}
+        for name in names:
+            result = train(name, model, args, out)
+            if isinstance(result, Path):
+                run_dirs.append(result)
+            else:
+                failed[name] = result
+            print(f"{name}: {'trained' if isinstance(result, Path) else 'failed: ' + result}", flush=True)
+        if not run_dirs or run_dirs[0].name != names[0]:
+            print(f"bench_plan_vs_run: {names[0]} did not train; nothing to calibrate on", file=sys.stderr)
+            return 1
+        text = table(compare(run_dirs), failed, names[0])
+        if args.keep_runs:
+            for run_dir in run_dirs:
+                shutil.copytree(run_dir, Path(args.keep_runs) / run_dir.name, dirs_exist_ok=True)
+    print(text)
+    if args.md:
+        with open(args.md, "a") as fh:
+            fh.write(text + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -60,15 +60,24 @@ def model_toml(spec: ModelSpec, path: Path) -> Path:
     return path
 
 
-def fivefold_run(toml: Path, args: argparse.Namespace, compiled: bool, workdir: Path) -> dict[str, Any]:
-    run_dir = workdir / ("fivefold-compiled" if compiled else "fivefold-eager")
-    command = [
-        sys.executable, "-m", "fivefold", "train", "--model", str(toml), "--device", "cuda",
-        "--dtype", "bf16", "--steps", str(args.steps), "--warmup", "1", "--seq-len", str(args.seq),
-        "--micro-batch", str(args.micro_batch), "--global-batch", str(args.micro_batch),
-        "--eval-every", str(10 * args.steps), "--checkpoint-every", "-1",
+def train_command(
+    model: str, run_dir: Path, device: str, dtype: str, steps: int, seq: int, micro: int, batch: int
+) -> list[str]:
+    """`fivefold train` for a benchmark: no checkpoint, the held-out loss only after the last step."""
+    return [
+        sys.executable, "-m", "fivefold", "train", "--model", model, "--device", device,
+        "--dtype", dtype, "--steps", str(steps), "--warmup", "1", "--seq-len", str(seq),
+        "--micro-batch", str(micro), "--global-batch", str(batch),
+        "--eval-every", str(10 * steps), "--checkpoint-every", "-1",
         "--run-dir", str(run_dir), "--no-progress",
     ]  # fmt: skip
+
+
+def fivefold_run(toml: Path, args: argparse.Namespace, compiled: bool, workdir: Path) -> dict[str, Any]:
+    run_dir = workdir / ("fivefold-compiled" if compiled else "fivefold-eager")
+    command = train_command(
+        str(toml), run_dir, "cuda", "bf16", args.steps, args.seq, args.micro_batch, args.micro_batch
+    )
     if compiled:
         command.append("--compile")
     start = time.perf_counter()

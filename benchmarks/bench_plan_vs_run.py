@@ -23,8 +23,6 @@ Run: python benchmarks/bench_plan_vs_run.py [--device cuda|cpu] [--model TOML|PR
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import shutil
 import statistics
 import subprocess
@@ -45,11 +43,12 @@ LAYOUTS: dict[str, tuple[int, int, int, list[str]]] = {
 }
 
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu import MODEL, model_toml, train_command  # noqa: E402  (a sibling script)
+
+
 def default_model(tmp: Path) -> str:
     """Llama 3.2 1B's shape (the model of benchmarks/bench_gpu.py), as a model TOML."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_gpu import MODEL, model_toml
-
     return str(model_toml(MODEL, tmp / "llama-1b.toml"))
 
 
@@ -57,25 +56,12 @@ def train(name: str, model: str, args: argparse.Namespace, out: Path) -> Path | 
     """One layout's run directory, or the error's last line."""
     micro, batch, seq_times, extra = LAYOUTS[name]
     run_dir = out / name
-    command = [
-        sys.executable, "-m", "fivefold", "train", "--model", model, "--device", args.device,
-        "--dtype", args.dtype, "--steps", str(args.steps), "--warmup", "1",
-        "--seq-len", str(args.seq * seq_times), "--micro-batch", str(micro), "--global-batch", str(batch),
-        "--eval-every", str(10 * args.steps), "--checkpoint-every", "-1", "--recompute", "none",
-        "--run-dir", str(run_dir), "--no-progress", *extra,
-    ]  # fmt: skip
-    if "--recompute" in extra:  # the layout's own recompute replaces the default above
-        at = command.index("--recompute")
-        del command[at : at + 2]
+    seq = args.seq * seq_times
+    command = train_command(model, run_dir, args.device, args.dtype, args.steps, seq, micro, batch) + extra
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         return (done.stderr or done.stdout).strip().splitlines()[-1]
     return run_dir
-
-
-def measured_step(run_dir: Path) -> float:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(r["step_time_s"] for r in records[1:])
 
 
 def compare(run_dirs: list[Path]) -> list[dict]:
@@ -87,13 +73,13 @@ def compare(run_dirs: list[Path]) -> list[dict]:
     cases = V.cases([run_from_dir(d) for d in run_dirs])
     fitted = V.fit(cases[:1]).apply(cases[0].inputs.hw)
     rows = []
-    for case, run_dir in zip(cases, run_dirs):
-        on_fitted = dataclasses.replace(case, inputs=dataclasses.replace(case.inputs, hw=fitted))
+    for case, on_fitted in zip(cases, V.on_hardware(cases, fitted)):
+        shipped = V.predict(case)  # its `published` is the run's median step after the first
         rows.append(
             {
                 "run": case.id,
-                "measured_step_s": measured_step(run_dir),
-                "shipped": V.predict(case).error,
+                "measured_step_s": shipped.published,
+                "shipped": shipped.error,
                 "calibrated": V.predict(on_fitted).error,
             }
         )

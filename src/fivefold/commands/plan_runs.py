@@ -33,7 +33,8 @@ def run_runs(args: argparse.Namespace) -> int:
 
     cross = args.cross_validate is not None
     paths = args.cross_validate if cross else args.validate
-    if getattr(args, "hardware", None) is not None and (args.calibrate is not None or cross or not paths):
+    given = getattr(args, "hardware", None)
+    if given is not None and (args.calibrate is not None or cross or not paths):
         raise FivefoldError(
             "--hardware applies to --validate with your own runs files or run directories; "
             "--calibrate, --cross-validate and the bundled sets plan each run on the GPU it names"
@@ -47,9 +48,10 @@ def run_runs(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr)
     if not cross and paths:  # someone's own runs: predicted as the planner ships, nothing refitted
         title = "as shipped (preset knobs; the constant is the bundled runs' median MFU)"
-        given = getattr(args, "hardware", None)
         if given is not None:  # e.g. the file `--calibrate` wrote: does it predict the other runs?
-            cases = _on_hardware(cases, given)
+            from fivefold.config import load_hardware
+
+            cases = V.on_hardware(cases, load_hardware(given))
             title = f"on --hardware {given} (the constant is the bundled runs' median MFU)"
         shipped = V.as_shipped(cases, _runs([])[0])
         print(V.per_run_table(shipped))
@@ -66,16 +68,6 @@ def run_runs(args: argparse.Namespace) -> int:
         print(V.source_table(loso, "leave-one-source-out (knobs fitted without the source)"))
         print(V.knobs_table(loso))
     return 0
-
-
-def _on_hardware(cases: list, name: str) -> list:
-    """The cases planned on hardware `name` (a preset or HW.toml) instead of the GPU each names."""
-    import dataclasses
-
-    from fivefold.config import load_hardware
-
-    hw = load_hardware(name)
-    return [dataclasses.replace(c, inputs=dataclasses.replace(c.inputs, hw=hw)) for c in cases]
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from fivefold.config import Layout, TrainSpec
 from fivefold.model.moe import set_aux_loss_scale
 from fivefold.model.transformer import lm_loss
-from fivefold.parallel.precision import forward_context
+from fivefold.parallel.precision import forward_context, uses_fsdp
 from fivefold.parallel.runner_core import RunnerCore, plain
 from fivefold.parallel.tensor import loss_context
 
@@ -39,7 +39,7 @@ class ParallelRunner(RunnerCore):
         self.is_fsdp_module = isinstance(model, FSDPModule)  # FSDP, HSDP or `replicate`
         self.is_ddp = isinstance(wrapped, DistributedDataParallel)
         self.cp, self.cp_rank = layout.cp, runtime_mesh.coord("cp")
-        self.sharded = layout.fsdp > 1  # FSDP proper, not replicate (FSDP's module over whole weights)
+        self.sharded = uses_fsdp(layout)  # FSDP proper, not replicate (FSDP's module over whole weights)
         # bf16: autocast around each forward, or nothing where FSDP2's policy casts the weights
         self.autocast = forward_context(train.dtype, layout, runtime_mesh.device_mesh.device_type)
 

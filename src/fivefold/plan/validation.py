@@ -409,6 +409,11 @@ def in_sample(all_cases: list[Case], knobs: Knobs | None = None) -> Validation:
     return Validation(preds, const, {"all": knobs})
 
 
+def on_hardware(cases: list[Case], hw: HardwareSpec) -> list[Case]:
+    """The cases planned on `hw` (a calibrated file, say) instead of the GPU each names."""
+    return [dataclasses.replace(c, inputs=dataclasses.replace(c.inputs, hw=hw)) for c in cases]
+
+
 def as_shipped(all_cases: list[Case], reference: list[Case] | None = None) -> Validation:
     """Every case predicted with the knobs fivefold ships (the hardware presets, fitted to the
     bundled runs), nothing refitted to the cases themselves; the constant predictor is the median

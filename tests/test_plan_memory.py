@@ -175,3 +175,29 @@ def test_fused_loss_keeps_only_16_bit_logits_and_hbm_is_binary() -> None:
         and fused.memory.detail["logits"] == 2 * tokens_vocab
     )
     assert capacity(hw) == 80 * 2**30 * (1 - MEMORY_RESERVE)  # an "80 GB" H100 holds 80 GiB
+
+
+def test_recomputing_some_blocks_trades_memory_for_time_linearly() -> None:
+    """Full recompute of the first N blocks of each chunk: each further block swaps its kept
+    activations for its input (the same bytes for every block) and adds its forward to the
+    backward; N at or above a chunk's layers is plain full recompute."""
+    model = gpt(96, 12288, 96)
+    hw = load_hardware("h100-80gb")
+    shape = TrainShape(seq_len=4096, global_batch=1152, micro_batch=1)
+    base = dict(dp=3, zero=1, tp=4, pp=8, sp=True, pp_schedule="interleaved-1f1b", virtual_stages=2)
+    plans = [plan(model, hw, Layout(**base).resolve(96), shape)]
+    plans += [
+        plan(model, hw, Layout(**base, recompute="full", recompute_layers=n).resolve(96), shape)
+        for n in range(1, 7)
+    ]
+    full = plan(model, hw, Layout(**base, recompute="full").resolve(96), shape)
+    acts = [p.memory.activations for p in plans]
+    steps = [(acts[i] - acts[i + 1]) for i in range(6)]
+    assert all(s > 0 for s in steps) and max(steps) == pytest.approx(min(steps), rel=1e-9)
+    assert acts[-1] == pytest.approx(full.memory.activations, rel=1e-12)
+    times = [p.compute_time_s for p in plans]
+    assert times == sorted(times) and times[-1] == pytest.approx(full.compute_time_s, rel=1e-12)
+    hfu = [p.hardware_flops_per_token for p in plans]
+    assert hfu == sorted(hfu) and hfu[3] == pytest.approx((hfu[0] + hfu[-1]) / 2, rel=1e-9)
+    too_many = Layout(**base, recompute="full", recompute_layers=50).resolve(96)
+    assert plan(model, hw, too_many, shape).memory.total == pytest.approx(full.memory.total, rel=1e-12)

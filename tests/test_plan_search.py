@@ -7,7 +7,7 @@ import time
 from fivefold.config import load_hardware, load_model
 from fivefold.plan import TrainShape, plan
 from fivefold.plan.result import capacity
-from fivefold.plan.search import search
+from fivefold.plan.search import layout_flags, search
 
 
 def test_405b_on_16k_gpus_is_fast_and_sensible() -> None:
@@ -85,3 +85,27 @@ def test_pinned_search_keeps_the_given_flags_and_searches_the_rest() -> None:
     assert all(p.layout.recompute == "full" and p.shape.micro_batch == 1 for p in one.plans)
     none = search(model, hw, 16384, shape, pins={"tp": 1, "pp": 1, "zero": 0})  # 6.5 TB of state per GPU
     assert not none.plans and "fixed" in none.explanation[0]
+
+
+def test_search_recomputes_the_fewest_blocks_that_fit() -> None:
+    """GPT-3 175B on 96 H100s, tp 4 × pp 8 interleaved: keeping every activation does not fit and
+    recomputing every block wastes time, so the search recomputes some blocks of each chunk: the
+    fewest that fit (one block fewer does not)."""
+    from fivefold.config import Layout, ModelSpec
+
+    model = ModelSpec(layers=96, hidden=12288, heads=96, kv_heads=96, ffn_hidden=4 * 12288, vocab=51200)
+    hw = load_hardware("h100-80gb")
+    shape = TrainShape(seq_len=4096, global_batch=1152)
+    pins = {"tp": 4, "pp": 8, "pp_schedule": "interleaved-1f1b", "virtual_stages": 2, "micro_batch": 1}
+    best = search(model, hw, 96, shape, top=1, pins=pins).plans[0]
+    lay = best.layout
+    assert lay.recompute == "full" and 0 < lay.recompute_layers < 6 and best.fits
+    for fewer in range(lay.recompute_layers):  # 0 blocks: keep every activation
+        rc = {"recompute": "full", "recompute_layers": fewer} if fewer else {"recompute": "none"}
+        assert not plan(model, hw, Layout(**{**vars(lay), **rc}), best.shape).fits
+    every = plan(model, hw, Layout(**{**vars(lay), "recompute_layers": 0}), best.shape)
+    assert best.step_time_s < every.step_time_s
+    assert f"--recompute full --recompute-layers {lay.recompute_layers}" in layout_flags(lay)
+    # pinned: a given block count is kept, and implies full recompute
+    two = search(model, hw, 96, shape, top=1, pins={**pins, "recompute_layers": 5}).plans[0]
+    assert (two.layout.recompute, two.layout.recompute_layers) == ("full", 5)

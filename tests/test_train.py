@@ -12,7 +12,7 @@ import torch
 from fivefold.config import Layout, RunConfig, TrainSpec, load_model
 from fivefold.measure.memory import ActivationMeter, state_bytes
 from fivefold.model import build_model, lm_loss, materialize
-from fivefold.parallel.recompute import apply_recompute, recompute_mode
+from fivefold.parallel.recompute import apply_recompute, blocks, is_recomputed, recompute_mode
 from fivefold.train import lr_at, train
 from fivefold.train.plots import read_metrics
 
@@ -98,9 +98,9 @@ def test_bf16_trains_close_to_fp32(tmp_path, corpus):
     assert bf16 != fp32  # autocast really ran in bf16
 
 
-def _grads_and_activations(mode: str, spec, batch):
+def _grads_and_activations(mode: str, spec, batch, layers: int = 0):
     model = materialize(build_model(spec), "cpu", seed=5)
-    apply_recompute(model, mode)
+    apply_recompute(model, mode, layers)
     x, y = batch
     with ActivationMeter() as meter:
         lm_loss(model(x), y).backward()
@@ -126,11 +126,37 @@ def test_recompute_gives_the_same_gradients_and_saves_less(model_name):
     )
 
 
+@pytest.mark.parametrize("model_name", ["tiny", "tiny-moe"])
+def test_recomputing_some_blocks_gives_the_same_gradients_and_saves_in_between(model_name):
+    """Full recompute of the first N blocks: the same gradients, and saved activations that fall
+    with N, from keeping everything (N = 0 blocks) to full recompute (every block)."""
+    spec = load_model(model_name)
+    gen = torch.Generator().manual_seed(1)
+    batch = (torch.randint(0, 256, (2, 64), generator=gen), torch.randint(0, 256, (2, 64), generator=gen))
+    ref, kept_all, _ = _grads_and_activations("none", spec, batch)
+    saved = [kept_all]
+    for n in range(1, spec.layers):
+        grads, kept, model = _grads_and_activations("full", spec, batch, layers=n)
+        assert [is_recomputed(b) for b in blocks(model)] == [i < n for i in range(spec.layers)]
+        for name in ref:
+            torch.testing.assert_close(grads[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+        saved.append(kept)
+    saved.append(_grads_and_activations("full", spec, batch)[1])
+    assert saved == sorted(saved, reverse=True) and len(set(saved)) == len(saved)
+    # as many blocks as the model has, or more, is plain full recompute
+    _, _, model = _grads_and_activations("full", spec, batch, layers=spec.layers + 3)
+    assert all(is_recomputed(b) for b in blocks(model)) and recompute_mode(model) == "full"
+
+
 def test_recompute_through_the_loop_matches(tmp_path, corpus):
     base = tiny_run(corpus, steps=3)
     plain = train(base, tmp_path / "none", progress=False).losses
     full = train(replace(base, layout=Layout(recompute="full")), tmp_path / "full", progress=False).losses
     assert full == pytest.approx(plain, rel=1e-6)
+    some = Layout(recompute="full", recompute_layers=2)
+    assert train(replace(base, layout=some), tmp_path / "some", progress=False).losses == pytest.approx(
+        plain, rel=1e-6
+    )
 
 
 def test_moe_model_trains(tmp_path, corpus):

@@ -36,6 +36,15 @@ PINNED = [
     ),
     layout_draw.Case(4, "tiny-moe", "fp32", {"fsdp": 2, "tp": 2, "sp": True, "ep": 2, "zero": 2}, 1),
 ]
+# full recompute of some blocks only (the first N of each chunk): the recomputed blocks' collectives
+# run twice, the others' once, across tp (+sp), cp (ulysses, ring), ep and a pipeline
+_SOME = {"recompute": "full", "recompute_layers": 1}
+PINNED += [
+    layout_draw.Case(2, "tiny-moe", "fp32", {"tp": 2, "sp": True, **_SOME}, 1),
+    layout_draw.Case(4, "tiny-moe", "bf16", {"fsdp": 2, "cp": 2, "cp_impl": "ulysses", "ep": 2, **_SOME}, 1),
+    layout_draw.Case(2, "tiny", "bf16", {"cp": 2, "recompute": "full", "recompute_layers": 3}, 1),
+    layout_draw.Case(2, "tiny", "fp32", {"pp": 2, "pp_schedule": "1f1b", "microbatches": 4, **_SOME}, 4),
+]
 CASES = layout_draw.draw(SEED, 30, WORLDS) + PINNED
 
 

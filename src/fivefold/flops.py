@@ -10,7 +10,8 @@ Model FLOPs (what MFU divides by peak) follow the PaLM / Megatron convention:
 and TorchTitan do; `causal=False` counts the full square, as Megatron's and PaLM's MFU do.
 Hardware FLOPs add the recomputed forward: full recompute adds one more forward of every
 transformer layer (2·N_matmul without the output head, which sits outside the checkpointed layers,
-+ attention forward); selective recompute adds the attention-core forward only.
++ attention forward), or of the share `recomputed` of them when only some blocks are recomputed;
+selective recompute adds the attention-core forward only.
 `matmul_params` overrides N_matmul for blocks ModelSpec does not describe (the planner's GPT block
 with a two-matrix MLP).
 """
@@ -49,13 +50,15 @@ def hardware_flops_per_token(
     recompute: str = "none",
     causal: bool = False,
     matmul_params: int | None = None,
+    recomputed: float = 1.0,
 ) -> float:
-    """Training FLOPs per token actually executed, including recomputation."""
+    """Training FLOPs per token actually executed, including recomputation (`recomputed`: the share
+    of layers full recompute re-runs)."""
     n = matmul_params_per_token(model) if matmul_params is None else matmul_params
     base = model_flops_per_token(model, seq_len, causal, matmul_params=n)
     attn_fwd = attention_flops_per_token(model, seq_len, causal)
     if recompute == "full":  # the output head is outside the checkpointed layers
-        return base + 2.0 * (n - model.vocab * model.hidden) + attn_fwd
+        return base + recomputed * (2.0 * (n - model.vocab * model.hidden) + attn_fwd)
     if recompute == "selective":
         return base + attn_fwd
     return base

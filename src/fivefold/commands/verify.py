@@ -184,6 +184,7 @@ def judge(
             train.dtype,
             r["coords"],
             r.get("rows_received"),
+            r.get("rows_received_once"),
         )
         for r in per_rank
     ]

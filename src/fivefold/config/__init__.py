@@ -16,6 +16,7 @@ from fivefold.config.layout import (
     RECOMPUTE,
     Layout,
     complete_order,
+    recomputed_blocks,
 )
 from fivefold.config.model import ModelSpec, check_seq_len
 from fivefold.config.presets import _preset_dir, load_hardware, load_model, preset_names
@@ -50,6 +51,7 @@ __all__ = [
     "load_model",
     "model_spec_from_hf",
     "preset_names",
+    "recomputed_blocks",
     "read_toml",
     "to_dict",
 ]

@@ -77,6 +77,14 @@ def add_layout_arguments(
         help="activation recomputation: full re-runs each block in the backward, selective only the "
         "attention core (default none)",
     )
+    g.add_argument(
+        "--recompute-layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --recompute full: re-run only the first N blocks of every model chunk (pipeline "
+        "stage or virtual stage) and keep the rest's activations (default 0: all blocks)",
+    )
 
 
 def layout_from_args(args: argparse.Namespace, base: Layout | None = None) -> Layout:

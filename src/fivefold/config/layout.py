@@ -27,6 +27,15 @@ RECOMPUTE = ("none", "selective", "full")
 CP_IMPLS = ("ring", "allgather", "ulysses")
 
 
+def recomputed_blocks(recompute: str, recompute_layers: int, blocks: int) -> int:
+    """How many of a chunk's `blocks` recompute re-runs whole: under full recompute the first
+    `recompute_layers` of them (all when 0 or more than the chunk has), none otherwise. The runtime
+    wraps these blocks and the planner counts them: one rule for both."""
+    if recompute != "full":
+        return 0
+    return blocks if recompute_layers <= 0 else min(recompute_layers, blocks)
+
+
 def complete_order(order: str) -> str:
     """`order` with the axes it leaves out appended in the default order: "cp,tp" -> "cp,tp,fsdp,dp,pp"."""
     if not isinstance(order, str):
@@ -62,6 +71,7 @@ class Layout:
     pp_split: str = ""  # manual split: comma-separated layer counts per stage
     cp_impl: str = "ring"
     recompute: str = "none"
+    recompute_layers: int = 0  # under full recompute: the first N blocks of every chunk (0: all)
 
     @property
     def world(self) -> int:
@@ -71,6 +81,14 @@ class Layout:
     def order_list(self) -> list[str]:
         """Every world axis, innermost first: the given order, then the rest in the default order."""
         return complete_order(self.order).split(",")
+
+    @property
+    def recompute_label(self) -> str:
+        """The recompute in words: none, selective, full, or "full (first 3 blocks per chunk)"."""
+        if self.recompute == "full" and self.recompute_layers > 0:
+            n = self.recompute_layers
+            return f"full (first {n} block{'s' if n > 1 else ''} per chunk)"
+        return self.recompute
 
     @property
     def data_parallel(self) -> int:
@@ -125,6 +143,15 @@ class Layout:
             raise FivefoldError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}")
         if lay.recompute not in RECOMPUTE:
             raise FivefoldError(f"--recompute must be one of {', '.join(RECOMPUTE)}")
+        if not isinstance(lay.recompute_layers, int) or lay.recompute_layers < 0:
+            raise FivefoldError(
+                f"--recompute-layers must be a count of blocks >= 0 (0: all), got {lay.recompute_layers!r}"
+            )
+        if lay.recompute_layers and lay.recompute != "full":
+            raise FivefoldError(
+                f"--recompute-layers {lay.recompute_layers} chooses how many blocks of each chunk full "
+                f"recompute re-runs; add --recompute full (got --recompute {lay.recompute})"
+            )
         if lay.cp_impl not in CP_IMPLS:
             raise FivefoldError(f"--cp-impl must be one of {', '.join(CP_IMPLS)}")
         if lay.virtual_stages < 1:

@@ -51,7 +51,7 @@ def parallelize_chunk(
     if layout.cp > 1:  # tp shards the heads, cp the sequence: the cp core sees this rank's heads
         apply_context_parallel(module, runtime_mesh.group("cp"), layout.cp, layout.cp_impl)
     if layout.recompute != "none":
-        apply_recompute(module, layout.recompute)
+        apply_recompute(module, layout.recompute, layout.recompute_layers)
     if train.compile:  # after TP and recompute, before FSDP wraps the blocks
         compile_blocks(module)
     device = torch.device(runtime_mesh.device_mesh.device_type)

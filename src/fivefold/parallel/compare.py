@@ -188,18 +188,18 @@ def measure_layout(
     runner, optimizers = build_layout(spec, train, layout, runtime_mesh)
     ledger = CommLedger(runtime_mesh)
     meter = ActivationMeter()
-    routed = {"before": 0, "after": 0}
+    routed = {"before": 0, "after": 0, "once_before": 0, "once_after": 0}
 
     def hook(at: int, phase: str) -> None:
         if at != ledger_step:
             return
         if phase == "begin":
-            routed["before"] = rows_received(runner)
+            routed["before"], routed["once_before"] = rows_received(runner), rows_received(runner, once=True)
             ledger.__enter__()
             meter.__enter__()
         elif phase == "backward":
             meter.__exit__(None, None, None)
-            routed["after"] = rows_received(runner)
+            routed["after"], routed["once_after"] = rows_received(runner), rows_received(runner, once=True)
         else:
             ledger.__exit__(None, None, None)
 
@@ -220,15 +220,21 @@ def measure_layout(
         "activations": meter.peak_bytes,
         "process_peak": max(device_memory(device).values()),
         "rows_received": routed["after"] - routed["before"],
+        "rows_received_once": routed["once_after"] - routed["once_before"],
     }
 
 
-def rows_received(runner: Any) -> int:
-    """Rows the expert-parallel dispatch has handed this rank's experts so far."""
+def rows_received(runner: Any, once: bool = False) -> int:
+    """Rows the expert-parallel dispatch has handed this rank's experts so far; `once`: counting the
+    forward that full recompute repeats in the backward once (it routes the same rows again)."""
     if runner is None:
         return 0
     from fivefold.model.moe import moe_layers
+    from fivefold.parallel.recompute import blocks, is_recomputed
 
-    return sum(
-        getattr(moe.experts, "rows_received", 0) for part in runner.model_parts for moe in moe_layers(part)
-    )
+    total = 0
+    for part in runner.model_parts:
+        for block in blocks(part):
+            rows = sum(getattr(moe.experts, "rows_received", 0) for moe in moe_layers(block))
+            total += rows // 2 if once and is_recomputed(block) else rows
+    return total

@@ -4,7 +4,10 @@
   * `selective` recompute only the attention core (scores, softmax, weighted sum) of each block,
                 as Megatron's selective recompute does: it is the part whose saved tensors grow
                 with s² while costing few FLOPs to redo;
-  * `full`      keep only each block's input and recompute the whole block in backward.
+  * `full`      keep only each block's input and recompute the whole block in backward;
+                with `--recompute-layers N` only the first N blocks of each chunk (Megatron's
+                block method, TorchTitan's layer-level AC on a subset): the blocks left alone keep
+                their activations, which spends the memory that is left on less recompute.
 
 Each chosen module's forward is routed through `torch.utils.checkpoint.checkpoint` (the
 non-reentrant implementation torch's checkpoint wrapper uses) by swapping the module's class for
@@ -21,7 +24,7 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fivefold.config import RECOMPUTE
+from fivefold.config import RECOMPUTE, recomputed_blocks
 from fivefold.errors import FivefoldError
 
 _MARK = "_fivefold_recompute"
@@ -57,15 +60,29 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
 
-def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
-    """Apply `mode` (none | selective | full) to every block of `model` (or of a pipeline chunk)."""
+def apply_recompute(model: nn.Module, mode: str, layers: int = 0) -> nn.Module:
+    """Apply `mode` (none | selective | full) to the blocks of `model` (or of a pipeline chunk):
+    every block, or under full recompute the first `layers` of them (0: all)."""
     if mode not in RECOMPUTE:
         raise FivefoldError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {mode!r}")
     if mode == "none":
         return model
-    for block in _blocks(model):
+    blocks = _blocks(model)
+    if mode == "full":
+        blocks = blocks[: recomputed_blocks(mode, layers, len(blocks))]
+    for block in blocks:
         _checkpoint_forward(block.self_attn.core if mode == "selective" else block)
     return model
+
+
+def is_recomputed(block: nn.Module) -> bool:
+    """Whether `block` runs its whole forward again in the backward (full recompute)."""
+    return bool(getattr(block, _MARK, False))
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of `model` (or of a pipeline chunk), in order."""
+    return _blocks(model)
 
 
 def recompute_mode(model: nn.Module) -> str:

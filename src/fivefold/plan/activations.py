@@ -14,7 +14,8 @@ run's dtypes (fp32 stream under autocast, matmul outputs in the compute dtype):
   * SwiGLU: gate, silu(gate), up and their product (f/tp wide).
 Once per micro-batch: the token ids, cos/sin, and on the last stage the final norm, the logits and
 their log-softmax (fp32, vocab/tp wide). Selective recompute drops the attention core's saved
-tensors (q, k, v and the output are kept at its boundary); full recompute keeps each block's input.
+tensors (q, k, v and the output are kept at its boundary); full recompute keeps each recomputed
+block's input (every block's, or the first `recompute_layers` of each chunk's).
 """
 
 from __future__ import annotations
@@ -40,12 +41,14 @@ def _weights(run: RunShape, elements: float) -> float:
     return 2 * elements if run.autocast else 0.0
 
 
-def layer_saved(run: RunShape, moe: bool) -> float:
+def layer_saved(run: RunShape, moe: bool, recomputed: bool | None = None) -> float:
+    """Saved bytes of one block for one micro-batch; `recomputed`: whether full recompute re-runs
+    this block (default: every block under full recompute)."""
     spec, lay = run.spec, run.layout
     t, tp, h, d = run.tokens, lay.tp, spec.hidden, spec.head_dim
     n = t // tp if lay.sp else t
     st, mm = run.stream_bytes, run.act_bytes
-    if lay.recompute == "full":  # the block's input, kept by the checkpoint
+    if lay.recompute == "full" if recomputed is None else recomputed:  # the input, kept by the checkpoint
         return n * h * st
     heads = spec.heads // tp
     kv = spec.kv_heads // tp if tp <= spec.kv_heads else 1
@@ -103,7 +106,8 @@ def micro_batch_saved(run: RunShape, chunk: Chunk) -> float:
     spec, lay = run.spec, run.layout
     t, h = run.tokens, spec.hidden
     n = t // lay.tp if lay.sp else t
-    total = sum(layer_saved(run, spec.is_moe_layer(i)) for i in chunk.layers)
+    again = set(run.again([chunk]))
+    total = sum(layer_saved(run, spec.is_moe_layer(i), i in again) for i in chunk.layers)
     bf16_weights = run.act_bytes == 2 and not run.autocast
     total += 2 * t * spec.head_dim * (4 if run.autocast else run.act_bytes)  # cos, sin
     if chunk.first:  # token ids, the first block's input (with bf16 weights its norm's fp32 copy)

@@ -33,17 +33,20 @@ def context_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
     local = run.seq_len // cp
     heads, kv = spec.heads // lay.tp, local_kv_heads(run)
     layers = sum(len(c.layers) for c in chunks)
-    again = lay.recompute != "none"  # the core's forward runs again under any recompute
+    full_again = run.again(chunks)  # blocks full recompute runs again
+    # the core's forward runs again in every layer under selective recompute, in the recomputed
+    # blocks under full
+    again = m * (layers if lay.recompute == "selective" else len(full_again))
     calls = m * layers
     if lay.cp_impl == "ring":
         block = 2 * mb * kv * local * d
         for op in (SEND, RECV):
-            out.add("cp", op, calls * (cp - 1) * (2 + again), block * rope)  # K,V stacked: promoted
+            out.add("cp", op, (2 * calls + again) * (cp - 1), block * rope)  # K,V stacked: promoted
             out.add("cp", op, calls * cp, block * 4)  # the fp32 gradient buffer
     elif lay.cp_impl == "allgather":
         gathered = mb * kv * run.seq_len * d
-        out.add("cp", ALL_GATHER, calls * (1 + again), gathered * rope)
-        out.add("cp", ALL_GATHER, calls * (1 + again), gathered * mm)
+        out.add("cp", ALL_GATHER, calls + again, gathered * rope)
+        out.add("cp", ALL_GATHER, calls + again, gathered * mm)
         out.add("cp", REDUCE_SCATTER, calls, gathered * rope)
         out.add("cp", REDUCE_SCATTER, calls, gathered * mm)
     else:
@@ -51,13 +54,14 @@ def context_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
         q, k = mb * heads * local * d, mb * kv_sent * local * d
         # forward q, k, v there and the output back, backward the reverse; recompute runs q, k, v
         # again, and the output too under full recompute (its result is then saved)
-        out_again = lay.recompute == "full"
-        out.add("cp", ALL_TO_ALL, calls * (2 + again), q * rope)
-        out.add("cp", ALL_TO_ALL, calls * (2 + again), k * rope)
-        out.add("cp", ALL_TO_ALL, calls * (2 + again), k * mm)
-        out.add("cp", ALL_TO_ALL, calls * (2 + out_again), q * mm)
+        out_again = m * len(full_again)
+        out.add("cp", ALL_TO_ALL, 2 * calls + again, q * rope)
+        out.add("cp", ALL_TO_ALL, 2 * calls + again, k * rope)
+        out.add("cp", ALL_TO_ALL, 2 * calls + again, k * mm)
+        out.add("cp", ALL_TO_ALL, 2 * calls + out_again, q * mm)
     moe = sum(spec.is_moe_layer(i) for c in chunks for i in c.layers)
     if moe and spec.aux_loss_coef > 0:
         stats = mb * 2 * spec.experts * 4
-        out.add("cp", ALL_REDUCE, m * moe * (2 + (lay.recompute == "full")), stats)
+        moe_again = sum(spec.is_moe_layer(i) for i in full_again)
+        out.add("cp", ALL_REDUCE, m * (2 * moe + moe_again), stats)
     return out

@@ -29,22 +29,27 @@ def rows_sent(run: RunShape, chunks: list[Chunk]) -> int:
     return run.microbatches * moe * run.tokens * run.spec.experts_per_token
 
 
-def expert_traffic(run: RunShape, chunks: list[Chunk], received: int | None = None) -> Traffic:
+def expert_traffic(
+    run: RunShape, chunks: list[Chunk], received: int | None = None, received_once: int | None = None
+) -> Traffic:
     lay, spec = run.layout, run.spec
     out = Traffic()
     moe = sum(spec.is_moe_layer(i) for c in chunks for i in c.layers)
     if lay.ep == 1 or not moe:
         return out
-    forwards = 2 if lay.recompute == "full" else 1
-    sent = rows_sent(run, chunks)
-    got = sent if received is None else received // forwards
-    calls = run.microbatches * moe
+    passes = moe + sum(spec.is_moe_layer(i) for i in run.again(chunks))  # MoE forwards, recomputed too
+    sent = rows_sent(run, chunks)  # one forward of every MoE layer; the backward sends as many
+    sent_fwd = sent * passes // moe
+    got_fwd = sent_fwd if received is None else received
+    # rows whose gradients go back: a forward's, recomputed ones once (a share when not measured)
+    got = received_once if received_once is not None else got_fwd * moe // passes
+    m = run.microbatches
     # rows go out in the MoE input's dtype (the fp32 norm output under autocast) and come back
     # in the experts' output dtype; each gradient travels in its tensor's dtype the other way
     d_in, d_out = spec.hidden * run.stream_bytes, spec.hidden * run.act_bytes
-    out.add("ep", ALL_TO_ALL, calls * (3 * forwards + 2), 0)
-    out.rows[("ep", ALL_TO_ALL)][1] += calls * forwards * spec.experts * 8  # the counts
-    out.rows[("ep", ALL_TO_ALL)][1] += forwards * (sent * d_in + got * d_out) + sent * d_out + got * d_in
+    out.add("ep", ALL_TO_ALL, m * (3 * passes + 2 * moe), 0)
+    out.rows[("ep", ALL_TO_ALL)][1] += m * passes * spec.experts * 8  # the counts
+    out.rows[("ep", ALL_TO_ALL)][1] += sent_fwd * d_in + got_fwd * d_out + sent * d_out + got * d_in
     expert_fsdp = lay.fsdp * lay.cp // lay.ep
     if lay.fsdp > 1 and expert_fsdp > 1:  # fivefold.parallel.expert.shard_experts
         from fivefold.plan.dataparallel import fsdp_gathers

@@ -13,7 +13,8 @@ rank, hidden h, tp t, the tensors a layer keeps for its backward are
       attention only; FlashAttention keeps the 4-byte log-sum-exp instead); output-projection input 2T·d_q
   MLP (÷t): GeLU 2·2Tf, SwiGLU 3·2Tf; MoE: dispatched input and output 2·2kTh, experts 3·2kTf_e.
 For a GPT block this is s·b·h·(10 + 24/t + 5as/(ht)) (no SP) and s·b·h·(34/t + 5as/(ht)) (SP).
-Selective recompute drops the attention-core term; full recompute keeps only each layer's input.
+Selective recompute drops the attention-core term; full recompute keeps only each layer's input
+(with `recompute_layers`, only in the first blocks of each chunk: the others keep everything).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from fivefold.config import Layout, ModelSpec
+from fivefold.config import Layout, ModelSpec, recomputed_blocks
 from fivefold.layout_math import rank_stages, stage_split
 from fivefold.plan.pipeline import in_flight
 from fivefold.plan.spec import Arch, TrainShape, layer_shard
@@ -250,6 +251,59 @@ def _rank_layers(model: ModelSpec, layout: Layout, seq_len: int) -> list[tuple[i
     return _SPLITS[key]
 
 
+def recomputed_counts(model: ModelSpec, layout: Layout, which: str, seq_len: int = 0) -> tuple[int, int]:
+    """(dense, MoE) layers of a stage that full recompute re-runs: the first `recompute_layers` blocks
+    of each chunk the rank holds (`recomputed_blocks`, the rule the runtime wraps blocks by)."""
+    if layout.recompute != "full":
+        return 0, 0
+    seq_len = seq_len or model.max_seq_len
+    key = (
+        "rc",
+        _model_key(model),
+        layout.pp,
+        layout.virtual_stages,
+        layout.pp_schedule,
+        layout.pp_split,
+        seq_len,
+        layout.recompute_layers,
+        which,
+    )
+    if key not in _SPLITS:
+        if layout.pp == 1:
+            chunks = [range(model.layers)]
+        else:
+            counts = stage_split(model, layout, seq_len)
+            starts = [sum(counts[:k]) for k in range(len(counts))]
+            stages = rank_stages(
+                stage_rank(which, layout.pp), layout.pp, layout.virtual_stages, layout.pp_schedule
+            )
+            chunks = [range(starts[c], starts[c] + counts[c]) for c in stages]
+        layers = [
+            i for ch in chunks for i in ch[: recomputed_blocks("full", layout.recompute_layers, len(ch))]
+        ]
+        n_moe = sum(model.is_moe_layer(i) for i in layers) if model.is_moe else 0
+        _SPLITS[key] = [(len(layers) - n_moe, n_moe)]
+    return _SPLITS[key][0]
+
+
+def most_chunk_layers(model: ModelSpec, layout: Layout, seq_len: int = 0) -> int:
+    """Layers of the largest model chunk: `recompute_layers` at or above it recomputes every block."""
+    if layout.pp == 1:
+        return model.layers
+    return max(stage_split(model, layout, seq_len or model.max_seq_len))
+
+
+def recomputed_fraction(model: ModelSpec, layout: Layout, seq_len: int = 0) -> float:
+    """Share of the model's layers that full recompute re-runs (1.0 for plain full recompute)."""
+    if layout.recompute != "full":
+        return 0.0
+    if layout.recompute_layers <= 0:
+        return 1.0
+    seq_len = seq_len or model.max_seq_len
+    counts = stage_split(model, layout, seq_len) if layout.pp > 1 else [model.layers]
+    return sum(recomputed_blocks("full", layout.recompute_layers, c) for c in counts) / model.layers
+
+
 def stage_params(model: ModelSpec, arch: Arch, layout: Layout, which: str) -> tuple[float, float, float]:
     """(dense, expert, one-layer) parameters a rank of this stage holds after tp and ep."""
     n_dense, n_moe = stage_counts(model, layout.pp, which, layout)
@@ -333,15 +387,21 @@ def _stage_memory(
             )
         return memo[key]
 
-    kinds = [(c, moe) for c, moe in ((n_dense, False), (n_moe, True)) if c]
-    per_layer = {moe: act(moe, rc) for _, moe in kinds}
+    r_dense, r_moe = recomputed_counts(model, layout, which)
+    # (layers, of them recomputed whole, MoE?)
+    kinds = [(c, r, moe) for c, r, moe in ((n_dense, r_dense, False), (n_moe, r_moe, True)) if c]
+    kept = "none" if rc == "full" else rc  # what a block full recompute leaves alone keeps
+    per_layer = {moe: act(moe, kept) for *_, moe in kinds}
     flight = in_flight(layout.pp_schedule, layout.pp, m, layout.virtual_stages, stage_rank(which, layout.pp))
-    activations = flight * sum(c * per_layer[moe] for c, moe in kinds)
-    if shape.offload_checkpoints and rc == "full":
-        activations = 0.0  # on the host; one layer's input comes back before its recompute
+    # a checkpointed block keeps its input, on the host when checkpoints are offloaded (one layer's
+    # input comes back before its recompute)
+    checkpoint = 0.0 if shape.offload_checkpoints else 1.0
+    activations = flight * sum(
+        (c - r) * per_layer[moe] + r * checkpoint * act(moe, "full") for c, r, moe in kinds
+    )
     working = 0.0
-    if rc == "full":  # during the backward one layer's activations are rebuilt at a time
-        working = max(act(moe, "none") for _, moe in kinds)
+    if r_dense + r_moe:  # during the backward one layer's activations are rebuilt at a time
+        working = max(act(moe, "none") for c, r, moe in kinds if r)
     tokens = shape.micro_batch * shape.seq_len / layout.cp
     logits = 0.0
     if holds_head(which):  # 16-bit logits + fp32 softmax kept by the vocab-parallel loss
@@ -355,7 +415,7 @@ def _stage_memory(
         gather += 2 * shape.param_bytes * biggest
     buffers = logits + gather + working
     detail = {
-        "activations_per_layer": max(per_layer.values()),
+        "activations_per_layer": max(act(moe, "full") if r == c else per_layer[moe] for c, r, moe in kinds),
         "in_flight_microbatches": flight,
         "layers_on_stage": n_dense + n_moe,
         "logits": logits,

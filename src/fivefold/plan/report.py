@@ -24,6 +24,8 @@ from fivefold.plan.memory import (
     holds_embedding,
     holds_head,
     memory,
+    recomputed_counts,
+    recomputed_fraction,
     shard_group,
     stage_counts,
     stage_weights,
@@ -107,11 +109,10 @@ def step_lower_bound(
         mix = [(n_dense, lt[False])] + ([(n_moe, lt[True])] if n_moe else [])
         f = sum(c * x.fwd for c, x in mix)
         b = sum(c * x.bwd for c, x in mix)
-        b += (
-            f
-            if layout.recompute == "full"
-            else (sum(c * x.redo(shape.sac) for c, x in mix) if layout.recompute == "selective" else 0.0)
-        )
+        r_dense, r_moe = recomputed_counts(model, layout, which)
+        b += r_dense * lt[False].fwd + (r_moe * lt[True].fwd if r_moe else 0.0)
+        if layout.recompute == "selective":
+            b += sum(c * x.redo(shape.sac) for c, x in mix)
         if holds_head(which):
             key = ("head", layout.tp, layout.cp, shape.micro_batch)
             if key not in memo:
@@ -178,8 +179,6 @@ def _plan(
     rc = layout.recompute
     lt = layer_times(model, arch, layout, shape, rates, memo)
 
-    full = rc == "full"  # full recompute runs every forward (and its collectives) twice
-
     def t_of(op: str, payload: float, group: int, link: str) -> float:
         return collective_time(hw, op, payload, group, link)[1]
 
@@ -188,8 +187,13 @@ def _plan(
         (axis, op, payload, group, link, calls, exposed seconds, overlap), and one layer's (fwd, bwd)."""
         n_dense, n_moe = stage_counts(model, layout.pp, which, layout)
         n = n_dense + n_moe
+        # full recompute runs the forward of its blocks (and their collectives) twice
+        r_dense, r_moe = recomputed_counts(model, layout, which)
+        r = r_dense + r_moe
+        again = r / n  # the share of the stage's per-layer forward collectives run again
         mix = [(n_dense, lt[False])] + ([(n_moe, lt[True])] if n_moe else [])
         f = sum(c * x.fwd for c, x in mix)
+        f_again = r_dense * lt[False].fwd + (r_moe * lt[True].fwd if r_moe else 0.0)
         b = sum(c * x.bwd for c, x in mix)
         core = sum(c * x.redo(shape.sac) for c, x in mix)
         wgrad = sum(c * x.wgrad for c, x in mix)
@@ -209,7 +213,7 @@ def _plan(
             exp_b += t_pass - hidden_b
             for op in ops:
                 share = times[op] / sum(times.values())
-                calls = 2 * n * (3 if full else 2)
+                calls = 2 * (2 * n + r)
                 recs.append(
                     (
                         "tp",
@@ -218,7 +222,7 @@ def _plan(
                         layout.tp,
                         tp_link,
                         calls,
-                        share * ((2 if full else 1) * (t_pass - hidden_f) + t_pass - hidden_b),
+                        share * ((1 + again) * (t_pass - hidden_f) + t_pass - hidden_b),
                         "matmuls (collective matmul)" if over else "weight-grad matmuls",
                     )
                 )
@@ -229,7 +233,6 @@ def _plan(
         if layout.cp > 1:
             c = layout.cp
             kv_local = max(model.kv_heads / layout.tp, 1.0) * model.head_dim
-            passes = 2 if full else 1
             if layout.cp_impl == "ring":  # K,V blocks pass around the ring behind each block's attention
                 block = 2 * BYTES * tokens * kv_local
                 step_f = (c - 1) * t_of(SEND, block, 2, cp_link)
@@ -245,8 +248,8 @@ def _plan(
                         block,
                         c,
                         cp_link,
-                        (c - 1) * n * (passes + 2),
-                        passes * e_f + e_b,
+                        (c - 1) * (3 * n + r),
+                        (1 + again) * e_f + e_b,
                         "attention blocks",
                     )
                 )
@@ -256,7 +259,7 @@ def _plan(
                 t_rs = n * t_of(REDUCE_SCATTER, gathered, c, cp_link)
                 exp_f += t_ag
                 exp_b += t_rs
-                recs.append(("cp", ALL_GATHER, gathered, c, cp_link, n * passes, passes * t_ag, "none"))
+                recs.append(("cp", ALL_GATHER, gathered, c, cp_link, n + r, (1 + again) * t_ag, "none"))
                 recs.append(("cp", REDUCE_SCATTER, gathered, c, cp_link, n, t_rs, "none"))
             else:  # Ulysses: q, k, v in and the output back, all-to-all over heads
                 payload = BYTES * tokens * (model.heads * model.head_dim / layout.tp + kv_local) / 2
@@ -264,7 +267,7 @@ def _plan(
                 exp_f += t4
                 exp_b += t4
                 recs.append(
-                    ("cp", ALL_TO_ALL, payload, c, cp_link, 4 * n * (passes + 1), (passes + 1) * t4, "none")
+                    ("cp", ALL_TO_ALL, payload, c, cp_link, 4 * (2 * n + r), (2 + again) * t4, "none")
                 )
         if layout.ep > 1 and n_moe:  # dispatch and combine, forward and backward
             # fivefold: every tp rank dispatches all its tokens (the MoE block is whole on each);
@@ -273,7 +276,6 @@ def _plan(
             payload = BYTES * tokens * model.experts_per_token * model.hidden / etp
             t2 = 2 * n_moe * t_of(ALL_TO_ALL, payload, layout.ep, exp_link)
             hidden = layout.pp_schedule == "dualpipev" and layout.pp > 1  # overlapped with the paired chunk
-            passes = 2 if full else 1
             if not hidden:
                 exp_f += t2
                 exp_b += t2
@@ -284,14 +286,14 @@ def _plan(
                     payload,
                     layout.ep,
                     exp_link,
-                    2 * n_moe * (passes + 1),
-                    0.0 if hidden else (passes + 1) * t2,
+                    2 * (2 * n_moe + r_moe),
+                    0.0 if hidden else (2 + r_moe / n_moe) * t2,
                     "paired chunk (DualPipe)" if hidden else "none",
                 )
             )
         # per layer: one forward pass, its backward, and (full recompute) the forward's collectives again
-        layer_f, layer_b = (f + exp_f) / n, (b + exp_b + (exp_f if full else 0.0)) / n
-        exp_rc = exp_f if full else 0.0
+        exp_rc = exp_f * again
+        layer_f, layer_b = (f + exp_f) / n, (b + exp_b + exp_rc) / n
         if layout.tp > 1:  # vocab-parallel embedding (forward) and the head's input gradient (backward)
             t_ar = t_of(ALL_REDUCE, act_bytes, layout.tp, tp_link)
             ends = (holds_embedding(which), holds_head(which))
@@ -301,7 +303,7 @@ def _plan(
                 recs.append(
                     ("tp", ALL_REDUCE, act_bytes, layout.tp, tp_link, sum(ends), t_ar * sum(ends), "none")
                 )
-        recompute = f if full else (core if rc == "selective" else 0.0)
+        recompute = f_again if rc == "full" else (core if rc == "selective" else 0.0)
         hf = hb = 0.0
         if holds_head(which):
             hf, hb = head_time(model, layout, shape.micro_batch, shape.seq_len, rates)
@@ -352,7 +354,11 @@ def _plan(
 
     facts = facts or model_facts(model, arch, shape.seq_len)
     mflops = facts.model_flops
-    hflops = facts.hardware_flops[rc]
+    if rc == "full":  # the recomputed share of the layers' forward on top of the plain step
+        flops = facts.hardware_flops
+        hflops = flops["none"] + recomputed_fraction(model, layout) * (flops["full"] - flops["none"])
+    else:
+        hflops = facts.hardware_flops[rc]
     causal_flops = facts.causal_flops
     gpus = layout.world
     tokens_per_s = shape.global_batch * shape.seq_len / step

@@ -86,6 +86,7 @@ class Plan:
                 "pp_schedule": lay.pp_schedule,
                 "virtual_stages": lay.virtual_stages,
                 "recompute": lay.recompute,
+                "recompute_layers": lay.recompute_layers,
                 "order": lay.order,
                 "cp_impl": lay.cp_impl,
             },

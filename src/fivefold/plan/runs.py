@@ -60,6 +60,8 @@ TRAINERS = {
     # ZeRO-3 keeps fp16 shards beside the fp32 master and gathers sub-modules up to
     # stage3_max_live_parameters (1e9 by default), not whole blocks
     "microsoft/DeepSpeed": {"fp32_shard": False, "live_params": 1e9},
+    # nanotron's pipeline engines are all-forward-all-backward and 1F1B: no interleaved chunks
+    "huggingface/nanotron": {"interleaved": False},
 }
 FILL = {  # what an unpublished layout field defaults to (see docs/planner.md, "Unknowns")
     "micro_batch": 1,
@@ -198,6 +200,7 @@ class RunInputs:
     # other layout facts the run does not publish (micro_batch, pipeline_schedule, zero_stage):
     # the planner fills them with its own best choice (plan/validation.py, `fill`)
     free: tuple[str, ...] = ()
+    interleaved: bool = True  # whether the trainer can run an interleaved pipeline, if unpublished
 
 
 def build(run: dict[str, Any]) -> RunInputs | None:
@@ -252,6 +255,12 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     # unpublished, or a policy outside the three (MaxText's "custom" remat): the planner picks
     recompute_known = "recompute" in lt and "recompute" not in unknown and rc in ("none", "selective", "full")
     rc = rc if recompute_known else "none"
+    # full recompute of only the first N blocks of each chunk (Megatron's --recompute-num-layers)
+    rc_layers = (
+        _int(run, "layout", "recompute_layers", lt["recompute_layers"]) if "recompute_layers" in lt else 0
+    )
+    if rc_layers and rc != "full":
+        raise FivefoldError(f'run {rid}: layout.recompute_layers = {rc_layers} needs recompute = "full"')
     layout = Layout(
         dp=dp,
         fsdp=fsdp,
@@ -264,6 +273,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         pp_schedule=schedule,
         virtual_stages=v,
         recompute=rc,
+        recompute_layers=rc_layers,
     )
     try:
         layout = layout.resolve(gpus)
@@ -350,7 +360,10 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     megatron_like = trainer.get("grad_bytes") == 2 or source_of(run) in ("NVIDIA/Megatron-LM", "Korthikanti")
     if "zero_stage" not in lt and layout.dp > 1 and layout.fsdp == 1 and not megatron_like:
         free.append("zero_stage")  # a distributed optimizer, and whether it also shards gradients
-    return RunInputs(model, hardware(run), layout, shape, recompute_known, offload_known, tuple(free))
+    interleaved = bool(trainer.get("interleaved", True))
+    return RunInputs(
+        model, hardware(run), layout, shape, recompute_known, offload_known, tuple(free), interleaved
+    )
 
 
 def _offload(value: Any) -> bool:
@@ -480,6 +493,7 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
             "zero_stage": lay.zero if lay.zero >= 0 else (3 if lay.fsdp > 1 else 0),
             "sequence_parallel": lay.sp,
             "recompute": lay.recompute,
+            **({"recompute_layers": lay.recompute_layers} if lay.recompute_layers else {}),
             "micro_batch": tr.micro_batch,
             "global_batch": tr.global_batch or tr.micro_batch * lay.dp * lay.fsdp,
             "pipeline_schedule": lay.pp_schedule,

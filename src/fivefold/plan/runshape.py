@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from fivefold.config import Layout, ModelSpec
+from fivefold.config import Layout, ModelSpec, recomputed_blocks
 from fivefold.layout_math import rank_stages, stage_split
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -76,6 +76,15 @@ class RunShape:
     def tokens(self) -> int:
         """Tokens of one micro-batch on one rank (its sequence shard under cp)."""
         return self.micro_batch * self.seq_len // self.layout.cp
+
+    def again(self, chunks: list[Chunk]) -> list[int]:
+        """Layers of `chunks` whose forward full recompute runs a second time in the backward."""
+        lay = self.layout
+        return [
+            i
+            for c in chunks
+            for i in c.layers[: recomputed_blocks(lay.recompute, lay.recompute_layers, len(c.layers))]
+        ]
 
     def split(self) -> list[int]:
         if self.layout.pp == 1:

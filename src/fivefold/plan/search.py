@@ -4,8 +4,9 @@ Enumeration (world = dp·fsdp·cp·tp·pp): tp over divisors of the heads (kv he
 pp over divisors of the rest up to the layer count, cp over powers of two that split the sequence,
 then the data-parallel ranks as DDP (zero 0/1), FSDP (zero 2/3) or HSDP (fsdp inside, dp across),
 ep over divisors of the experts that fold onto fsdp×cp, every pipeline schedule with its virtual
-stages, micro-batch sizes, and the least activation recompute that fits (none < selective < full in
-time, the reverse in memory, so the first that fits is the fastest of the three).
+stages, micro-batch sizes, and the least activation recompute that fits (none < selective < full on
+the first N blocks of each chunk < full on all of them in time, the reverse in memory, so the first
+that fits is the fastest; N is bisected, memory falling as it grows).
 Pruning, cheapest first: model state alone must fit; then memory with each recompute choice.
 """
 
@@ -16,18 +17,59 @@ import dataclasses
 import heapq
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError, divisors
-from fivefold.plan.memory import Memory, memory, model_state, shard_group, stage_names, stage_params
+from fivefold.plan.memory import (
+    Memory,
+    memory,
+    model_state,
+    most_chunk_layers,
+    shard_group,
+    stage_names,
+    stage_params,
+)
 from fivefold.plan.report import _plan, check_plan_inputs, model_facts, step_lower_bound
 from fivefold.plan.result import Plan, capacity
 from fivefold.plan.spec import TrainShape, resolve_arch
 from fivefold.support import check_microbatches, check_trainable
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
+
+
+def lightest_recompute(
+    base: Layout,
+    model: ModelSpec,
+    fits: Callable[[Layout], bool],
+    recomputes: tuple[str, ...] = RECOMPUTE_ORDER,
+) -> Layout | None:
+    """`base` under the least recompute with which `fits` holds, or None: none, selective, then full
+    recompute of the fewest blocks per chunk (`recompute_layers`, bisected: memory only falls as
+    blocks are added), full on every block last. Megatron's `--recompute-num-layers` and TorchTitan's
+    layer-level checkpointing of some blocks spend the memory left this way."""
+    for rc in recomputes:
+        lay = copy.copy(base)
+        lay.recompute, lay.recompute_layers = rc, 0
+        if rc != "full":
+            if fits(lay):
+                return lay
+            continue
+        if not fits(lay):
+            return None
+        lo, hi = 1, most_chunk_layers(model, lay)  # hi blocks (all of the largest chunk) fit
+        while lo < hi:
+            trial = copy.copy(lay)
+            trial.recompute_layers = (lo + hi) // 2
+            if fits(trial):
+                hi = trial.recompute_layers
+            else:
+                lo = trial.recompute_layers + 1
+        if hi < most_chunk_layers(model, lay):
+            lay.recompute_layers = hi
+        return lay
+    return None
 
 
 @dataclass
@@ -77,7 +119,20 @@ def _data_modes(rest: int, cp: int, gpn: int) -> list[tuple[int, int, int]]:
     return modes
 
 
-PINNABLE = ("dp", "fsdp", "tp", "pp", "cp", "ep", "zero", "sp", "pp_schedule", "virtual_stages", "recompute")
+PINNABLE = (
+    "dp",
+    "fsdp",
+    "tp",
+    "pp",
+    "cp",
+    "ep",
+    "zero",
+    "sp",
+    "pp_schedule",
+    "virtual_stages",
+    "recompute",
+    "recompute_layers",
+)
 
 
 def _pinned_data_modes(rest: int, cp: int, gpn: int, pins: dict) -> list[tuple[int, int, int]]:
@@ -183,6 +238,12 @@ def search(
     shapes = [(b, dataclasses.replace(shape, micro_batch=b)) for b in micro_batches]
     bounded: list[tuple[float, int, Layout, TrainShape, int, Memory]] = []
     recomputes = (pins["recompute"],) if "recompute" in pins else RECOMPUTE_ORDER
+    if "recompute_layers" in pins or pins.get("recompute") == "full":
+        # --recompute full alone means every block, as in train; a block count implies full
+        Layout(
+            recompute=pins.get("recompute", "full"), recompute_layers=pins.get("recompute_layers", 0)
+        ).resolve()
+        pins["recompute_layers"] = pins.get("recompute_layers", 0)
     for base in candidates(model, hw, gpus, shape, gpn, pins):
         n = shard_group(base)
         ends = tuple(stage_names(base, model))
@@ -217,17 +278,26 @@ def search(
                     check_microbatches(base.pp, m, base.pp_schedule)
                 except FivefoldError:
                     continue
-            for rc in recomputes:
-                considered += 1
-                lay = copy.copy(base)
-                lay.recompute = rc
+            tried: dict[tuple[str, int], Memory] = {}
+
+            def fits(lay: Layout, sh: TrainShape = sh, m: int = m, tried: dict = tried) -> bool:
                 mem = memory(model, arch, lay, sh, m, memo)
-                if mem.total > cap:
-                    continue
-                fitting += 1
-                bound = step_lower_bound(model, arch, hw, lay, sh, m, memo)
-                bounded.append((bound, len(bounded), lay, sh, m, mem))
-                break  # a heavier recompute only adds time
+                tried[(lay.recompute, lay.recompute_layers)] = mem
+                return mem.total <= cap
+
+            if "recompute_layers" in pins:  # every choice pinned: only whether it fits
+                lay = copy.copy(base)
+                lay.recompute, lay.recompute_layers = "full", pins["recompute_layers"]
+                chosen = lay if fits(lay) else None
+            else:
+                chosen = lightest_recompute(base, model, fits, recomputes)
+            considered += len(tried)
+            if chosen is None:
+                continue
+            fitting += 1
+            bound = step_lower_bound(model, arch, hw, chosen, sh, m, memo)
+            mem = tried[(chosen.recompute, chosen.recompute_layers)]
+            bounded.append((bound, len(bounded), chosen, sh, m, mem))
     # branch and bound: score layouts in order of their collective-free bound, stop when the bound
     # alone is slower than the top-k found so far
     bounded.sort(key=lambda item: item[:2])
@@ -317,7 +387,7 @@ def explain(plans: list[Plan], model: ModelSpec, hw: HardwareSpec, gpus: int, gp
     if lay.cp > 1:
         extra.append(f"context parallel {lay.cp} splits the {p.shape.seq_len}-token sequence")
     if lay.recompute != "none":
-        extra.append(f"{lay.recompute} recompute, because keeping every activation does not fit")
+        extra.append(f"{lay.recompute_label} recompute, because keeping every activation does not fit")
     lines.append(
         "4. Activations: "
         + ("; ".join(extra) if extra else "no SP/CP/recompute needed")
@@ -367,6 +437,8 @@ def layout_flags(lay: Layout) -> str:
         if lay.virtual_stages > 1 and lay.pp_schedule == "interleaved-1f1b":
             parts.append(f"--virtual-stages {lay.virtual_stages}")
     parts.append(f"--recompute {lay.recompute}")
+    if lay.recompute_layers:
+        parts.append(f"--recompute-layers {lay.recompute_layers}")
     return " ".join(parts)
 
 

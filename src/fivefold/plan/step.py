@@ -37,14 +37,17 @@ def plan_step(
     dtype: str,
     coords: dict[str, int],
     rows_received: int | None = None,
+    rows_received_once: int | None = None,
 ) -> StepPlan:
-    """The step of the rank at `coords` (mesh coordinates by axis, fsdp_cp included)."""
+    """The step of the rank at `coords` (mesh coordinates by axis, fsdp_cp included); with expert
+    parallelism, the rows its experts received in the step's forwards (measured: routing decides
+    them), all of them and with the recomputed forwards counted once."""
     run = RunShape(spec, layout, micro_batch, seq_len, microbatches, dtype)
     chunks = run.chunks(coords.get("pp", 0))
     parts = {
         "tp": tensor_traffic(run, chunks),
         "cp": context_traffic(run, chunks),
-        "ep": expert_traffic(run, chunks, rows_received),
+        "ep": expert_traffic(run, chunks, rows_received, rows_received_once),
         "pp": pipeline_traffic(run, coords.get("pp", 0)),
         "data": data_traffic(run, chunks).merge(loss_traffic(run)),
         "clip": clip_traffic(run, chunks),

@@ -6,8 +6,8 @@ Per micro-batch and b·s·h activation A (this rank's sequence shard under cp):
     embedding all-reduces its output forward; the head's input gradient is all-reduced backward.
   * with SP: each of those becomes an all_gather (entering) plus a reduce_scatter (leaving) and the
     ends swap direction; MoE blocks gather their input and their output gradient, scatter nothing.
-  * full recompute runs every block's forward collectives again in the backward, except the last
-    (torch's non-reentrant checkpoint stops once the saved tensors are rebuilt).
+  * full recompute runs each recomputed block's forward collectives again in the backward, except
+    the last (torch's non-reentrant checkpoint stops once the saved tensors are rebuilt).
   * bf16 without FSDP (autocast): matmul outputs are bf16, the residual stream and norms fp32;
     the inputs of attention and dense MLPs are cast to bf16 before they are gathered.
   * the loss on vocabulary shards (loss_parallel): three all_reduces of one fp32 value per token
@@ -32,10 +32,12 @@ def tensor_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
     m = run.microbatches
     act = run.tokens * spec.hidden
     mm, st = act * run.act_bytes, act * run.stream_bytes  # matmul outputs; the residual stream
-    full = lay.recompute == "full"
     for chunk in chunks:
         moe = sum(spec.is_moe_layer(i) for i in chunk.layers)
         dense = len(chunk.layers) - moe
+        again = run.again([chunk])
+        moe_again = sum(spec.is_moe_layer(i) for i in again)  # recomputed blocks, MoE and dense
+        dense_again = len(again) - moe_again
         ends = int(chunk.first) + int(chunk.last)
         # forward: block inputs (stream) in, matmul outputs out; backward the other way round.
         # Early-stopping recompute (torch.utils.checkpoint) skips a block's last collective.
@@ -45,15 +47,14 @@ def tensor_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
         cast_inputs = 2 * dense + moe  # per micro-batch: attention in every layer, dense MLPs
         outputs = 2 * dense + moe  # row-parallel outputs: attention's o in every layer, dense MLPs' down
         if lay.sp:
-            rc = full * (dense + moe)
-            out.add("tp", ALL_GATHER, m * (2 * moe + ends + full * moe), st)
-            out.add("tp", ALL_GATHER, m * (cast_inputs + full * cast_inputs), mm)
+            out.add("tp", ALL_GATHER, m * (2 * moe + ends + moe_again), st)
+            out.add("tp", ALL_GATHER, m * (cast_inputs + 2 * dense_again + moe_again), mm)
             out.add("tp", ALL_GATHER, m * outputs, mm)
-            out.add("tp", REDUCE_SCATTER, m * (outputs + rc), mm)
+            out.add("tp", REDUCE_SCATTER, m * (outputs + len(again)), mm)
             out.add("tp", REDUCE_SCATTER, m * cast_inputs, mm)
             out.add("tp", REDUCE_SCATTER, m * ends, st)
         else:
-            out.add("tp", ALL_REDUCE, m * (outputs + full * (dense + moe)), mm)
+            out.add("tp", ALL_REDUCE, m * (outputs + len(again)), mm)
             out.add("tp", ALL_REDUCE, m * cast_inputs, mm)
             out.add("tp", ALL_REDUCE, m * ends, st)
         if chunk.last:  # loss_parallel's reductions over the vocabulary shards

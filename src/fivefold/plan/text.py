@@ -38,7 +38,7 @@ def plan_text(p: Plan) -> str:
         f"{p.model.name} on {p.gpus} × {p.hardware.name} ({p.gpus_per_node} per node), block {p.arch.name}, "
         f"{p.params / 1e9:.2f}B params",
         f"layout: dp {lay.dp} · fsdp {lay.fsdp} · cp {lay.cp} · tp {lay.tp} · pp {lay.pp} · ep {lay.ep}  "
-        f"zero {lay.zero}  sp {'on' if lay.sp else 'off'}  recompute {lay.recompute}  "
+        f"zero {lay.zero}  sp {'on' if lay.sp else 'off'}  recompute {lay.recompute_label}  "
         f"schedule {lay.pp_schedule} (v={lay.virtual_stages})",
         f"batch: {p.shape.global_batch} sequences × {p.shape.seq_len} tokens, "
         f"micro-batch {p.shape.micro_batch}, "
@@ -73,7 +73,7 @@ def plan_text(p: Plan) -> str:
         "",
         "time per step",
         f"  compute       {p.compute_time_s:10.3f} s"
-        + (f"   (incl. {lay.recompute} recompute)" if lay.recompute != "none" else ""),
+        + (f"   (incl. {lay.recompute_label} recompute)" if lay.recompute != "none" else ""),
         f"  bubble        {p.bubble_time_s:10.3f} s   ({p.bubble_fraction:.1%} of the pipeline)",
         f"  exposed comm  {p.exposed_comm_s:10.3f} s",
         f"  optimizer     {p.optimizer_time_s:10.3f} s",

@@ -36,10 +36,10 @@ from fivefold.plan.runs import (
     throughput,
 )
 from fivefold.plan.runs import load_runs as _load_runs
+from fivefold.plan.search import RECOMPUTE_ORDER, lightest_recompute
 from fivefold.plan.spec import TrainShape
 
 GIB = 2**30
-RECOMPUTE_ORDER = ("none", "selective", "full")
 # an unpublished choice is filled with the trainer's default unless another is this much faster
 # (authors tune away a 30% pipeline bubble, not a 4% one)
 WORTH_TUNING = 0.10
@@ -194,7 +194,7 @@ def _variants(inp: RunInputs) -> list[tuple[Layout, TrainShape]]:
     accumulation = local // shape.micro_batch
     schedules = [(lay.pp_schedule, lay.virtual_stages)]
     if "pipeline_schedule" in inp.free:
-        chunks = [v for v in (2, 4) if inp.model.layers >= lay.pp * v]
+        chunks = [v for v in (2, 4) if inp.model.layers >= lay.pp * v] if inp.interleaved else []
         schedules = [("1f1b", 1)] + [("interleaved-1f1b", v) for v in chunks]
     elif "virtual_stages" in inp.free:  # chunk counts that split a stage's layers evenly, 2 first
         per_rank = inp.model.layers // lay.pp
@@ -224,6 +224,8 @@ def fill(inp: RunInputs, hw: HardwareSpec) -> RunInputs:
     when nothing else fits (the run did run). Chosen once, on the unfitted START knobs, so no fitted
     value steers it."""
     recomputes = (inp.layout.recompute,) if inp.recompute_known else RECOMPUTE_ORDER
+    # a stated full recompute is full on the blocks the run says (all unless it names a count)
+    lightest = (lambda lay, fits: lay if fits(lay) else None) if inp.recompute_known else None
     # (optimizer, checkpoints) on the host: as published, or, unpublished, tried in this order
     stated = (inp.shape.offload_optimizer, inp.shape.offload_checkpoints)
     offloads = [stated] if inp.offload_known else [(False, False), (True, False), (True, True)]
@@ -234,24 +236,32 @@ def fill(inp: RunInputs, hw: HardwareSpec) -> RunInputs:
     for offload in offloads:
         for lay, shape in variants:
             shape = dataclasses.replace(shape, offload_optimizer=offload[0], offload_checkpoints=offload[1])
-            for rc in recomputes:  # the least recompute that fits is also the fastest
-                trial = dataclasses.replace(lay, recompute=rc)
-                try:
-                    p = plan(inp.model, hw, trial, shape)
-                except FivefoldError:
-                    break  # this schedule or micro-batch cannot run this model
-                if p.fits:
-                    if best is None or p.tokens_per_s > best[0]:
-                        best = (p.tokens_per_s, trial, shape)
-                    if (
-                        lay is variants[0][0]
-                        and shape.micro_batch == variants[0][1].micro_batch
-                        and not any(offload)
-                    ):
-                        default = (p.tokens_per_s, trial, shape)
-                    break
+            plans: dict[tuple[str, int], Plan] = {}
+
+            def fits(trial: Layout, shape: TrainShape = shape, plans: dict = plans) -> bool:
+                p = plans[(trial.recompute, trial.recompute_layers)] = plan(inp.model, hw, trial, shape)
+                return p.fits
+
+            try:  # the least recompute that fits is also the fastest
+                if lightest is not None:
+                    chosen = lightest(lay, fits)
+                else:
+                    chosen = lightest_recompute(lay, inp.model, fits, recomputes)
+            except FivefoldError:
+                continue  # this schedule or micro-batch cannot run this model
+            if chosen is None:  # the heaviest recompute tried, by how much it misses
+                p = plans[(recomputes[-1], 0)] if not inp.recompute_known else next(iter(plans.values()))
+                trial = dataclasses.replace(
+                    lay, recompute=p.layout.recompute, recompute_layers=p.layout.recompute_layers
+                )
                 if fallback is None or p.margin_bytes > fallback[0]:
                     fallback = (p.margin_bytes, trial, shape)
+                continue
+            p = plans[(chosen.recompute, chosen.recompute_layers)]
+            if best is None or p.tokens_per_s > best[0]:
+                best = (p.tokens_per_s, chosen, shape)
+            if lay is variants[0][0] and shape.micro_batch == variants[0][1].micro_batch and not any(offload):
+                default = (p.tokens_per_s, chosen, shape)
         if best is not None:
             break
     chosen = best or fallback

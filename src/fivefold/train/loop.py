@@ -153,7 +153,7 @@ def build_runner(
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         materialize(model, device, train.seed)
-        apply_recompute(model, layout.recompute)
+        apply_recompute(model, layout.recompute, layout.recompute_layers)
         if train.compile:
             compile_blocks(model)
         return LocalRunner(model, train.micro_batch, train), None

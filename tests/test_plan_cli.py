@@ -109,6 +109,9 @@ def test_search_and_inference_modes(capsys) -> None:
         (["--hardware", "tpu-v9"], "unknown hardware"),
         (["--model", "nope"], "unknown model"),
         (["--tp", "8", "--pp", "2", "--pp-schedule", "interleaved-1f1b"], "virtual-stages"),
+        (["--tp", "8", "--recompute-layers", "2"], "add --recompute full"),
+        (["--tp", "8", "--recompute", "full", "--recompute-layers", "-1"], "count of blocks >= 0"),
+        (["--search", "--recompute", "selective", "--recompute-layers", "2"], "add --recompute full"),
     ],
 )
 def test_bad_input_exits_2_with_a_hint(capsys, extra: list[str], needle: str) -> None:
@@ -240,6 +243,26 @@ def test_bad_runs_file_names_the_run_and_the_field(capsys, tmp_path) -> None:
     assert "no [[run]]" in capsys.readouterr().err
     assert main(["plan", "--cross-validate", str(tmp_path / "missing.toml")]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "layout, needle",
+    [
+        ('recompute = "full"\nrecompute_layers = true', "recompute_layers must be an integer"),
+        ('recompute = "full"\nrecompute_layers = 2.5', "recompute_layers must be an integer"),
+        ('recompute = "selective"\nrecompute_layers = 2', 'needs recompute = "full"'),
+    ],
+)
+def test_a_runs_recompute_block_count_is_checked(capsys, tmp_path, layout: str, needle: str) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(
+        BAD_RUN.replace("vocab = 32000", "vocab = 32000\nseq_len = 2048").replace(
+            "tp = 1", f"tp = 1\n{layout}"
+        )
+    )
+    assert main(["plan", "--validate", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad-run" in err[0] and needle in err[0]
 
 
 def test_contradicting_runs_are_reported_and_calibration_writes_hardware(capsys, tmp_path) -> None:

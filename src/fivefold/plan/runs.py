@@ -129,6 +129,8 @@ def _need(run: dict[str, Any], table: str, key: str) -> Any:
 def _int(run: dict[str, Any], table: str, key: str, value: Any) -> int:
     try:
         out = int(value)
+        if isinstance(value, bool) or out != value and not isinstance(value, str):
+            raise ValueError  # true, 2.5: not a count
     except (TypeError, ValueError):
         raise FivefoldError(f"run {run['id']}: {table}.{key} must be an integer, got {value!r}") from None
     if out <= 0:
@@ -256,9 +258,9 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     recompute_known = "recompute" in lt and "recompute" not in unknown and rc in ("none", "selective", "full")
     rc = rc if recompute_known else "none"
     # full recompute of only the first N blocks of each chunk (Megatron's --recompute-num-layers)
-    rc_layers = (
-        _int(run, "layout", "recompute_layers", lt["recompute_layers"]) if "recompute_layers" in lt else 0
-    )
+    rc_layers = lt.get("recompute_layers", 0)
+    if rc_layers != 0:  # 0 (all blocks) or a positive count
+        rc_layers = _int(run, "layout", "recompute_layers", rc_layers)
     if rc_layers and rc != "full":
         raise FivefoldError(f'run {rid}: layout.recompute_layers = {rc_layers} needs recompute = "full"')
     layout = Layout(

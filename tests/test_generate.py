@@ -170,3 +170,23 @@ def test_cli_bad_input(tmp_path, capsys) -> None:
     (hf_dir / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     assert main(["generate", "--from", str(hf_dir), "--prompt", "x"]) == 2
     assert "unsupported HF architecture" in capsys.readouterr().err
+
+
+def test_a_checkpoint_in_the_earlier_qk_layout_is_refused(tmp_path, capsys) -> None:
+    """Weights saved before q/k rows were ordered for adjacent rotary pairs would be misread: every
+    way in (generate, resume) refuses them with one message."""
+    from fivefold.errors import FivefoldError
+    from fivefold.train.checkpoint import find_checkpoint, load_checkpoint
+
+    _write_run(tmp_path, "tiny")
+    step = tmp_path / "checkpoints" / "step_7"
+    meta = json.loads((step / "trainer.json").read_text())
+    assert meta["qk_rotary_pairs"] == "adjacent"
+    del meta["qk_rotary_pairs"]
+    (step / "trainer.json").write_text(json.dumps(meta))
+    for load in (lambda: find_checkpoint(tmp_path), lambda: load_checkpoint(step, [], [])):
+        with pytest.raises(FivefoldError, match="earlier fivefold"):
+            load()
+    assert main(["generate", "--from", str(tmp_path), "--prompt", "a", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "earlier fivefold" in err and "Traceback" not in err

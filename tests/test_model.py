@@ -84,9 +84,9 @@ def _naive_attention(attn, x: torch.Tensor, positions: torch.Tensor, spec: Model
     angle = positions[:, :, None].float() * rope_inverse_frequencies(spec)  # [b, s, d/2]
     cos, sin = angle.cos()[:, :, None], angle.sin()[:, :, None]
 
-    def rotate(t: torch.Tensor) -> torch.Tensor:  # pairs (i, i + d/2) rotate by the angle of i
-        first, second = t[..., : d // 2], t[..., d // 2 :]
-        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    def rotate(t: torch.Tensor) -> torch.Tensor:  # adjacent pairs (2i, 2i + 1) turn by angle i
+        even, odd = t[..., 0::2], t[..., 1::2]
+        return torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
 
     q, k = rotate(q), rotate(k)
     group = spec.heads // spec.kv_heads

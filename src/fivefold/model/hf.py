@@ -12,8 +12,11 @@ stacked `mlp.experts.{gate,up,down}_proj` [E, out, in]:
   * fivefold's own stacked names.
 
 Export writes the per-expert forms (what `save_pretrained` writes and every transformers version
-reads). Tensors are read one at a time from memory-mapped files, so loading needs about one copy
-of the model.
+reads). HF orders each head's q and k features for its rotate-half rotary (feature i pairs with
+i + d/2); fivefold's rotary turns adjacent pairs (Meta's layout, one complex multiply), so the rows
+of q_proj, k_proj (and their biases and q/k norms) are permuted on the way in and back on the way
+out: the scores, hence the outputs, are the same. Tensors are read one at a time from memory-mapped
+files, so loading needs about one copy of the model.
 """
 
 from __future__ import annotations
@@ -39,6 +42,19 @@ _EXPERT_KEY = re.compile(
     r"(?P<kind>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$"
 )
 _PER_EXPERT_KIND = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_ROTARY_ROWS = tuple(
+    f".self_attn.{part}" for part in ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
+) + (".self_attn.q_norm.weight", ".self_attn.k_norm.weight")
+
+
+def rotary_rows(name: str, tensor: torch.Tensor, head_dim: int, to_hf: bool = False) -> torch.Tensor:
+    """q/k rows from HF's rotate-half order into adjacent rotary pairs (`to_hf`: back): within each
+    head, feature i and i + d/2 become 2i and 2i + 1. Other tensors pass through."""
+    if not name.endswith(_ROTARY_ROWS):
+        return tensor
+    rest = tensor.shape[1:]
+    split = (2, head_dim // 2) if not to_hf else (head_dim // 2, 2)
+    return tensor.reshape(-1, *split, *rest).transpose(1, 2).reshape(tensor.shape)
 
 
 # --------------------------------------------------------------------------------------------
@@ -77,7 +93,7 @@ def load_hf(
                 f"{tuple(slot.shape)}"
             )
         with torch.no_grad():
-            slot.copy_(tensor)
+            slot.copy_(rotary_rows(name, tensor, spec.head_dim))
         loaded.add(name)
     optional = {n for n in slots if n.endswith(".expert_bias")}
     if spec.tie_embeddings:
@@ -206,6 +222,7 @@ def export_hf(
         if name.endswith(".expert_bias") or (name == "lm_head.weight" and spec.tie_embeddings):
             continue
         tensor = tensor.detach().to("cpu", target) if target else tensor.detach().cpu()
+        tensor = rotary_rows(name, tensor, spec.head_dim, to_hf=True)
         for hf_name, piece in _hf_tensors(name, tensor, config["model_type"]):
             tensors[hf_name] = piece.contiguous().clone()  # own storage: safetensors refuses shared
     out = Path(out_dir)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.config import ModelSpec
-from fivefold.model.attention import Attention, KVCache, RMSNorm, RotaryEmbedding
+from fivefold.model.attention import Attention, KVCache, RMSNorm, Rope, RotaryEmbedding
 from fivefold.model.mlp import SwiGLU
 from fivefold.model.moe import MoE
 
@@ -33,9 +33,7 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden, spec.norm_eps)
         self.mlp: nn.Module = MoE(spec) if spec.is_moe_layer(index) else SwiGLU(spec.hidden, spec.ffn_hidden)
 
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None = None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, cache: KVCache | None = None) -> torch.Tensor:
         x = x + self.self_attn(_matmul_input(self.input_layernorm(x)), rope, cache)
         h = self.post_attention_layernorm(x)
         # an MoE layer takes the norm's output as it is: its router and expert rows are sized by it

@@ -12,7 +12,7 @@ run's dtypes (fp32 stream under autocast, matmul outputs in the compute dtype):
   * attention: rotary q and k, v, the output and its copy into the output projection, and the
     fp32 log-sum-exp (one per query head and token);
   * SwiGLU: gate, silu(gate), up and their product (f/tp wide).
-Once per micro-batch: the token ids, cos/sin, and on the last stage the final norm, the logits and
+Once per micro-batch: the token ids, the rotary table, and on the last stage the final norm, the logits and
 their log-softmax (fp32, vocab/tp wide). Selective recompute drops the attention core's saved
 tensors (q, k, v and the output are kept at its boundary); full recompute keeps each recomputed
 block's input (every block's, or the first `recompute_layers` of each chunk's).
@@ -109,7 +109,7 @@ def micro_batch_saved(run: RunShape, chunk: Chunk) -> float:
     again = set(run.again([chunk]))
     total = sum(layer_saved(run, spec.is_moe_layer(i), i in again) for i in chunk.layers)
     bf16_weights = run.act_bytes == 2 and not run.autocast
-    total += 2 * t * spec.head_dim * (4 if run.autocast else run.act_bytes)  # cos, sin
+    total += 4 * t * spec.head_dim  # the rotary table: t·d/2 complex64 rotations
     if chunk.first:  # token ids, the first block's input (with bf16 weights its norm's fp32 copy)
         total += 8 * t + (0 if bf16_weights else n * h * run.stream_bytes)
     if chunk.last:  # final norm, the head's input (and autocast's weight copy), fp32 log-softmax

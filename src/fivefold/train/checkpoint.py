@@ -68,8 +68,36 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+# how q_proj/k_proj rows are ordered for the rotary embedding (fivefold.model.attention): written into
+# every checkpoint, so that weights saved in the earlier rotate-half order are refused, not misread
+WEIGHT_LAYOUT = {"qk_rotary_pairs": "adjacent"}
+
+
+def check_weight_layout(path: Path) -> None:
+    """Refuse a checkpoint whose q/k rows follow another rotary layout than this version's."""
+    try:
+        state = json.loads((Path(path) / "trainer.json").read_text())
+    except (OSError, ValueError):
+        return  # checkpoint_problem and the loaders name an unreadable trainer.json
+    if isinstance(state, dict) and all(state.get(k) == v for k, v in WEIGHT_LAYOUT.items()):
+        return
+    raise FivefoldError(
+        f"checkpoint {path} was written by an earlier fivefold, whose q_proj/k_proj rows pair rotary "
+        "features half a head apart (HF's order); this version pairs adjacent features and would "
+        "read those weights wrongly. Export it to HF format with the version that wrote it "
+        "(fivefold.model.hf.export_hf) and load that directory, or start a new run"
+    )
+
+
 def find_checkpoint(run_dir: Path, which: str = "latest", warn: bool = True) -> Path:
-    """`latest` (the newest whole checkpoint), a step number, or a path to a `step_<N>` directory."""
+    """`latest` (the newest whole checkpoint), a step number, or a path to a `step_<N>` directory;
+    one in an earlier weight layout is refused (`check_weight_layout`)."""
+    path = _find_checkpoint(run_dir, which, warn)
+    check_weight_layout(path)
+    return path
+
+
+def _find_checkpoint(run_dir: Path, which: str, warn: bool) -> Path:
     if which not in ("latest", "") and Path(which).is_dir():
         return Path(which)
     found = list_checkpoints(run_dir)
@@ -183,7 +211,9 @@ def save_checkpoint(
             f"must be on storage every rank shares (the previous checkpoint is kept)"
         )
     if rank == 0:
-        (tmp / "trainer.json").write_text(json.dumps(dict(trainer_state, step=step), indent=1))
+        (tmp / "trainer.json").write_text(
+            json.dumps(dict(trainer_state, step=step, **WEIGHT_LAYOUT), indent=1)
+        )
         replaced = _retire(final) if final.exists() else None  # the same step saved again
         os.replace(tmp, final)
         _fsync_dir(root)
@@ -248,6 +278,7 @@ def load_checkpoint(
     """Load model + optimizer state in place (any layout); returns `trainer.json`'s contents."""
     path = Path(path)
     meta_file = path / "trainer.json"
+    check_weight_layout(path)
     try:
         trainer_state = json.loads(meta_file.read_text())
         step = int(trainer_state["step"])

@@ -415,3 +415,20 @@ def test_cpu_attention_in_fp32_matches_reference_and_saves_what_bf16_sdpa_saves(
     assert serves(q16, q16) == torch.bfloat16 and serves(leaves[0], leaves[0]) is None
     inputs = [t.detach().to(torch.bfloat16).requires_grad_() for t in leaves]
     assert _saved_bytes(core, *inputs) == _saved_bytes(sdpa, *inputs)
+
+
+def test_rotary_compiled_real_form_matches_the_complex_one() -> None:
+    """Under torch.compile the rotation is written in real arithmetic (one fused kernel); eager it
+    is a complex multiply: the same pairs turned by the same angles."""
+    from fivefold.model.attention import apply_rotary
+
+    spec = _spec()
+    model = _model(spec)
+    positions = torch.arange(12).expand(2, 12)
+    x = torch.randn(2, 12, spec.heads, spec.head_dim)
+    for dtype in (torch.float32, torch.bfloat16):
+        rope = model.model.rotary_emb(positions, dtype)
+        eager = apply_rotary(x.to(dtype), rope)
+        compiled = torch.compile(apply_rotary, backend="aot_eager", fullgraph=True)(x.to(dtype), rope)
+        assert compiled.dtype == eager.dtype == dtype
+        torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-6)

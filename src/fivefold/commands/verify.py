@@ -329,7 +329,7 @@ def _print_table(
     if layout.pp > 1:
         extras.append(f"{layout.pp_schedule} m={layout.microbatches}")
     if layout.recompute != "none":
-        extras.append(f"recompute {layout.recompute}")
+        extras.append(f"recompute {layout.recompute_label}")
     what = f"{axes or 'one replica'} ({', '.join(extras)})"
     print(f"verify {model} on {nproc} ranks: {what}; step {step} measured")
     width = max(len(r.name) for r in table)

@@ -3,25 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 
 from fivefold.commands import defaults
-from fivefold.config import add_layout_arguments
+from fivefold.config import Layout, add_layout_arguments
 
-_LAYOUT_FLAGS = (
-    "dp",
-    "fsdp",
-    "tp",
-    "pp",
-    "cp",
-    "ep",
-    "zero",
-    "sp",
-    "pp_schedule",
-    "virtual_stages",
-    "recompute",
-    "order",
-    "cp_impl",
-)
+# every layout field has its flag (config.flags): any of them given draws that layout
+_LAYOUT_FLAGS = tuple(f.name for f in fields(Layout))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

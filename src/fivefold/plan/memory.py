@@ -161,7 +161,7 @@ def stage_weights(layout: Layout, model: ModelSpec, seq_len: int = 0) -> dict[st
 
 def _middles(model: ModelSpec, layout: Layout, seq_len: int) -> dict[str, int]:
     seq_len = seq_len or model.max_seq_len
-    key = (_model_key(model), layout.pp, layout.virtual_stages, layout.pp_schedule, layout.pp_split, seq_len)
+    key = _split_key(model, layout, seq_len)
     if key not in _MIDDLES:
         counts, first, ranks = _rank_layers(model, layout, seq_len), {}, {}
         last = layout.pp if layout.pp_schedule in V_SCHEDULES else layout.pp - 1
@@ -228,26 +228,33 @@ def _model_key(model: ModelSpec) -> tuple:
     )
 
 
+def _split_key(model: ModelSpec, layout: Layout, seq_len: int) -> tuple:
+    return (_model_key(model), layout.pp, layout.virtual_stages, layout.pp_schedule, layout.pp_split, seq_len)
+
+
+def _chunk_layers(model: ModelSpec, layout: Layout, seq_len: int, rank: int) -> list[range]:
+    """The layers of each chunk pp rank `rank` holds (the whole model without pipelining)."""
+    if layout.pp == 1:
+        return [range(model.layers)]
+    counts = stage_split(model, layout, seq_len)
+    starts = [sum(counts[:k]) for k in range(len(counts))]
+    stages = rank_stages(rank, layout.pp, layout.virtual_stages, layout.pp_schedule)
+    return [range(starts[c], starts[c] + counts[c]) for c in stages]
+
+
+def _dense_and_moe(model: ModelSpec, layers: list[int]) -> tuple[int, int]:
+    n_moe = sum(model.is_moe_layer(i) for i in layers)
+    return len(layers) - n_moe, n_moe
+
+
 def _rank_layers(model: ModelSpec, layout: Layout, seq_len: int) -> list[tuple[int, int]]:
     """(dense, MoE) layers of every pp rank, all its chunks together."""
-    key = (
-        _model_key(model),
-        layout.pp,
-        layout.virtual_stages,
-        layout.pp_schedule,
-        layout.pp_split,
-        seq_len,
-    )
+    key = _split_key(model, layout, seq_len)
     if key not in _SPLITS:
-        counts = stage_split(model, layout, seq_len)
-        starts = [sum(counts[:k]) for k in range(len(counts))]
-        out = []
-        for rank in range(layout.pp):
-            chunks = rank_stages(rank, layout.pp, layout.virtual_stages, layout.pp_schedule)
-            layers = [i for c in chunks for i in range(starts[c], starts[c] + counts[c])]
-            n_moe = sum(model.is_moe_layer(i) for i in layers)
-            out.append((len(layers) - n_moe, n_moe))
-        _SPLITS[key] = out
+        _SPLITS[key] = [
+            _dense_and_moe(model, [i for chunk in _chunk_layers(model, layout, seq_len, rank) for i in chunk])
+            for rank in range(layout.pp)
+        ]
     return _SPLITS[key]
 
 
@@ -257,32 +264,13 @@ def recomputed_counts(model: ModelSpec, layout: Layout, which: str, seq_len: int
     if layout.recompute != "full":
         return 0, 0
     seq_len = seq_len or model.max_seq_len
-    key = (
-        "rc",
-        _model_key(model),
-        layout.pp,
-        layout.virtual_stages,
-        layout.pp_schedule,
-        layout.pp_split,
-        seq_len,
-        layout.recompute_layers,
-        which,
-    )
+    key = ("rc", *_split_key(model, layout, seq_len), layout.recompute_layers, which)
     if key not in _SPLITS:
-        if layout.pp == 1:
-            chunks = [range(model.layers)]
-        else:
-            counts = stage_split(model, layout, seq_len)
-            starts = [sum(counts[:k]) for k in range(len(counts))]
-            stages = rank_stages(
-                stage_rank(which, layout.pp), layout.pp, layout.virtual_stages, layout.pp_schedule
-            )
-            chunks = [range(starts[c], starts[c] + counts[c]) for c in stages]
-        layers = [
+        chunks = _chunk_layers(model, layout, seq_len, stage_rank(which, layout.pp))
+        again = [
             i for ch in chunks for i in ch[: recomputed_blocks("full", layout.recompute_layers, len(ch))]
         ]
-        n_moe = sum(model.is_moe_layer(i) for i in layers) if model.is_moe else 0
-        _SPLITS[key] = [(len(layers) - n_moe, n_moe)]
+        _SPLITS[key] = [_dense_and_moe(model, again)]
     return _SPLITS[key][0]
 
 

@@ -394,3 +394,33 @@ def test_megatron_on_hopper_runs_transformer_engine_and_tunes_the_chunk_count(tm
     path.write_text(MEGATRON_HOPPER.format(gpu="A100 80GB"))
     (ampere,) = V.cases(load_runs(path))
     assert ampere.inputs.shape.attention == "flash" and not ampere.inputs.shape.tp_overlap
+
+
+def test_runs_published_before_flash_attention_plan_materialised_scores() -> None:
+    """A run's year (read from its source) decides the attention kernel it left unstated: up to 2022
+    the scores were materialised; later, or with no year, FlashAttention; a trainer that says (the
+    FlashAttention repository) or a stated `attention` wins. So the shared reference file, which lacks
+    the bundled copy's derived `attention` keys, plans its 2021-22 runs as the bundled copy does."""
+    from fivefold.plan.runs import build, published_year
+
+    assert published_year({"source": "Korthikanti et al. 2022 (arXiv:2205.05198) Table 3"}) == 2022
+    assert published_year({"source": "README @50a4b5fa (2021-04-08) images/cases_april2021.png"}) == 2021
+    assert published_year({"source": "benchmarks/llama3_h100_202412_torchtitan.md @b5bcd76c"}) == 2024
+    assert published_year({"source": "mosaicml/llm-foundry README @8c8dd48f"}) is None
+
+    def run(source: str, **layout) -> dict:
+        return {
+            "id": "r",
+            "source": source,
+            "kind": "measured",
+            "hardware": {"gpu": "A100 80GB"},
+            "model": {"layers": 4, "hidden": 1024, "heads": 16, "vocab": 32000, "seq_len": 2048},
+            "layout": {"gpus": 8, "tp": 1, "pp": 1, "global_batch": 8, **layout},
+            "measured": {"tflops_per_gpu": 100.0},
+        }
+
+    assert build(run("Narayanan et al. 2021 (SC21)")).shape.attention == "materialized"
+    assert build(run("a 2023 blog post")).shape.attention == "flash"
+    assert build(run("a table without a date")).shape.attention == "flash"
+    assert build(run("Dao-AILab/flash-attention training/README.md (2022)")).shape.attention == "flash"
+    assert build(run("Narayanan et al. 2021", attention="flash")).shape.attention == "flash"

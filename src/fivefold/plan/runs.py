@@ -56,7 +56,8 @@ TRAINERS = {
     # torchtitan splits a pipeline's local batch into pp micro-batches unless told otherwise
     "pytorch/torchtitan": {"fused": False, "tp_overlap": False, "microbatches": "pp"},
     "mosaicml/llm-foundry": {"fused_loss": True},  # loss_fn = fused_crossentropy by default
-    "Dao-AILab/flash-attention": {"fused_loss": True},  # its xentropy kernel, in-place backward
+    # its xentropy kernel, in-place backward; its own attention kernel since its first release (2022)
+    "Dao-AILab/flash-attention": {"fused_loss": True, "attention": "flash"},
     # ZeRO-3 keeps fp16 shards beside the fp32 master and gathers sub-modules up to
     # stage3_max_live_parameters (1e9 by default), not whole blocks
     "microsoft/DeepSpeed": {"fp32_shard": False, "live_params": 1e9},
@@ -112,6 +113,20 @@ def load_runs(*paths: str | Path) -> list[dict[str, Any]]:
                     raise FivefoldError(f"runs file {p}: run {name} has no {key!r}")
             runs.append({**run, "_file": str(p)})
     return runs
+
+
+# FlashAttention appeared in mid-2022 and reached Megatron (--use-flash-attn) and DeepSpeed in 2023:
+# runs published up to 2022 (Megatron SC21, Korthikanti et al., BLOOM, Megatron-DeepSpeed's ZeRO-3
+# scaling) ran attention kernels that materialise the scores, unless the run or its trainer says
+LAST_MATERIALIZED_YEAR = 2022
+
+
+def published_year(run: dict[str, Any]) -> int | None:
+    """The year a run was published, read from its `source` ("Korthikanti et al. 2022",
+    "README @50a4b5fa (2021-04-08)", "2022-07-26-deepspeed-azure.md", "llama3_h100_202412_..."): the
+    latest plausible year named, or None where it names none."""
+    years = [int(y) for y in re.findall(r"(?<!\d)(20[12]\d)(?:\d\d)?(?!\d)", str(run.get("source", "")))]
+    return max(years) if years else None
 
 
 def source_of(run: dict[str, Any]) -> str:
@@ -315,6 +330,9 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     if "jax" in str(lt.get("framework", "")).lower():
         trainer = {"fused": True, "tp_overlap": False}  # XLA fuses elementwise ops
     attention = trainer.get("attention", "flash")
+    year = published_year(run)
+    if "attention" not in trainer and year is not None and year <= LAST_MATERIALIZED_YEAR:
+        attention = "materialized"  # the kernels of the day kept the s×s scores
     if attention == "flash3" and not hopper_or_newer:
         attention = "flash"  # FlashAttention-3 class kernels (cuDNN's fused attention): Hopper and newer
     arch = str(mt.get("arch", "")).lower()

@@ -148,6 +148,16 @@ def test_layout_validation_names_valid_values():
         cfg.layout.resolve(4)
 
 
+@pytest.mark.parametrize("count", [True, -1, 1.5, "2"])
+def test_recompute_layers_is_a_count_of_blocks(count) -> None:
+    """`recompute_layers = true` in a config file is not one block: every non-count is refused."""
+    from fivefold.config import Layout
+
+    with pytest.raises(FivefoldError, match="count of blocks"):
+        Layout(recompute="full", recompute_layers=count).resolve(1)
+    assert Layout(recompute="full", recompute_layers=2).resolve(1).recompute_label.startswith("full (first 2")
+
+
 def test_order_takes_any_subset_and_appends_the_rest_in_the_default_order():
     from fivefold.config import DEFAULT_ORDER, Layout, complete_order
 

@@ -143,7 +143,11 @@ class Layout:
             raise FivefoldError(f"--pp-schedule must be one of {', '.join(PP_SCHEDULES)}")
         if lay.recompute not in RECOMPUTE:
             raise FivefoldError(f"--recompute must be one of {', '.join(RECOMPUTE)}")
-        if not isinstance(lay.recompute_layers, int) or lay.recompute_layers < 0:
+        if (
+            not isinstance(lay.recompute_layers, int)
+            or isinstance(lay.recompute_layers, bool)
+            or lay.recompute_layers < 0
+        ):
             raise FivefoldError(
                 f"--recompute-layers must be a count of blocks >= 0 (0: all), got {lay.recompute_layers!r}"
             )

@@ -52,7 +52,8 @@ def _checkpoint_forward(module: nn.Module) -> None:
     module.__class__ = _recomputed_class(module.__class__)
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of `model` (or of a pipeline chunk), in order."""
     decoder = getattr(model, "model", model)
     layers = getattr(decoder, "layers", None)
     if layers is None:
@@ -67,10 +68,10 @@ def apply_recompute(model: nn.Module, mode: str, layers: int = 0) -> nn.Module:
         raise FivefoldError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {mode!r}")
     if mode == "none":
         return model
-    blocks = _blocks(model)
+    chosen = blocks(model)
     if mode == "full":
-        blocks = blocks[: recomputed_blocks(mode, layers, len(blocks))]
-    for block in blocks:
+        chosen = chosen[: recomputed_blocks(mode, layers, len(chosen))]
+    for block in chosen:
         _checkpoint_forward(block.self_attn.core if mode == "selective" else block)
     return model
 
@@ -80,16 +81,11 @@ def is_recomputed(block: nn.Module) -> bool:
     return bool(getattr(block, _MARK, False))
 
 
-def blocks(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of `model` (or of a pipeline chunk), in order."""
-    return _blocks(model)
-
-
 def recompute_mode(model: nn.Module) -> str:
     """Which mode a model carries (for reports and tests)."""
-    blocks = _blocks(model)
-    if blocks and getattr(blocks[0], _MARK, False):
+    found = blocks(model)
+    if found and getattr(found[0], _MARK, False):
         return "full"
-    if blocks and getattr(blocks[0].self_attn.core, _MARK, False):
+    if found and getattr(found[0].self_attn.core, _MARK, False):
         return "selective"
     return "none"

@@ -232,11 +232,18 @@ def _split_key(model: ModelSpec, layout: Layout, seq_len: int) -> tuple:
     return (_model_key(model), layout.pp, layout.virtual_stages, layout.pp_schedule, layout.pp_split, seq_len)
 
 
+def _chunk_sizes(model: ModelSpec, layout: Layout, seq_len: int = 0) -> list[int]:
+    """Layers of every model chunk, first to last (the whole model without pipelining)."""
+    if layout.pp == 1:
+        return [model.layers]
+    return stage_split(model, layout, seq_len or model.max_seq_len)
+
+
 def _chunk_layers(model: ModelSpec, layout: Layout, seq_len: int, rank: int) -> list[range]:
     """The layers of each chunk pp rank `rank` holds (the whole model without pipelining)."""
     if layout.pp == 1:
         return [range(model.layers)]
-    counts = stage_split(model, layout, seq_len)
+    counts = _chunk_sizes(model, layout, seq_len)
     starts = [sum(counts[:k]) for k in range(len(counts))]
     stages = rank_stages(rank, layout.pp, layout.virtual_stages, layout.pp_schedule)
     return [range(starts[c], starts[c] + counts[c]) for c in stages]
@@ -276,19 +283,14 @@ def recomputed_counts(model: ModelSpec, layout: Layout, which: str, seq_len: int
 
 def most_chunk_layers(model: ModelSpec, layout: Layout, seq_len: int = 0) -> int:
     """Layers of the largest model chunk: `recompute_layers` at or above it recomputes every block."""
-    if layout.pp == 1:
-        return model.layers
-    return max(stage_split(model, layout, seq_len or model.max_seq_len))
+    return max(_chunk_sizes(model, layout, seq_len))
 
 
 def recomputed_fraction(model: ModelSpec, layout: Layout, seq_len: int = 0) -> float:
     """Share of the model's layers that full recompute re-runs (1.0 for plain full recompute)."""
     if layout.recompute != "full":
         return 0.0
-    if layout.recompute_layers <= 0:
-        return 1.0
-    seq_len = seq_len or model.max_seq_len
-    counts = stage_split(model, layout, seq_len) if layout.pp > 1 else [model.layers]
+    counts = _chunk_sizes(model, layout, seq_len)
     return sum(recomputed_blocks("full", layout.recompute_layers, c) for c in counts) / model.layers
 
 

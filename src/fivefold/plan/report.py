@@ -96,6 +96,11 @@ def layer_times(
     return out
 
 
+def _forward(lt: dict[bool, LayerTime], dense: int, moe: int) -> float:
+    """Forward seconds of `dense` dense and `moe` MoE layers (one micro-batch, one rank)."""
+    return dense * lt[False].fwd + (moe * lt[True].fwd if moe else 0.0)
+
+
 def step_lower_bound(
     model: ModelSpec, arch: Arch, hw: HardwareSpec, layout: Layout, shape: TrainShape, m: int, memo: dict
 ) -> float:
@@ -107,10 +112,9 @@ def step_lower_bound(
     for which in weights:
         n_dense, n_moe = stage_counts(model, layout.pp, which, layout)
         mix = [(n_dense, lt[False])] + ([(n_moe, lt[True])] if n_moe else [])
-        f = sum(c * x.fwd for c, x in mix)
+        f = _forward(lt, n_dense, n_moe)
         b = sum(c * x.bwd for c, x in mix)
-        r_dense, r_moe = recomputed_counts(model, layout, which)
-        b += r_dense * lt[False].fwd + (r_moe * lt[True].fwd if r_moe else 0.0)
+        b += _forward(lt, *recomputed_counts(model, layout, which))
         if layout.recompute == "selective":
             b += sum(c * x.redo(shape.sac) for c, x in mix)
         if holds_head(which):
@@ -192,8 +196,8 @@ def _plan(
         r = r_dense + r_moe
         again = r / n  # the share of the stage's per-layer forward collectives run again
         mix = [(n_dense, lt[False])] + ([(n_moe, lt[True])] if n_moe else [])
-        f = sum(c * x.fwd for c, x in mix)
-        f_again = r_dense * lt[False].fwd + (r_moe * lt[True].fwd if r_moe else 0.0)
+        f = _forward(lt, n_dense, n_moe)
+        f_again = _forward(lt, r_dense, r_moe)
         b = sum(c * x.bwd for c, x in mix)
         core = sum(c * x.redo(shape.sac) for c, x in mix)
         wgrad = sum(c * x.wgrad for c, x in mix)

@@ -58,7 +58,8 @@ def lightest_recompute(
             continue
         if not fits(lay):
             return None
-        lo, hi = 1, most_chunk_layers(model, lay)  # hi blocks (all of the largest chunk) fit
+        most = most_chunk_layers(model, lay)
+        lo, hi = 1, most  # hi blocks (all of the largest chunk) fit
         while lo < hi:
             trial = copy.copy(lay)
             trial.recompute_layers = (lo + hi) // 2
@@ -66,7 +67,7 @@ def lightest_recompute(
                 hi = trial.recompute_layers
             else:
                 lo = trial.recompute_layers + 1
-        if hi < most_chunk_layers(model, lay):
+        if hi < most:
             lay.recompute_layers = hi
         return lay
     return None

@@ -249,8 +249,8 @@ def fill(inp: RunInputs, hw: HardwareSpec) -> RunInputs:
                     chosen = lightest_recompute(lay, inp.model, fits, recomputes)
             except FivefoldError:
                 continue  # this schedule or micro-batch cannot run this model
-            if chosen is None:  # the heaviest recompute tried, by how much it misses
-                p = plans[(recomputes[-1], 0)] if not inp.recompute_known else next(iter(plans.values()))
+            if chosen is None:  # by how much the heaviest recompute, the last tried, misses
+                p = list(plans.values())[-1]
                 trial = dataclasses.replace(
                     lay, recompute=p.layout.recompute, recompute_layers=p.layout.recompute_layers
                 )

@@ -93,7 +93,7 @@ def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     dtype = torch.promote_types(x.dtype, rope.dtype)
     if torch.compiler.is_compiling():
         # inductor fuses the real form into one kernel, where it would run a complex multiply as
-        # separate ones (on an H100-class GPU the compiled step is ~2.5% faster this way)
+        # separate ones (a compiled 1.2B step on an H200: 1.7% faster this way)
         table = torch.view_as_real(rope.cis)[:, :, None]
         cos, sin = table[..., 0], table[..., 1]
         pairs = x.float().view(*x.shape[:-1], -1, 2)

@@ -152,6 +152,7 @@ MUTATIONS: dict[str, dict[str, list[str]]] = {
         "--checkpoint-every": ["-2"],
         "--global-batch": ["-1", "3"],
         "--measure-memory-every": ["-1"],
+        "--profile-step": ["-1", "99999"],
         "--watchdog": ["-1", "nan"],
         "--device": ["tpu", "cuda0"],
         "--dtype": ["fp16"],

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fivefold.config import Layout, RunConfig, TrainSpec, load_model
+from fivefold.errors import FivefoldError
 from fivefold.measure.memory import ActivationMeter, state_bytes
 from fivefold.model import build_model, lm_loss, materialize
 from fivefold.parallel.recompute import apply_recompute, blocks, is_recomputed, recompute_mode
@@ -175,6 +176,18 @@ def test_state_memory_matches_the_parameter_count(tmp_path, corpus):
     assert memory["grads"] == memory["params"]
     assert memory["optimizer"] == 2 * memory["params"]  # AdamW: exp_avg + exp_avg_sq
     assert memory["activations"] > 0
+
+
+def test_profile_step_writes_a_trace_and_an_op_table(tmp_path, corpus):
+    train(tiny_run(corpus, steps=2, profile_step=2), tmp_path / "p", progress=False)
+    profile = tmp_path / "p" / "profile"
+    trace = json.loads((profile / "rank0.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert any(n and n.startswith("aten::") and "mm" in n for n in names)  # the step's matmuls
+    table = (profile / "rank0.txt").read_text()
+    assert "Self CPU" in table and "aten::" in table
+    with pytest.raises(FivefoldError, match="--profile-step must be between 0"):
+        TrainSpec(steps=2, profile_step=3).validate()
 
 
 def test_activation_meter_counts_unique_storages_and_skips_parameters():

@@ -55,6 +55,11 @@ TRAIN_FLAGS: dict[str, tuple[type, str]] = {
         "measure saved activations on steps 1, N+1, 2N+1, ... and the last (default 0: off, it hooks "
         "every saved tensor)",
     ),
+    "profile_step": (
+        int,
+        "record step N with torch.profiler on every rank: run-dir/profile/rank<R>.json (Chrome/Perfetto "
+        "trace) and rank<R>.txt (ops by self time); that step runs slower (default 0: off)",
+    ),
 }
 _FIELD = {"warmup": "warmup_steps"}
 

@@ -40,6 +40,7 @@ class TrainSpec:
     # saved-activation meter: a hook on every tensor autograd saves, so it is off unless asked for
     measure_memory_every: int = 0  # 0: never; N: steps 1, N+1, 2N+1, ... (and the last)
     compile: bool = False  # torch.compile each transformer block (fivefold.parallel.compile)
+    profile_step: int = 0  # 0: off; N: torch.profiler trace of step N on every rank (run_dir/profile/)
 
     def validate(self) -> TrainSpec:
         if self.dtype not in DTYPES:
@@ -53,6 +54,10 @@ class TrainSpec:
             raise FivefoldError(
                 "--measure-memory-every must be >= 0 (0: off, 1: every step), "
                 f"got {self.measure_memory_every}"
+            )
+        if not 0 <= self.profile_step <= self.steps:
+            raise FivefoldError(
+                f"--profile-step must be between 0 (off) and --steps {self.steps}, got {self.profile_step}"
             )
         if not 0 <= self.min_lr_ratio <= 1:
             raise FivefoldError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")

@@ -49,7 +49,7 @@ from fivefold.train.data import (
 from fivefold.train.metrics import MetricsLog, MfuMeter
 from fivefold.train.plots import plot_loss_curve
 from fivefold.train.tokenizer import load_tokenizer
-from fivefold.train.trace import Tracer, merge_trace_parts
+from fivefold.train.trace import Tracer, merge_trace_parts, torch_profile
 
 KEEP_CHECKPOINTS = 2
 
@@ -383,7 +383,8 @@ def _train(
             _sync(device)
             t0 = time.perf_counter()
             acts = ActivationMeter() if _measures_memory(step, tspec) else None
-            with _step_ledger(ledger), acts or contextlib.nullcontext():
+            profiled = torch_profile(run_dir, rank, device.type, step == tspec.profile_step)
+            with profiled, _step_ledger(ledger), acts or contextlib.nullcontext():
                 supervise.mark(step, "forward_backward")
                 # precision is the runner's (fivefold.parallel.precision): no autocast here
                 with tracer.span("forward_backward", step=step):

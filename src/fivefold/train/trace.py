@@ -72,3 +72,29 @@ def merge_trace_parts(run_dir: Path, world: int) -> Path:
     out = run_dir / "trace.json"
     out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     return out
+
+
+@contextmanager
+def torch_profile(run_dir: Path, rank: int, device_type: str, enabled: bool) -> Iterator[None]:
+    """Record the block with torch.profiler when `enabled` (`--profile-step N`).
+
+    Writes run_dir/profile/rank<R>.json, a Chrome/Perfetto trace of every op and collective, and
+    rank<R>.txt, the ops sorted by their own time, so one look says where the step went.
+    """
+    if not enabled:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device_type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    out = run_dir / "profile"
+    out.mkdir(parents=True, exist_ok=True)
+    with profile(activities=activities, record_shapes=True) as prof:
+        yield
+    prof.export_chrome_trace(str(out / f"rank{rank}.json"))
+    sort = "self_cuda_time_total" if device_type == "cuda" else "self_cpu_time_total"
+    averages = prof.key_averages(group_by_input_shape=True)
+    table = averages.table(sort_by=sort, row_limit=60, max_name_column_width=60)
+    (out / f"rank{rank}.txt").write_text(table + "\n")

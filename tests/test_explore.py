@@ -14,12 +14,14 @@ import pytest
 
 from fivefold.config import Layout, load_hardware, load_model
 from fivefold.explore import build_page, trace_bars
-from fivefold.explore.lab import ENTRY_FIELDS, MEMORY_PARTS, ROW_FIELDS, lab_table, shown
+from fivefold.explore.lab import ENTRY_FIELDS, FEWEST, MEMORY_PARTS, ROW_FIELDS, lab_key, lab_table, shown
 from fivefold.explore.meshview import SHOWN_AXES, addressing, groups, mesh_view
 from fivefold.explore.timeline import expand, pipeline_picture
 from fivefold.measure.bubble import simulated_bubble
 from fivefold.mesh import build_mesh, resolve_layout
 from fivefold.plan import TrainShape, plan
+from fivefold.plan.memory import most_chunk_layers
+from fivefold.plan.search import search
 
 
 def _embedded(html: str) -> dict:
@@ -144,28 +146,12 @@ def test_lab_carries_the_planners_numbers_for_every_considered_layout() -> None:
     assert lab["entry_fields"] == list(ENTRY_FIELDS) and lab["row_fields"] == list(ROW_FIELDS)
     keys = [(f, rest) for f, by in lab["entries"].items() for rest in by]
     assert len(keys) > 100
-    for f, rest in keys[:: max(len(keys) // 25, 1)]:
-        dp, fsdp, tp, pp, cp, ep = map(int, f.split("."))
-        zero, rc, sv, mb = rest.split("|")
-        sched, v = sv.split(".")
-        lay = resolve_layout(
-            Layout(
-                dp=dp,
-                fsdp=fsdp,
-                tp=tp,
-                pp=pp,
-                cp=cp,
-                ep=ep,
-                zero=int(zero),
-                sp=tp > 1,
-                recompute=rc,
-                pp_schedule=sched if pp > 1 else "1f1b",
-                virtual_stages=int(v),
-            ),
-            16,
-        )
-        want = plan(model, hw, lay, dataclasses.replace(shape, micro_batch=int(mb)), 8).to_json()
+    fewest = [(f, rest) for f, rest in keys if f"|{FEWEST}|" in f"|{rest}"]
+    assert fewest  # some layouts fit only with full recompute of some blocks
+    for f, rest in keys[:: max(len(keys) // 25, 1)] + fewest[:4]:
         got = dict(zip(ENTRY_FIELDS, lab["entries"][f][rest]))
+        lay, sh = _lab_layout(f, rest, got["recompute_layers"], 16), _lab_shape(shape, rest)
+        want = plan(model, hw, lay, sh, 8).to_json()
         assert got["fits"] == want["fits"] and got["microbatches"] == want["microbatches"]
         for k in ("step_time_s", "mfu", "bubble_fraction", "tokens_per_s"):
             assert got[k] == _sig(want[k]), k
@@ -173,6 +159,59 @@ def test_lab_carries_the_planners_numbers_for_every_considered_layout() -> None:
         rows = [dict(zip(ROW_FIELDS, lab["rows"][i])) for i in got["comm"]]
         assert [lab["words"][r["op"]] for r in rows] == [c["op"] for c in want["comm"]]
         assert [r["bytes"] for r in rows] == [_sig(c["bytes"]) for c in want["comm"]]
+
+
+def _lab_layout(factors: str, rest: str, recompute_layers: int, gpus: int) -> Layout:
+    dp, fsdp, tp, pp, cp, ep = map(int, factors.split("."))
+    zero, rc, sv, _ = rest.split("|")
+    sched, v = sv.split(".")
+    layout = Layout(
+        dp=dp,
+        fsdp=fsdp,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        ep=ep,
+        zero=int(zero),
+        sp=tp > 1,
+        recompute="full" if rc == FEWEST else rc,
+        recompute_layers=recompute_layers,
+        pp_schedule=sched if pp > 1 else "1f1b",
+        virtual_stages=int(v),
+    )
+    return resolve_layout(layout, gpus)
+
+
+def _lab_shape(shape: TrainShape, rest: str) -> TrainShape:
+    return dataclasses.replace(shape, micro_batch=int(rest.split("|")[-1]))
+
+
+def test_lab_offers_full_recompute_of_the_fewest_blocks_where_selective_does_not_fit() -> None:
+    model, hw = load_model("llama3-8b"), load_hardware("h100-80gb")
+    shape = TrainShape(seq_len=2048, global_batch=64)
+    lab = lab_table(model, hw, 16, shape, 8)
+    fewest = [
+        (f, rest, dict(zip(ENTRY_FIELDS, e)))
+        for f, by in lab["entries"].items()
+        for rest, e in by.items()
+        if f"|{FEWEST}|" in f"|{rest}"
+    ]
+    assert fewest
+    for f, rest, got in fewest:
+        n = got["recompute_layers"]
+        lay = _lab_layout(f, rest, n, 16)
+        assert 1 <= n < most_chunk_layers(model, lay) and got["fits"]
+        if n > 1:  # one block fewer does not fit
+            assert not plan(model, hw, _lab_layout(f, rest, n - 1, 16), _lab_shape(shape, rest), 8).fits
+        assert not lab["entries"][f][rest.replace(FEWEST, "selective")][0]
+    # the search's own pick lands on the same key (and the same block count) in the lab
+    pins = {"tp": 1, "pp": 1, "cp": 1, "fsdp": 1, "micro_batch": 4}
+    picks = search(model, hw, 16, shape, 8, pins=pins).plans
+    assert any(p.layout.recompute_layers for p in picks)
+    for p in picks:
+        f, rest = lab_key(p.layout, p.shape.micro_batch).split("|", 1)
+        entry = dict(zip(ENTRY_FIELDS, lab["entries"][f][rest]))
+        assert entry["recompute_layers"] == p.layout.recompute_layers
 
 
 def test_trace_bars_keep_the_last_step_and_name_ops() -> None:

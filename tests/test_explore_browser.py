@@ -257,6 +257,25 @@ def test_lab_numbers_are_the_planners_and_follow_the_controls(lab_page) -> None:
     assert lab_page.query_selector("#labResult canvas") is None
 
 
+def test_lab_offers_full_recompute_of_some_blocks(lab_page) -> None:
+    lab_page.click('#tabs button[data-view="lab"]')
+    for control, value in (("tp", "1"), ("pp", "1"), ("cp", "1"), ("fsdp", "1"), ("zero", "1"), ("mb", "4")):
+        lab_page.select_option(f"[data-control={control}]", value)
+    labels = lab_page.eval_on_selector_all(
+        "[data-control=recompute] option", "os => os.map(o => o.textContent)"
+    )
+    assert labels == ["none", "selective", "full, on some blocks", "full"]
+    lab_page.select_option("[data-control=recompute]", "full-fewest")
+    command = lab_page.inner_text("#labResult [data-role=command]")
+    assert "--recompute full --recompute-layers " in command, command
+    want = assert_result_matches_plan(lab_page, "#labResult")
+    assert want["fits"] and 0 < want["layout"]["recompute_layers"] < 32
+    assert f"first {want['layout']['recompute_layers']} blocks" in lab_page.inner_text("#labMessage")
+    # selective, one choice lighter, does not fit on the same layout
+    lab_page.select_option("[data-control=recompute]", "selective")
+    assert not assert_result_matches_plan(lab_page, "#labResult")["fits"]
+
+
 def test_lab_switches_cluster(lab_page) -> None:
     lab_page.click('#tabs button[data-view="lab"]')
     lab_page.select_option("[data-control=hardware]", "a100-80gb")

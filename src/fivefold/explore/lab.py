@@ -16,9 +16,12 @@ from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError
 from fivefold.explore.meshview import mesh_view
 from fivefold.plan import Plan, TrainShape, plan
-from fivefold.plan.search import RECOMPUTE_ORDER, candidates
+from fivefold.plan.search import RECOMPUTE_ORDER, candidates, lightest_recompute
 
 MICRO_BATCHES = (1, 2, 4, 8)
+# the lab's fourth recompute choice: full recompute of the fewest blocks per chunk that fit, as the
+# search picks it (`--recompute full --recompute-layers N`), offered where selective does not fit
+FEWEST = "full-fewest"
 FACTORS = ("dp", "fsdp", "tp", "pp", "cp", "ep")
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers", "total")
 SHOWN = 4  # significant digits on the page
@@ -32,6 +35,7 @@ ENTRY_FIELDS = (
     "memory",
     "stage",
     "comm",
+    "recompute_layers",
 )
 NUMERIC_ROW_FIELDS = ("bytes", "wire_bytes", "time_s", "exposed_s")
 ROW_FIELDS = ("axis", "op", "link", "bytes", "wire_bytes", "time_s", "exposed_s", "count", "group", "overlap")
@@ -41,7 +45,8 @@ def lab_key(layout: Layout, micro_batch: int) -> str:
     """The lab's controls as one string: factors, zero, recompute, schedule.v, micro-batch."""
     factors = ".".join(str(getattr(layout, a)) for a in FACTORS)
     sched = f"{layout.pp_schedule}.{layout.virtual_stages}" if layout.pp > 1 else "-.1"
-    return f"{factors}|{layout.zero}|{layout.recompute}|{sched}|{micro_batch}"
+    recompute = FEWEST if layout.recompute == "full" and layout.recompute_layers else layout.recompute
+    return f"{factors}|{layout.zero}|{recompute}|{sched}|{micro_batch}"
 
 
 def axes_key(layout: Layout) -> str:
@@ -101,6 +106,7 @@ def compact(p: Plan, rows: _Rows) -> list[Any]:
         [int(shown(j["memory"][k])) for k in MEMORY_PARTS],
         j["memory"]["stage"],
         [rows.add(c) for c in j["comm"]],
+        p.layout.recompute_layers,
     ]
 
 
@@ -130,7 +136,7 @@ def lab_table(
         for i, (b, rc) in enumerate(variants):
             sh = dataclasses.replace(shape, micro_batch=b)
             lay = copy.copy(base)
-            lay.recompute = rc
+            lay.recompute, lay.recompute_layers = rc, 0
             key = lab_key(lay, b)
             factors, rest = key.split("|", 1)
             if rest in entries.get(factors, {}) or key in rejected:
@@ -146,6 +152,17 @@ def lab_table(
                 break
             if p.layout.pp > 1:
                 pipelines.add((lay.pp_schedule, lay.pp, p.microbatches, lay.virtual_stages))
+        for b in MICRO_BATCHES:
+            sh = dataclasses.replace(shape, micro_batch=b)
+            _add_fewest_blocks(model, hw, base, sh, gpus_per_node, entries, rows)
+        if base.recompute_layers:  # a layout given with its own block count: shown as given
+            try:
+                p = plan(model, hw, base, shape, gpus_per_node)
+            except FivefoldError as exc:
+                rejected[lab_key(base, shape.micro_batch)] = str(exc)
+            else:
+                factors, rest = lab_key(base, shape.micro_batch).split("|", 1)
+                entries.setdefault(factors, {})[rest] = compact(p, rows)
         ak = axes_key(base)
         if ak not in meshes:
             view = mesh_view(base, gpus_per_node)
@@ -168,6 +185,37 @@ def lab_table(
         "words": words.items,
         "pipelines": sorted(pipelines),
     }
+
+
+def _add_fewest_blocks(
+    model: ModelSpec,
+    hw: HardwareSpec,
+    base: Layout,
+    shape: TrainShape,
+    gpus_per_node: int,
+    entries: dict[str, dict[str, list[Any]]],
+    rows: _Rows,
+) -> None:
+    """Where selective recompute does not fit and full does, the search's middle way: full recompute
+    of the fewest blocks per chunk that fit, under the key FEWEST (not added when that is all)."""
+    lay = copy.copy(base)
+    lay.recompute, lay.recompute_layers = "selective", 0
+    factors, rest = lab_key(lay, shape.micro_batch).split("|", 1)
+    mine = entries.get(factors, {})
+    selective, full = mine.get(rest), mine.get(rest.replace("|selective|", "|full|"))
+    if selective is None or full is None or selective[0] or not full[0]:
+        return
+    cache: dict[int, Plan] = {}
+
+    def planned(layout: Layout) -> Plan:
+        if layout.recompute_layers not in cache:
+            cache[layout.recompute_layers] = plan(model, hw, layout, shape, gpus_per_node)
+        return cache[layout.recompute_layers]
+
+    some = lightest_recompute(lay, model, lambda layout: planned(layout).fits, ("full",))
+    if some is None or not some.recompute_layers:
+        return
+    entries[factors][rest.replace("|selective|", f"|{FEWEST}|")] = compact(planned(some), rows)
 
 
 def _dedupe_messages(rejected: dict[str, str]) -> dict[str, Any]:

@@ -347,6 +347,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         fp8="fp8" in precision or "float8" in precision,
         fused=bool(lt.get("torch_compile", trainer.get("fused", True))),
         grad_bytes=int(trainer.get("grad_bytes", 4)),
+        optimizer_bytes=_optimizer_bytes(run),
         expert_tp=True,  # published MoE runs (Megatron and the like) split the experts over tp too
         tp_overlap=bool(lt.get("async_tp", trainer.get("tp_overlap", False))),
         fused_loss=bool(trainer.get("fused_loss", False)),
@@ -384,6 +385,29 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     return RunInputs(
         model, hardware(run), layout, shape, recompute_known, offload_known, tuple(free), interleaved
     )
+
+
+# bytes of one optimizer-state tensor per parameter, by a run's stated optimizer_state_dtype
+STATE_DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+
+
+def _optimizer_bytes(run: dict[str, Any]) -> int:
+    """Bytes of optimizer state per parameter (the ZeRO paper's K): a master copy and Adam's two
+    moments, fp32 unless the run states `optimizer_bytes_per_param` or `optimizer_state_dtype` (NeMo's
+    apex DistributedFusedAdam with `dtype: bf16` keeps all three in bf16: K = 6)."""
+    lt = run.get("layout", {})
+    if "optimizer_bytes_per_param" in lt:
+        return _int(run, "layout", "optimizer_bytes_per_param", lt["optimizer_bytes_per_param"])
+    value = lt.get("optimizer_state_dtype")
+    if value is None:
+        return 12
+    key = str(value).strip().lower()
+    if key not in STATE_DTYPE_BYTES:
+        raise FivefoldError(
+            f"run {run['id']}: layout.optimizer_state_dtype = {value!r} is not a dtype this planner "
+            f"knows; use one of {', '.join(sorted(set(STATE_DTYPE_BYTES)))}"
+        )
+    return 3 * STATE_DTYPE_BYTES[key]
 
 
 def _offload(value: Any) -> bool:

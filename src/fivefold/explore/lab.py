@@ -156,12 +156,13 @@ def lab_table(
             sh = dataclasses.replace(shape, micro_batch=b)
             _add_fewest_blocks(model, hw, base, sh, gpus_per_node, entries, rows)
         if base.recompute_layers:  # a layout given with its own block count: shown as given
+            key = lab_key(base, shape.micro_batch)
             try:
                 p = plan(model, hw, base, shape, gpus_per_node)
             except FivefoldError as exc:
-                rejected[lab_key(base, shape.micro_batch)] = str(exc)
+                rejected[key] = str(exc)
             else:
-                factors, rest = lab_key(base, shape.micro_batch).split("|", 1)
+                factors, rest = key.split("|", 1)
                 entries.setdefault(factors, {})[rest] = compact(p, rows)
         ak = axes_key(base)
         if ak not in meshes:
@@ -198,24 +199,30 @@ def _add_fewest_blocks(
 ) -> None:
     """Where selective recompute does not fit and full does, the search's middle way: full recompute
     of the fewest blocks per chunk that fit, under the key FEWEST (not added when that is all)."""
-    lay = copy.copy(base)
-    lay.recompute, lay.recompute_layers = "selective", 0
-    factors, rest = lab_key(lay, shape.micro_batch).split("|", 1)
-    mine = entries.get(factors, {})
-    selective, full = mine.get(rest), mine.get(rest.replace("|selective|", "|full|"))
+
+    def entry(recompute: str) -> list[Any] | None:
+        lay = copy.copy(base)
+        lay.recompute, lay.recompute_layers = recompute, 0
+        factors, rest = lab_key(lay, shape.micro_batch).split("|", 1)
+        return entries.get(factors, {}).get(rest)
+
+    selective, full = entry("selective"), entry("full")
     if selective is None or full is None or selective[0] or not full[0]:
         return
-    cache: dict[int, Plan] = {}
 
-    def planned(layout: Layout) -> Plan:
-        if layout.recompute_layers not in cache:
-            cache[layout.recompute_layers] = plan(model, hw, layout, shape, gpus_per_node)
-        return cache[layout.recompute_layers]
+    tried: dict[int, Plan] = {}  # block count -> its plan (the bisection's last one is the entry)
 
-    some = lightest_recompute(lay, model, lambda layout: planned(layout).fits, ("full",))
+    def fits(layout: Layout) -> bool:  # full on every block fits: the lab's own entry says so
+        if not layout.recompute_layers:
+            return True
+        tried[layout.recompute_layers] = plan(model, hw, layout, shape, gpus_per_node)
+        return tried[layout.recompute_layers].fits
+
+    some = lightest_recompute(base, model, fits, ("full",))
     if some is None or not some.recompute_layers:
         return
-    entries[factors][rest.replace("|selective|", f"|{FEWEST}|")] = compact(planned(some), rows)
+    factors, rest = lab_key(some, shape.micro_batch).split("|", 1)
+    entries[factors][rest] = compact(tried[some.recompute_layers], rows)
 
 
 def _dedupe_messages(rejected: dict[str, str]) -> dict[str, Any]:

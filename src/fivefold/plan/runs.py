@@ -347,7 +347,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         fp8="fp8" in precision or "float8" in precision,
         fused=bool(lt.get("torch_compile", trainer.get("fused", True))),
         grad_bytes=int(trainer.get("grad_bytes", 4)),
-        optimizer_bytes=_optimizer_bytes(run),
+        optimizer_bytes=optimizer_bytes(run),
         expert_tp=True,  # published MoE runs (Megatron and the like) split the experts over tp too
         tp_overlap=bool(lt.get("async_tp", trainer.get("tp_overlap", False))),
         fused_loss=bool(trainer.get("fused_loss", False)),
@@ -391,7 +391,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
 STATE_DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 
 
-def _optimizer_bytes(run: dict[str, Any]) -> int:
+def optimizer_bytes(run: dict[str, Any]) -> int:
     """Bytes of optimizer state per parameter (the ZeRO paper's K): a master copy and Adam's two
     moments, fp32 unless the run states `optimizer_bytes_per_param` or `optimizer_state_dtype` (NeMo's
     apex DistributedFusedAdam with `dtype: bf16` keeps all three in bf16: K = 6)."""

@@ -31,6 +31,7 @@ from fivefold.plan.runs import (
     Throughput,
     build,
     family,
+    optimizer_bytes,
     source_of,
     source_peak,
     throughput,
@@ -536,7 +537,7 @@ def compare(run: dict[str, Any]) -> tuple[Plan | None, list[Comparison]]:
             seq_len=1,
             global_batch=1,
             grad_bytes=2,
-            optimizer_bytes=int(lt.get("optimizer_bytes_per_param", 12)),
+            optimizer_bytes=optimizer_bytes(run),
             fp32_shard=False,  # the paper's ZeRO-3 keeps fp16 shards beside the fp32 optimizer state
         )
         n = lt.get("dp", 1)

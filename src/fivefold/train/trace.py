@@ -94,7 +94,7 @@ def torch_profile(run_dir: Path, rank: int, device_type: str, enabled: bool) -> 
     with profile(activities=activities, record_shapes=True) as prof:
         yield
     prof.export_chrome_trace(str(out / f"rank{rank}.json"))
-    sort = "self_cuda_time_total" if device_type == "cuda" else "self_cpu_time_total"
+    sort = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
     averages = prof.key_averages(group_by_input_shape=True)
     table = averages.table(sort_by=sort, row_limit=60, max_name_column_width=60)
     (out / f"rank{rank}.txt").write_text(table + "\n")

@@ -271,3 +271,27 @@ def test_the_step_overhead_is_synchronisation_none_on_one_gpu() -> None:
     assert one[0] == pytest.approx(one[1])  # the knob never reaches a single GPU
     eight = [plan(load_model("llama3-8b"), h, Layout(fsdp=8), shape).optimizer_time_s for h in (hw, slow)]
     assert eight[1] - eight[0] == pytest.approx((10.0 - 0.03) / 2)  # log2(8) / log2(64)
+
+
+def test_a_tp_group_spanning_nodes_stripes_its_rings_over_the_nics() -> None:
+    """tp 16 on 8-GPU nodes: each ring crosses the network through one of the node's 8 NICs, as the
+    data-parallel rings do, so a collective runs at 8 NICs' bandwidth (capped by the node's own links);
+    tp 8 placed with stride 2 has 4 members a node and gets 4 NICs."""
+    from fivefold.plan.comm import collective_time
+
+    model = load_model("llama3-70b")
+    hw = load_hardware("h100-80gb")
+    shape = TrainShape(seq_len=4096, global_batch=64, micro_batch=1)
+    for layout, nics in (
+        (Layout(tp=16, sp=True, recompute="selective").resolve(16), 8),
+        (Layout(tp=8, pp=2, sp=True, recompute="selective", order="pp,tp,cp,fsdp,dp").resolve(16), 4),
+    ):
+        p = plan(model, hw, layout, shape)
+        gather = next(c for c in p.comm if c.axis == "tp" and c.op == "all_gather")
+        assert gather.link == "mixed"
+        payload = gather.bytes / gather.count
+        one = collective_time(hw, "all_gather", payload, layout.tp, "mixed", nics)[1]
+        assert gather.time_s == pytest.approx(one * gather.count)
+        wire = (layout.tp - 1) / layout.tp * payload
+        bandwidth = min(hw.inter_node_gbps * nics, hw.intra_node_gbps) * 1e9 * hw.link_efficiency
+        assert one == pytest.approx(wire / bandwidth + (layout.tp - 1) * hw.inter_node_latency_us * 1e-6)

@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from fivefold.config import HardwareSpec, Layout
 from fivefold.layout_math import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, RECV, REDUCE_SCATTER, SEND
-from fivefold.mesh import axis_link_kinds
+from fivefold.mesh import axis_link_kinds, strides
 
 DEFAULT_LINK_EFFICIENCY = 0.75  # share of the per-direction link bandwidth a large collective reaches
 
@@ -118,6 +118,18 @@ def links(layout: Layout, gpus_per_node: int) -> dict[str, str]:
     return out
 
 
+def members_per_node(layout: Layout, axes: tuple[str, ...], gpus_per_node: int) -> int:
+    """Ranks of one group over `axes` that share a node (each axis contributes up to node/stride):
+    the NICs a "mixed" group's rings are striped over (`link_params`)."""
+    st = strides(layout)
+    out = 1
+    for a in axes:
+        size = getattr(layout, a)
+        if size > 1:
+            out *= min(size, max(1, gpus_per_node // st[a]))
+    return max(1, min(out, gpus_per_node))
+
+
 def worst_link(kinds: dict[str, str], *axes: str) -> str:
     """The slowest link among axes that form one group (e.g. fsdp×cp shards)."""
     found = [kinds[a] for a in axes if a in kinds]
@@ -130,8 +142,6 @@ def ep_link(layout: Layout, gpus_per_node: int) -> str:
     """Link of an expert group: the `ep` innermost ranks of the flattened fsdp×cp block (cp fastest)."""
     if layout.ep <= 1:
         return "intra"
-    from fivefold.mesh import strides
-
     st = strides(layout)
     if layout.ep <= layout.cp:
         first, span = st["cp"], st["cp"] * layout.ep

@@ -27,7 +27,7 @@ from fivefold.layout_math import (
     replica_axis,
     tp_local_shape,
 )
-from fivefold.plan.comm import collective_time, worst_link
+from fivefold.plan.comm import collective_time, members_per_node, worst_link
 from fivefold.plan.memory import shard_group
 from fivefold.plan.runshape import Chunk, RunShape, Traffic, fsdp_sync_deferred
 from fivefold.plan.spec import TrainShape
@@ -45,19 +45,6 @@ def bucket_bytes(group: int) -> float:
     """Gradient bucket size over a data-parallel group: torch DDP's 25 MB, grown with the group as
     Megatron does (a million elements per rank) so that a large ring's latency stays amortised."""
     return max(DDP_BUCKET_BYTES, 4e6 * group)
-
-
-def members_per_node(layout: Layout, axes: tuple[str, ...], gpus_per_node: int) -> int:
-    """Ranks of one group over `axes` that share a node (each axis contributes up to node/stride)."""
-    from fivefold.mesh import strides
-
-    st = strides(layout)
-    out = 1
-    for a in axes:
-        size = getattr(layout, a)
-        if size > 1:
-            out *= min(size, max(1, gpus_per_node // st[a]))
-    return max(1, min(out, gpus_per_node))
 
 
 def data_parallel_traffic(

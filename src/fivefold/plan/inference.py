@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError
-from fivefold.plan.comm import collective_time, ep_link, links
+from fivefold.plan.comm import collective_time, ep_link, links, members_per_node
 from fivefold.plan.compute import Rates, layer_time
 from fivefold.plan.memory import stage_counts, stage_params
 from fivefold.plan.result import capacity
@@ -145,6 +145,7 @@ def inference_plan(
     activations = BYTES * tokens * (4 * model.hidden + 3 * f_local) + 4 * shape.batch * model.vocab / lay.tp
 
     tp_link = kinds.get("tp", "intra")
+    tp_nics = members_per_node(layout, ("tp",), gpn) if tp_link == "mixed" else 1  # rings striped over NICs
     prefill = decode = 0.0
     comm = {"tp": 0.0, "pp": 0.0, "ep": 0.0, "cp": 0.0}
     hbm = rates.hbm
@@ -164,10 +165,10 @@ def inference_plan(
         flops = 2 * shape.batch * (shard_dense + routed_flops)
         decode += count * max(read / hbm, flops / rates.flops)
         if lay.tp > 1:
-            t_pre = 2 * collective_time(hw, "all-reduce", BYTES * tokens * model.hidden, lay.tp, tp_link)[1]
-            t_dec = (
-                2 * collective_time(hw, "all-reduce", BYTES * shape.batch * model.hidden, lay.tp, tp_link)[1]
-            )
+            ar_tokens = BYTES * tokens * model.hidden
+            t_pre = 2 * collective_time(hw, "all-reduce", ar_tokens, lay.tp, tp_link, tp_nics)[1]
+            ar_batch = BYTES * shape.batch * model.hidden
+            t_dec = 2 * collective_time(hw, "all-reduce", ar_batch, lay.tp, tp_link, tp_nics)[1]
             prefill += count * t_pre
             decode += count * t_dec
             comm["tp"] += count * t_dec

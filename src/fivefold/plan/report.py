@@ -14,7 +14,7 @@ from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError
 from fivefold.flops import hardware_flops_per_token, model_flops_per_token
 from fivefold.layout_math import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SEND
-from fivefold.plan.comm import Collective, collective_time, ep_link, links
+from fivefold.plan.comm import Collective, collective_time, ep_link, links, members_per_node
 from fivefold.plan.compute import LayerTime, Rates, head_time, layer_time, optimizer_time
 from fivefold.plan.dataparallel import data_parallel_traffic
 from fivefold.plan.memory import (
@@ -182,9 +182,15 @@ def _plan(
     exp_link = ep_link(layout, gpn)
     rc = layout.recompute
     lt = layer_times(model, arch, layout, shape, rates, memo)
+    # a tp or cp group spanning nodes stripes its rings over the NICs of its members on each node, as
+    # the data-parallel groups do; point-to-point and all-to-all traffic goes through one NIC a rank
+    ring_nics = {a: members_per_node(layout, (a,), gpn) for a in ("tp", "cp") if kinds.get(a) == "mixed"}
 
-    def t_of(op: str, payload: float, group: int, link: str) -> float:
-        return collective_time(hw, op, payload, group, link)[1]
+    def nics(axis: str, op: str) -> int:
+        return ring_nics.get(axis, 1) if op in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) else 1
+
+    def t_of(op: str, payload: float, group: int, link: str, axis: str = "") -> float:
+        return collective_time(hw, op, payload, group, link, nics(axis, op))[1]
 
     def stage_costs(which: str) -> tuple[float, float, float, float, list[tuple], tuple[float, float]]:
         """(t_f, t_b, compute, exposed comm) of one micro-batch through a stage, its collectives as
@@ -205,7 +211,7 @@ def _plan(
         exp_f = exp_b = 0.0
         if layout.tp > 1:  # two collectives per layer and pass: all-reduce, or all-gather + reduce-scatter
             ops = (ALL_GATHER, REDUCE_SCATTER) if layout.sp else (ALL_REDUCE,)
-            times = {op: t_of(op, act_bytes, layout.tp, tp_link) for op in ops}
+            times = {op: t_of(op, act_bytes, layout.tp, tp_link, "tp") for op in ops}
             t_pass = 2 * n * sum(times.values())
             # backward: each input-gradient collective overlaps the weight-gradient matmul; with
             # collective matmuls (TE userbuffers, torch async TP) the forward ones hide behind the
@@ -259,8 +265,8 @@ def _plan(
                 )
             elif layout.cp_impl == "allgather":  # K,V gathered forward, their grads reduce-scattered
                 gathered = 2 * BYTES * shape.seq_len * shape.micro_batch * kv_local
-                t_ag = n * t_of(ALL_GATHER, gathered, c, cp_link)
-                t_rs = n * t_of(REDUCE_SCATTER, gathered, c, cp_link)
+                t_ag = n * t_of(ALL_GATHER, gathered, c, cp_link, "cp")
+                t_rs = n * t_of(REDUCE_SCATTER, gathered, c, cp_link, "cp")
                 exp_f += t_ag
                 exp_b += t_rs
                 recs.append(("cp", ALL_GATHER, gathered, c, cp_link, n + r, (1 + again) * t_ag, "none"))
@@ -299,7 +305,7 @@ def _plan(
         exp_rc = exp_f * again
         layer_f, layer_b = (f + exp_f) / n, (b + exp_b + exp_rc) / n
         if layout.tp > 1:  # vocab-parallel embedding (forward) and the head's input gradient (backward)
-            t_ar = t_of(ALL_REDUCE, act_bytes, layout.tp, tp_link)
+            t_ar = t_of(ALL_REDUCE, act_bytes, layout.tp, tp_link, "tp")
             ends = (holds_embedding(which), holds_head(which))
             exp_f += t_ar * ends[0]
             exp_b += t_ar * ends[1]
@@ -324,7 +330,7 @@ def _plan(
     worst = max(per_stage, key=lambda k: per_stage[k][0] + per_stage[k][1])
     t_f, t_b, compute_mb, exposed_mb, recs, (layer_f, layer_b) = per_stage[worst]
     for axis, op, payload, group, link, calls, exposed, overlap in recs:
-        add(axis, op, payload, group, link, calls * m, exposed=exposed * m, overlap=overlap)
+        add(axis, op, payload, group, link, calls * m, exposed * m, overlap, nics(axis, op))
     ranks = sum(weights.values())
     mean_f = sum(v[0] * weights[k] for k, v in per_stage.items()) / ranks
     mean_b = sum(v[1] * weights[k] for k, v in per_stage.items()) / ranks

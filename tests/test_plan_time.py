@@ -295,3 +295,33 @@ def test_a_tp_group_spanning_nodes_stripes_its_rings_over_the_nics() -> None:
         wire = (layout.tp - 1) / layout.tp * payload
         bandwidth = min(hw.inter_node_gbps * nics, hw.intra_node_gbps) * 1e9 * hw.link_efficiency
         assert one == pytest.approx(wire / bandwidth + (layout.tp - 1) * hw.inter_node_latency_us * 1e-6)
+
+
+def test_a_live_parameter_bound_serialises_the_gathers_after_big_modules() -> None:
+    """DeepSpeed ZeRO-3 prefetches nothing while a module of `stage3_max_live_parameters` or more
+    computes: the gather after it waits in line. Small modules keep every gather overlapped."""
+    from fivefold.plan.dataparallel import serialised_gathers
+
+    assert serialised_gathers([1.0, 1.0, 1.0, 1.0], 0.0) == (0.0, 0.0)  # no bound: all prefetched
+    assert serialised_gathers([1.0, 1.0, 1.0, 1.0], 5.0) == (0.0, 0.0)
+    assert serialised_gathers([6.0, 6.0, 6.0, 6.0], 5.0) == (1.0, 1.0)
+    # qkv 3, out 1, up 4, down 4 (a GPT block of h² = 1), bound 2. Forward: out after qkv, down after
+    # up, the next block's qkv after down are serialised (1 + 4 + 3 of 12); up after out is prefetched.
+    # Backward (down, up, out, qkv): down after the previous block's qkv, up after down, out after up
+    # (4 + 4 + 1); qkv after the small out is prefetched.
+    forward, backward = serialised_gathers([3.0, 1.0, 4.0, 4.0], 2.0)
+    assert forward == pytest.approx(8 / 12)
+    assert backward == pytest.approx((4 + 1 + 4) / 12)
+
+    model = gpt(layers=8, hidden=16384, heads=128)  # 3h² = 805M, 4h² = 1.07B parameters
+    hw = A100
+    layout = Layout(fsdp=64, zero=3, recompute="full").resolve(64)
+    shape = TrainShape(seq_len=1024, global_batch=64 * 8, micro_batch=8)
+    free = plan(model, hw, layout, shape)
+    bound = plan(model, hw, layout, dataclasses.replace(shape, live_params=1e9))
+    gathers = [next(c for c in p.comm if c.op == "all_gather") for p in (free, bound)]
+    assert gathers[1].time_s == pytest.approx(gathers[0].time_s)  # the same traffic
+    assert gathers[1].exposed_s > gathers[0].exposed_s + 0.5 * gathers[0].time_s / 2
+    assert bound.step_time_s > free.step_time_s
+    roomy = plan(model, hw, layout, dataclasses.replace(shape, live_params=1e10))
+    assert roomy.step_time_s == pytest.approx(free.step_time_s)

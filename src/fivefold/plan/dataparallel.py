@@ -47,6 +47,26 @@ def bucket_bytes(group: int) -> float:
     return max(DDP_BUCKET_BYTES, 4e6 * group)
 
 
+def serialised_gathers(modules: list[float], live_params: float) -> tuple[float, float]:
+    """Shares of a block's gathered parameters, in forward and in backward order, whose gather cannot
+    be prefetched under a live-parameter bound (DeepSpeed ZeRO-3's `stage3_max_live_parameters`).
+
+    DeepSpeed prefetches the next sub-modules while one computes, up to that bound less what is
+    gathered already, so nothing is prefetched while a module of that size or more computes: the
+    module after it is gathered when it is reached, with no compute beside the gather. `modules`:
+    the block's sub-module parameter counts in forward order (the next block's first follows the
+    last)."""
+    total = sum(modules)
+    if live_params <= 0 or total <= 0:
+        return 0.0, 0.0
+
+    def share(order: list[float]) -> float:
+        after_big = [size for before, size in zip(order[-1:] + order[:-1], order) if before >= live_params]
+        return sum(after_big) / total
+
+    return share(modules), share(modules[::-1])
+
+
 def data_parallel_traffic(
     layout: Layout,
     shape: TrainShape,
@@ -58,6 +78,7 @@ def data_parallel_traffic(
     t_f: float,
     t_b: float,
     hw: HardwareSpec,
+    block_modules: list[float] | None = None,
 ) -> None:
     """Record gradient (and ZeRO weight) traffic through `add`, each with the part no compute hides."""
     overlap = shape.overlap_grad_reduce
@@ -134,8 +155,12 @@ def data_parallel_traffic(
         rs_each = not fsdp_sync_deferred(layout)
         busy_f = sum(t_ag.values())
         busy_b = bwd_gathers * busy_f + (sum(t_rs.values()) if rs_each else 0.0)
-        exposed_f = max(busy_f - t_f, 0.0) + OVERLAP_DRAG * min(busy_f, t_f)
-        exposed_b = max(busy_b - t_b, 0.0) + OVERLAP_DRAG * min(busy_b, t_b)
+        # gathers no prefetch can start early wait in line; the rest overlap the compute
+        live = shape.live_params if z == 3 else 0.0
+        share_f, share_b = serialised_gathers(block_modules or [], live)
+        alone_f, alone_b = share_f * busy_f, bwd_gathers * share_b * busy_f
+        exposed_f = alone_f + max(busy_f - alone_f - t_f, 0.0) + OVERLAP_DRAG * min(busy_f - alone_f, t_f)
+        exposed_b = alone_b + max(busy_b - alone_b - t_b, 0.0) + OVERLAP_DRAG * min(busy_b - alone_b, t_b)
         # inside a pipeline a ZeRO-3 unit stays gathered from a backward to the next forward (m + 1
         # gathers a step rather than 2m) and a ZeRO-2 unit from its first forward on (one gather),
         # as fsdp_gathers counts them for the ledger

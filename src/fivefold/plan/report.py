@@ -96,6 +96,25 @@ def layer_times(
     return out
 
 
+def block_modules(model: ModelSpec, arch: Arch, layout: Layout) -> list[float] | None:
+    """Parameters of a dense block's sub-modules in forward order, as Megatron builds them (fused
+    q·k·v, the output projection, the MLP's input (gate and up fused), its output), on one rank; None
+    for blocks of another make (experts, latent attention)."""
+    if model.is_moe or model.is_mla:
+        return None
+    h, d, tp = model.hidden, model.head_dim, layout.tp
+    mlp_in = (2 if arch.gated_mlp else 1) * model.ffn_hidden * h
+    return [
+        x / tp
+        for x in (
+            (model.heads + 2 * model.kv_heads) * d * h,
+            model.heads * d * h,
+            mlp_in,
+            model.ffn_hidden * h,
+        )
+    ]
+
+
 def _forward(lt: dict[bool, LayerTime], dense: int, moe: int) -> float:
     """Forward seconds of `dense` dense and `moe` MoE layers (one micro-batch, one rank)."""
     return dense * lt[False].fwd + (moe * lt[True].fwd if moe else 0.0)
@@ -355,7 +374,9 @@ def _plan(
 
     # --- data-parallel traffic: gradients, and parameters under ZeRO-1/3
     dense, experts, _ = cached_stage_params(model, arch, layout, worst, memo)
-    data_parallel_traffic(layout, shape, m, dense, experts, kinds, add, t_f, t_b, hw)
+    data_parallel_traffic(
+        layout, shape, m, dense, experts, kinds, add, t_f, t_b, hw, block_modules(model, arch, layout)
+    )
     n = shard_group(layout)
     local = (dense / n + experts / max(n // layout.ep, 1)) if layout.zero >= 1 else dense + experts
     opt = optimizer_time(local, rates, hw, offload=shape.offload_optimizer, gpus=layout.world)

@@ -446,3 +446,43 @@ def test_runs_published_before_flash_attention_plan_materialised_scores() -> Non
     assert build(run("a table without a date")).shape.attention == "flash"
     assert build(run("Dao-AILab/flash-attention training/README.md (2022)")).shape.attention == "flash"
     assert build(run("Narayanan et al. 2021", attention="flash")).shape.attention == "flash"
+
+
+def test_an_unpublished_schedule_is_filled_with_the_chunk_count_that_pays(tmp_path) -> None:
+    """A deep pipeline with few micro-batches and no published schedule: its authors would interleave
+    finely (up to 8 chunks of one layer here), not stop at 2 or 4."""
+    from fivefold.plan import validation as V
+
+    (tmp_path / "runs.toml").write_text("""
+[[run]]
+id = "deep-pipeline"
+kind = "measured"
+source = "a made-up source"
+[run.hardware]
+gpu = "H100-SXM 80GB"
+peak_bf16_tflops = 989
+gpus_per_node = 8
+[run.model]
+layers = 128
+hidden = 4096
+ffn_hidden = 14336
+heads = 32
+kv_heads = 8
+vocab = 128256
+seq_len = 4096
+[run.layout]
+gpus = 256
+tp = 8
+pp = 16
+dp = 2
+zero_stage = 1
+sequence_parallel = true
+recompute = "none"
+micro_batch = 1
+global_batch = 32
+[run.measured]
+mfu = 0.40
+""")
+    (case,) = V.cases(V.load_runs(tmp_path / "runs.toml"))
+    layout = case.inputs.layout
+    assert layout.pp_schedule == "interleaved-1f1b" and layout.virtual_stages > 4

@@ -195,7 +195,7 @@ def _variants(inp: RunInputs) -> list[tuple[Layout, TrainShape]]:
     accumulation = local // shape.micro_batch
     schedules = [(lay.pp_schedule, lay.virtual_stages)]
     if "pipeline_schedule" in inp.free:
-        chunks = [v for v in (2, 4) if inp.model.layers >= lay.pp * v] if inp.interleaved else []
+        chunks = [v for v in range(2, 9) if inp.model.layers >= lay.pp * v] if inp.interleaved else []
         schedules = [("1f1b", 1)] + [("interleaved-1f1b", v) for v in chunks]
     elif "virtual_stages" in inp.free:  # chunk counts that split a stage's layers evenly, 2 first
         per_rank = inp.model.layers // lay.pp

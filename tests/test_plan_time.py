@@ -300,16 +300,20 @@ def test_a_tp_group_spanning_nodes_stripes_its_rings_over_the_nics() -> None:
 def test_a_live_parameter_bound_serialises_the_gathers_after_big_modules() -> None:
     """DeepSpeed ZeRO-3 prefetches nothing while a module of `stage3_max_live_parameters` or more
     computes: the gather after it waits in line. Small modules keep every gather overlapped."""
-    from fivefold.plan.dataparallel import serialised_gathers
+    from fivefold.plan.dataparallel import sub_module_gathers
 
-    assert serialised_gathers([1.0, 1.0, 1.0, 1.0], 0.0) == (0.0, 0.0)  # no bound: all prefetched
-    assert serialised_gathers([1.0, 1.0, 1.0, 1.0], 5.0) == (0.0, 0.0)
-    assert serialised_gathers([6.0, 6.0, 6.0, 6.0], 5.0) == (1.0, 1.0)
+    def waiting(modules: list[float], bound: float) -> tuple[float, float]:
+        forward, _, backward = sub_module_gathers(modules, bound, 0.0, False)
+        return forward, backward
+
+    assert waiting([1.0, 1.0, 1.0, 1.0], 0.0) == (0.0, 0.0)  # no bound: all prefetched
+    assert waiting([1.0, 1.0, 1.0, 1.0], 5.0) == (0.0, 0.0)
+    assert waiting([6.0, 6.0, 6.0, 6.0], 5.0) == (1.0, 1.0)
     # qkv 3, out 1, up 4, down 4 (a GPT block of h² = 1), bound 2. Forward: out after qkv, down after
     # up, the next block's qkv after down are serialised (1 + 4 + 3 of 12); up after out is prefetched.
     # Backward (down, up, out, qkv): down after the previous block's qkv, up after down, out after up
     # (4 + 4 + 1); qkv after the small out is prefetched.
-    forward, backward = serialised_gathers([3.0, 1.0, 4.0, 4.0], 2.0)
+    forward, backward = waiting([3.0, 1.0, 4.0, 4.0], 2.0)
     assert forward == pytest.approx(8 / 12)
     assert backward == pytest.approx((4 + 1 + 4) / 12)
 
@@ -325,3 +329,24 @@ def test_a_live_parameter_bound_serialises_the_gathers_after_big_modules() -> No
     assert bound.step_time_s > free.step_time_s
     roomy = plan(model, hw, layout, dataclasses.replace(shape, live_params=1e10))
     assert roomy.step_time_s == pytest.approx(free.step_time_s)
+
+
+def test_sub_module_gathers_under_full_recompute_gather_again() -> None:
+    """DeepSpeed under full recompute: the recomputed forward gathers the block again, and every
+    module whose backward comes more than the reuse distance after it (the rest of the block, there
+    and back) is released and gathered a third time; the last module is used at once and kept."""
+    from fivefold.plan.dataparallel import sub_module_gathers
+
+    assert sub_module_gathers([3.0, 1.0, 4.0, 4.0], 0.0, 0.0, True) == (0.0, 1.0, 0.0)  # torch FSDP
+    # bound 10 (nothing large enough to stop prefetching), reuse distance 5: qkv (2·9), out (2·8) and
+    # up (2·4) come back, down (0) stays: 8 of 12 gathered a third time
+    waiting_f, passes, waiting_b = sub_module_gathers([3.0, 1.0, 4.0, 4.0], 10.0, 5.0, True)
+    assert (waiting_f, waiting_b) == (0.0, 0.0)
+    assert passes == pytest.approx(1 + 8 / 12)
+    # bound 2: the recomputed forward waits as the forward does (8 of 12); of the third gathers, up
+    # (after down) and out (after up) wait, qkv (after the small out) is prefetched
+    waiting_f, passes, waiting_b = sub_module_gathers([3.0, 1.0, 4.0, 4.0], 2.0, 5.0, True)
+    assert waiting_f == pytest.approx(8 / 12)
+    assert waiting_b == pytest.approx(8 / 12 + 5 / 12)
+    # without recompute the backward gathers once, in backward order
+    assert sub_module_gathers([3.0, 1.0, 4.0, 4.0], 2.0, 5.0, False)[1:] == (1.0, pytest.approx(9 / 12))

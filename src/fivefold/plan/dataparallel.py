@@ -47,24 +47,38 @@ def bucket_bytes(group: int) -> float:
     return max(DDP_BUCKET_BYTES, 4e6 * group)
 
 
-def serialised_gathers(modules: list[float], live_params: float) -> tuple[float, float]:
-    """Shares of a block's gathered parameters, in forward and in backward order, whose gather cannot
-    be prefetched under a live-parameter bound (DeepSpeed ZeRO-3's `stage3_max_live_parameters`).
+def sub_module_gathers(
+    modules: list[float], live_params: float, reuse_distance: float, recomputed: bool
+) -> tuple[float, float, float]:
+    """Gathers of a block under DeepSpeed-style sub-module gathering, in units of one pass over the
+    block's parameters: (forward passes that wait in line, backward passes, backward passes that wait
+    in line).
 
-    DeepSpeed prefetches the next sub-modules while one computes, up to that bound less what is
-    gathered already, so nothing is prefetched while a module of that size or more computes: the
-    module after it is gathered when it is reached, with no compute beside the gather. `modules`:
-    the block's sub-module parameter counts in forward order (the next block's first follows the
-    last)."""
+    DeepSpeed prefetches the next sub-modules while one computes, up to `live_params` (its
+    `stage3_max_live_parameters`) less what is gathered already, so nothing is prefetched while a
+    module of that size or more computes: the module after it is gathered when it is reached, with
+    no compute beside the gather. Under full recompute the backward re-runs the block's forward, which
+    gathers it again, and a module whose backward comes more than `reuse_distance` parameters after its
+    recomputed forward (the rest of the block, forward and back) is released and gathered a third
+    time. `modules`: the block's sub-module parameter counts in forward order (the next block's first
+    follows the last). Without a bound (whole-block units, torch FSDP) one backward pass, all hidden."""
     total = sum(modules)
     if live_params <= 0 or total <= 0:
-        return 0.0, 0.0
+        return 0.0, 1.0, 0.0
 
-    def share(order: list[float]) -> float:
-        after_big = [size for before, size in zip(order[-1:] + order[:-1], order) if before >= live_params]
-        return sum(after_big) / total
+    def waiting(order: list[float], gathered: list[bool]) -> float:
+        before = order[-1:] + order[:-1]
+        return (
+            sum(size for size, prev, g in zip(order, before, gathered) if g and prev >= live_params) / total
+        )
 
-    return share(modules), share(modules[::-1])
+    every = [True] * len(modules)
+    forward = waiting(modules, every)
+    if not recomputed:
+        return forward, 1.0, waiting(modules[::-1], every)
+    again = [2 * sum(modules[i + 1 :]) >= reuse_distance > 0 for i in range(len(modules))]
+    regathered = sum(size for size, g in zip(modules, again) if g) / total
+    return forward, 1.0 + regathered, forward + waiting(modules[::-1], again[::-1])
 
 
 def data_parallel_traffic(
@@ -79,6 +93,7 @@ def data_parallel_traffic(
     t_b: float,
     hw: HardwareSpec,
     block_modules: list[float] | None = None,
+    recomputed: float = 0.0,
 ) -> None:
     """Record gradient (and ZeRO weight) traffic through `add`, each with the part no compute hides."""
     overlap = shape.overlap_grad_reduce
@@ -141,7 +156,17 @@ def data_parallel_traffic(
                 once(shard_axis, ALL_GATHER, p * payload, group, shard_link, t_f)
     else:  # FSDP: gathers hide behind the micro-batch's forward, backward gathers and reduce-scatters
         # behind its backward (prefetching one layer ahead)
-        bwd_gathers = 1 if z == 3 else 0
+        # backward gather passes (and those that wait in line): one under torch FSDP's block units
+        # (`recomputed`: the share of blocks full recompute re-runs)
+        live = shape.live_params if z == 3 else 0.0
+        plain, again = (
+            sub_module_gathers(block_modules or [], live, shape.reuse_distance, r) for r in (False, True)
+        )
+        waiting_f, bwd_gathers, waiting_b = (
+            (1 - recomputed) * a + recomputed * b for a, b in zip(plain, again, strict=True)
+        )
+        if z != 3:
+            bwd_gathers = waiting_b = 0.0
         shards = [(pl, grp) for pl, grp in ((dense, n), (experts, n_exp)) if grp > 1 and pl > 0]
         t_ag = {
             grp: collective_time(hw, ALL_GATHER, p * pl, grp, shard_link, per_node)[1] for pl, grp in shards
@@ -156,9 +181,7 @@ def data_parallel_traffic(
         busy_f = sum(t_ag.values())
         busy_b = bwd_gathers * busy_f + (sum(t_rs.values()) if rs_each else 0.0)
         # gathers no prefetch can start early wait in line; the rest overlap the compute
-        live = shape.live_params if z == 3 else 0.0
-        share_f, share_b = serialised_gathers(block_modules or [], live)
-        alone_f, alone_b = share_f * busy_f, bwd_gathers * share_b * busy_f
+        alone_f, alone_b = waiting_f * busy_f, waiting_b * busy_f
         exposed_f = alone_f + max(busy_f - alone_f - t_f, 0.0) + OVERLAP_DRAG * min(busy_f - alone_f, t_f)
         exposed_b = alone_b + max(busy_b - alone_b - t_b, 0.0) + OVERLAP_DRAG * min(busy_b - alone_b, t_b)
         # inside a pipeline a ZeRO-3 unit stays gathered from a backward to the next forward (m + 1

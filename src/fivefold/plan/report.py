@@ -375,7 +375,18 @@ def _plan(
     # --- data-parallel traffic: gradients, and parameters under ZeRO-1/3
     dense, experts, _ = cached_stage_params(model, arch, layout, worst, memo)
     data_parallel_traffic(
-        layout, shape, m, dense, experts, kinds, add, t_f, t_b, hw, block_modules(model, arch, layout)
+        layout,
+        shape,
+        m,
+        dense,
+        experts,
+        kinds,
+        add,
+        t_f,
+        t_b,
+        hw,
+        block_modules(model, arch, layout),
+        recomputed_fraction(model, layout, shape.seq_len),
     )
     n = shard_group(layout)
     local = (dense / n + experts / max(n // layout.ep, 1)) if layout.zero >= 1 else dense + experts

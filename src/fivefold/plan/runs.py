@@ -59,8 +59,9 @@ TRAINERS = {
     # its xentropy kernel, in-place backward; its own attention kernel since its first release (2022)
     "Dao-AILab/flash-attention": {"fused_loss": True, "attention": "flash"},
     # ZeRO-3 keeps fp16 shards beside the fp32 master and gathers sub-modules up to
-    # stage3_max_live_parameters (1e9 by default), not whole blocks
-    "microsoft/DeepSpeed": {"fp32_shard": False, "live_params": 1e9},
+    # stage3_max_live_parameters (1e9 by default), not whole blocks, and releases those next used
+    # more than stage3_max_reuse_distance (1e9) parameters later
+    "microsoft/DeepSpeed": {"fp32_shard": False, "live_params": 1e9, "reuse_distance": 1e9},
     # nanotron's pipeline engines are all-forward-all-backward and 1F1B: no interleaved chunks
     "huggingface/nanotron": {"interleaved": False},
 }
@@ -353,6 +354,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         fused_loss=bool(trainer.get("fused_loss", False)),
         fp32_shard=bool(trainer.get("fp32_shard", True)),
         live_params=float(trainer.get("live_params", 0.0)),
+        reuse_distance=float(trainer.get("reuse_distance", 0.0)),
         offload_optimizer=_offload(lt.get("cpu_offload", lt.get("offload_optimizer", False))),
         params_kept=params_kept,
         sac="op" if str(lt.get("recompute_policy", "")).lower().startswith("op") else "attention",

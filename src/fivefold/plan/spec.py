@@ -48,6 +48,9 @@ class TrainShape:
     # block per unit and prefetches the next); DeepSpeed gathers sub-modules up to its
     # `stage3_max_live_parameters` (1e9 by default) instead
     live_params: float = 0.0
+    # with sub-module gathering, a parameter next used more than this many parameters later is
+    # released and gathered again (DeepSpeed's `stage3_max_reuse_distance`, 1e9 by default)
+    reuse_distance: float = 0.0
     # optimizer state (fp32 master + moments) kept in host memory and stepped on the CPU
     # (DeepSpeed ZeRO-Offload, FSDP2's CPUOffloadPolicy); only published runs set it
     offload_optimizer: bool = False

@@ -486,3 +486,10 @@ mfu = 0.40
     (case,) = V.cases(V.load_runs(tmp_path / "runs.toml"))
     layout = case.inputs.layout
     assert layout.pp_schedule == "interleaved-1f1b" and layout.virtual_stages > 4
+    # the per-run table says what was chosen for the unpublished facts, and only for those
+    assert V.predict(case).filled == f"interleaved-1f1b ×{layout.virtual_stages}"
+    table = V.per_run_table(V.in_sample([case]))
+    assert table.splitlines()[0].endswith("filled (unpublished)")
+    assert table.splitlines()[1].endswith(f"interleaved-1f1b ×{layout.virtual_stages}")
+    megatron = [c for c in V.cases(load_runs_all()) if c.id.startswith("megatron-a100-2021")]
+    assert megatron and all(V.predict(c).filled == "" for c in megatron)  # every fact published

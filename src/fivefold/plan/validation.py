@@ -119,6 +119,7 @@ class Prediction:
     margin_gb: float  # capacity - planned memory (negative: does not fit)
     recompute: str
     uncertain: bool = False  # the run carries an `uncertain` note (derived shapes, unstated peak, ...)
+    filled: str = ""  # what the planner chose for the facts the run does not publish (`filled`)
 
     @property
     def ratio(self) -> float:
@@ -302,7 +303,35 @@ def predict(case: Case, knobs: Knobs = Knobs()) -> Prediction:
         margin,
         p.layout.recompute,
         "uncertain" in case.run,
+        filled(case.inputs),
     )
+
+
+def filled(inp: RunInputs) -> str:
+    """The choices `fill` made for what a run leaves unpublished, in flag-like words ("" if none)."""
+    lay, shape, free = inp.layout, inp.shape, set(inp.free)
+    out = []
+    if not inp.recompute_known:
+        blocks = f" {lay.recompute_layers}/chunk" if lay.recompute == "full" and lay.recompute_layers else ""
+        out.append(f"recompute {lay.recompute}{blocks}")
+    if free & {"micro_batch", "global_batch"}:
+        out.append(f"micro-batch {shape.micro_batch}")
+    if "global_batch" in free:
+        out.append(f"batch {shape.global_batch}")
+    if free & {"pipeline_schedule", "virtual_stages"} and lay.pp > 1:
+        chunks = f" ×{lay.virtual_stages}" if lay.virtual_stages > 1 else ""
+        out.append(f"{lay.pp_schedule}{chunks}")
+    if "zero_stage" in free:
+        out.append(f"zero {lay.zero}" + (" over fsdp" if lay.fsdp > 1 and lay.dp == 1 else ""))
+    if not inp.offload_known:
+        host = [
+            n
+            for n, on in (("optimizer", shape.offload_optimizer), ("checkpoints", shape.offload_checkpoints))
+            if on
+        ]
+        if host:
+            out.append(" and ".join(host) + " on the host")
+    return ", ".join(out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -467,12 +496,15 @@ def error_band(v: Validation) -> float:
 
 
 def per_run_table(v: Validation) -> str:
-    lines = [f"{'run':<50}{'metric':<19}{'published':>11}{'predicted':>11}{'error':>9}{'const':>9}  fits"]
+    head = (
+        f"{'run':<50}{'metric':<19}{'published':>11}{'predicted':>11}{'error':>9}{'const':>9}  {'fits':<15}"
+    )
+    lines = [head + "filled (unpublished)"]
     for p in v.predictions:
         fits = f"{p.margin_gb:+.0f} GB" if p.fits else f"NO ({p.margin_gb:+.0f} GB)"
-        lines.append(
+        lines.append(  # errors spaced so that 1000 % still parts from its neighbour
             f"{p.run[:49]:<50}{p.metric:<19}{p.published:>11.4g}{p.predicted:>11.4g}"
-            f" {p.error:>+8.1%} {v.constant_errors[p.run]:>+8.1%}  {fits}"  # spaced: 1000 % still parts
+            f" {p.error:>+8.1%} {v.constant_errors[p.run]:>+8.1%}  {fits:<15}{p.filled}"
         )
     return "\n".join(lines)
 

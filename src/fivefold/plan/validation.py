@@ -312,7 +312,8 @@ def filled(inp: RunInputs) -> str:
     lay, shape, free = inp.layout, inp.shape, set(inp.free)
     out = []
     if not inp.recompute_known:
-        blocks = f" {lay.recompute_layers}/chunk" if lay.recompute == "full" and lay.recompute_layers else ""
+        n = lay.recompute_layers
+        blocks = f" ({n} block{'s' if n > 1 else ''} a chunk)" if lay.recompute == "full" and n else ""
         out.append(f"recompute {lay.recompute}{blocks}")
     if free & {"micro_batch", "global_batch"}:
         out.append(f"micro-batch {shape.micro_batch}")

@@ -118,9 +118,11 @@ def links(layout: Layout, gpus_per_node: int) -> dict[str, str]:
     return out
 
 
-def members_per_node(layout: Layout, axes: tuple[str, ...], gpus_per_node: int) -> int:
-    """Ranks of one group over `axes` that share a node (each axis contributes up to node/stride):
-    the NICs a "mixed" group's rings are striped over (`link_params`)."""
+def ring_nics(layout: Layout, axes: tuple[str, ...], link: str, gpus_per_node: int) -> int:
+    """NICs the rings of a group over `axes` are striped over (`link_params`' per_node): on a "mixed"
+    link, its ranks that share a node (each axis contributes up to node/stride); else 1."""
+    if link != "mixed":
+        return 1
     st = strides(layout)
     out = 1
     for a in axes:

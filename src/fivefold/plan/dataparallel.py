@@ -27,7 +27,7 @@ from fivefold.layout_math import (
     replica_axis,
     tp_local_shape,
 )
-from fivefold.plan.comm import collective_time, members_per_node, worst_link
+from fivefold.plan.comm import collective_time, ring_nics, worst_link
 from fivefold.plan.memory import shard_group
 from fivefold.plan.runshape import Chunk, RunShape, Traffic, fsdp_sync_deferred
 from fivefold.plan.spec import TrainShape
@@ -104,7 +104,7 @@ def data_parallel_traffic(
     sharded_axes = ("fsdp", "cp") if layout.fsdp > 1 else ("dp", "cp")
     shard_link = worst_link(kinds, *sharded_axes)
     shard_axis = "fsdp" if layout.fsdp > 1 else "dp"
-    per_node = members_per_node(layout, sharded_axes, hw.gpus_per_node) if shard_link == "mixed" else 1
+    per_node = ring_nics(layout, sharded_axes, shard_link, hw.gpus_per_node)
 
     def once(axis: str, op: str, payload: float, group: int, link: str, window: float) -> None:
         """A step's gradient (or weight) traffic, issued in buckets as the backward frees them: each

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError
-from fivefold.plan.comm import collective_time, ep_link, links, members_per_node
+from fivefold.plan.comm import collective_time, ep_link, links, ring_nics
 from fivefold.plan.compute import Rates, layer_time
 from fivefold.plan.memory import stage_counts, stage_params
 from fivefold.plan.result import capacity
@@ -145,7 +145,7 @@ def inference_plan(
     activations = BYTES * tokens * (4 * model.hidden + 3 * f_local) + 4 * shape.batch * model.vocab / lay.tp
 
     tp_link = kinds.get("tp", "intra")
-    tp_nics = members_per_node(layout, ("tp",), gpn) if tp_link == "mixed" else 1  # rings striped over NICs
+    tp_nics = ring_nics(layout, ("tp",), tp_link, gpn)
     prefill = decode = 0.0
     comm = {"tp": 0.0, "pp": 0.0, "ep": 0.0, "cp": 0.0}
     hbm = rates.hbm

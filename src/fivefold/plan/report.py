@@ -14,7 +14,7 @@ from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError
 from fivefold.flops import hardware_flops_per_token, model_flops_per_token
 from fivefold.layout_math import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SEND
-from fivefold.plan.comm import Collective, collective_time, ep_link, links, members_per_node
+from fivefold.plan.comm import Collective, collective_time, ep_link, links, ring_nics
 from fivefold.plan.compute import LayerTime, Rates, head_time, layer_time, optimizer_time
 from fivefold.plan.dataparallel import data_parallel_traffic
 from fivefold.plan.memory import (
@@ -203,10 +203,10 @@ def _plan(
     lt = layer_times(model, arch, layout, shape, rates, memo)
     # a tp or cp group spanning nodes stripes its rings over the NICs of its members on each node, as
     # the data-parallel groups do; point-to-point and all-to-all traffic goes through one NIC a rank
-    ring_nics = {a: members_per_node(layout, (a,), gpn) for a in ("tp", "cp") if kinds.get(a) == "mixed"}
+    striped = {a: ring_nics(layout, (a,), kinds.get(a, "intra"), gpn) for a in ("tp", "cp")}
 
     def nics(axis: str, op: str) -> int:
-        return ring_nics.get(axis, 1) if op in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) else 1
+        return striped.get(axis, 1) if op in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) else 1
 
     def t_of(op: str, payload: float, group: int, link: str, axis: str = "") -> float:
         return collective_time(hw, op, payload, group, link, nics(axis, op))[1]

@@ -350,3 +350,24 @@ def test_sub_module_gathers_under_full_recompute_gather_again() -> None:
     assert waiting_b == pytest.approx(8 / 12 + 5 / 12)
     # without recompute the backward gathers once, in backward order
     assert sub_module_gathers([3.0, 1.0, 4.0, 4.0], 2.0, 5.0, False)[1:] == (1.0, pytest.approx(9 / 12))
+
+
+def test_a_blocks_sub_modules_add_up_to_its_shard() -> None:
+    """The sub-modules DeepSpeed gathers one by one are the same parameters the memory plan holds:
+    fused q·k·v (K/V kept whole where tp > kv_heads), output, MLP in and out."""
+    from fivefold.plan.spec import block_modules, layer_shard, resolve_arch
+
+    for name in ("llama3-70b", "llama3-8b"):
+        model = load_model(name)
+        arch = resolve_arch(model)
+        for tp in (1, 8, 16):
+            modules = block_modules(model, arch, Layout(tp=tp))
+            assert modules is not None and len(modules) == 4
+            assert sum(modules) == pytest.approx(layer_shard(model, arch, Layout(tp=tp), False).dense)
+    gpt_block = gpt(layers=2, hidden=1024, heads=16)
+    assert block_modules(gpt_block, resolve_arch(gpt_block), Layout()) == [
+        3 * 2**20,
+        2**20,
+        4 * 2**20,
+        4 * 2**20,
+    ]

@@ -156,17 +156,18 @@ def data_parallel_traffic(
                 once(shard_axis, ALL_GATHER, p * payload, group, shard_link, t_f)
     else:  # FSDP: gathers hide behind the micro-batch's forward, backward gathers and reduce-scatters
         # behind its backward (prefetching one layer ahead)
-        # backward gather passes (and those that wait in line): one under torch FSDP's block units
-        # (`recomputed`: the share of blocks full recompute re-runs)
-        live = shape.live_params if z == 3 else 0.0
-        plain, again = (
-            sub_module_gathers(block_modules or [], live, shape.reuse_distance, r) for r in (False, True)
-        )
-        waiting_f, bwd_gathers, waiting_b = (
-            (1 - recomputed) * a + recomputed * b for a, b in zip(plain, again, strict=True)
-        )
-        if z != 3:
-            bwd_gathers = waiting_b = 0.0
+        # backward gather passes, and the passes that wait in line: one, all hidden, under torch
+        # FSDP's block units; sub-module gathering (`block_modules`) weighs blocks full recompute
+        # re-runs (`recomputed`) against the others
+        waiting_f, bwd_gathers, waiting_b = 0.0, (1.0 if z == 3 else 0.0), 0.0
+        if z == 3 and block_modules:
+            plain, again = (
+                sub_module_gathers(block_modules, shape.live_params, shape.reuse_distance, r)
+                for r in (False, True)
+            )
+            waiting_f, bwd_gathers, waiting_b = (
+                (1 - recomputed) * a + recomputed * b for a, b in zip(plain, again, strict=True)
+            )
         shards = [(pl, grp) for pl, grp in ((dense, n), (experts, n_exp)) if grp > 1 and pl > 0]
         t_ag = {
             grp: collective_time(hw, ALL_GATHER, p * pl, grp, shard_link, per_node)[1] for pl, grp in shards

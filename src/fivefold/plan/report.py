@@ -32,7 +32,7 @@ from fivefold.plan.memory import (
 )
 from fivefold.plan.pipeline import bubble_time, p2p_on_critical_path
 from fivefold.plan.result import Plan, capacity
-from fivefold.plan.spec import Arch, TrainShape, matmul_params, resolve_arch, total_params
+from fivefold.plan.spec import Arch, TrainShape, block_modules, matmul_params, resolve_arch, total_params
 
 
 def check_plan_inputs(model: ModelSpec, layout: Layout, shape: TrainShape) -> None:
@@ -96,23 +96,15 @@ def layer_times(
     return out
 
 
-def block_modules(model: ModelSpec, arch: Arch, layout: Layout) -> list[float] | None:
-    """Parameters of a dense block's sub-modules in forward order, as Megatron builds them (fused
-    q·k·v, the output projection, the MLP's input (gate and up fused), its output), on one rank; None
-    for blocks of another make (experts, latent attention)."""
-    if model.is_moe or model.is_mla:
-        return None
-    h, d, tp = model.hidden, model.head_dim, layout.tp
-    mlp_in = (2 if arch.gated_mlp else 1) * model.ffn_hidden * h
-    return [
-        x / tp
-        for x in (
-            (model.heads + 2 * model.kv_heads) * d * h,
-            model.heads * d * h,
-            mlp_in,
-            model.ffn_hidden * h,
-        )
-    ]
+def sub_module_facts(
+    model: ModelSpec, arch: Arch, layout: Layout, shape: TrainShape
+) -> tuple[list[float] | None, float]:
+    """What `data_parallel_traffic` needs where ZeRO-3 gathers sub-modules under a live-parameter
+    bound (DeepSpeed): the block's sub-modules and the share of blocks full recompute re-runs; (None,
+    0) elsewhere, which keeps the work off every other plan."""
+    if layout.zero != 3 or shape.live_params <= 0:
+        return None, 0.0
+    return block_modules(model, arch, layout), recomputed_fraction(model, layout, shape.seq_len)
 
 
 def _forward(lt: dict[bool, LayerTime], dense: int, moe: int) -> float:
@@ -385,8 +377,7 @@ def _plan(
         t_f,
         t_b,
         hw,
-        block_modules(model, arch, layout),
-        recomputed_fraction(model, layout, shape.seq_len),
+        *sub_module_facts(model, arch, layout, shape),
     )
     n = shard_group(layout)
     local = (dense / n + experts / max(n // layout.ep, 1)) if layout.zero >= 1 else dense + experts

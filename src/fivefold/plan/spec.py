@@ -160,6 +160,20 @@ def matmul_params(model: ModelSpec, arch: Arch) -> int:
     return n
 
 
+def block_modules(model: ModelSpec, arch: Arch, layout: Layout) -> list[float] | None:
+    """Parameters of a dense block's sub-modules on one rank, in forward order, as Megatron builds
+    them: fused q·k·v, the output projection, the MLP's input (gate and up fused), its output. They
+    add up to `layer_shard`'s dense share (K/V heads kept whole where tp > kv_heads). None for blocks
+    of another make (experts, latent attention)."""
+    if model.is_moe or model.is_mla:
+        return None
+    h, d, tp = model.hidden, model.head_dim, layout.tp
+    kv_local = max(model.kv_heads / tp, 1.0)
+    out_proj = model.heads * d * h / tp
+    mlp_out = model.ffn_hidden * h / tp
+    return [out_proj + 2 * kv_local * d * h, out_proj, mlp_params(model, arch) / tp - mlp_out, mlp_out]
+
+
 @dataclass(frozen=True)
 class LayerShard:
     """Parameters of one transformer layer held by one rank, split by how they are sharded."""

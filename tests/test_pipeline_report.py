@@ -60,7 +60,9 @@ def test_report_draws_the_timeline_and_loss(tmp_path, capsys):
 
 def test_report_errors(tmp_path, capsys):
     assert main(["report", str(tmp_path / "missing")]) == 2
-    assert main(["report", str(tmp_path), "--out", str(tmp_path / "x.gif")]) == 2
+    assert main(["report", str(tmp_path)]) == 2  # a directory no run wrote: nothing drawn
+    assert "not a run directory" in capsys.readouterr().err and not list(tmp_path.iterdir())
     merge_into_trace(tmp_path / "trace.json", _gpipe_trace())
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "x.gif")]) == 2
     assert main(["report", str(tmp_path), "--step", "9"]) == 2
     assert "recorded pipeline steps: [3]" in capsys.readouterr().err

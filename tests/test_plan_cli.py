@@ -112,6 +112,12 @@ def test_search_and_inference_modes(capsys) -> None:
         (["--tp", "8", "--recompute-layers", "2"], "add --recompute full"),
         (["--tp", "8", "--recompute", "full", "--recompute-layers", "-1"], "count of blocks >= 0"),
         (["--search", "--recompute", "selective", "--recompute-layers", "2"], "add --recompute full"),
+        # a search keeps the degrees it is given: they must be degrees, and fit the 64 GPUs
+        (["--search", "--tp", "0"], "--tp must be a positive integer"),
+        (["--search", "--tp", "128"], "valid tp: 1, 2, 4, 8, 16, 32, 64"),
+        (["--search", "--tp", "8", "--pp", "16"], "kept: --tp 1, 2, 4; --pp 1, 2, 4, 8"),
+        (["--search", "--ep", "3"], "valid ep: 1, 2, 4"),
+        (["--mode", "inference", "--context", "4096", "--search", "--tp", "3"], "valid tp: 1, 2"),
     ],
 )
 def test_bad_input_exits_2_with_a_hint(capsys, extra: list[str], needle: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from fivefold.commands import defaults
-from fivefold.config import add_layout_arguments
+from fivefold.config import add_layout_arguments, check_pins
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -162,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
 
         pins = {k: getattr(args, k, None) for k in PINNABLE}
         pins["micro_batch"] = args.micro_batch
+        check_pins(pins, args.gpus)
         result = search(model, hw, args.gpus, shape, gpn, top=args.top, pins=pins)
         defaults.say_assumed(assumed)
         _print_search(result, args.json, view.search_text, seconds=result.seconds)
@@ -266,6 +267,7 @@ def _inference(args: argparse.Namespace, model, hw, gpn: int, assumed: dict) -> 
         from fivefold.plan.inference import search_serving
 
         pins = {k: getattr(args, k, None) for k in ("tp", "pp", "cp", "ep")}
+        check_pins(pins, args.gpus)
         result = search_serving(model, hw, args.gpus, shape, gpn, args.objective, args.top, pins)
         defaults.say_assumed(assumed)
         _print_search(result, args.json, view.serving_search_text, objective=result.objective)

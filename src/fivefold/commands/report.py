@@ -51,6 +51,12 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise FivefoldError(f"run directory not found: {run_dir}")
+    written = ("metrics.jsonl", "ledger.json", "trace.json", "config.toml")
+    if not any((run_dir / name).is_file() for name in written):
+        raise FivefoldError(
+            f"{run_dir} is not a run directory: it holds none of {', '.join(written)}; give the "
+            "--run-dir of a `fivefold train` or `fivefold verify` run"
+        )
     out = Path(args.out) if args.out else run_dir / "report.svg"
     if out.suffix not in (".svg", ".png"):
         raise FivefoldError(f"--out must end in .svg or .png, got {out.name}")

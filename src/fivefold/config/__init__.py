@@ -15,6 +15,7 @@ from fivefold.config.layout import (
     PP_SCHEDULES,
     RECOMPUTE,
     Layout,
+    check_pins,
     complete_order,
     recomputed_blocks,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "_preset_dir",
     "_qwen3_moe_spec",
     "add_layout_arguments",
+    "check_pins",
     "check_seq_len",
     "complete_order",
     "dumps_toml",

@@ -52,6 +52,42 @@ def complete_order(order: str) -> str:
     return ",".join(given + [a for a in DEFAULT_ORDER.split(",") if a not in given])
 
 
+def check_pins(pins: dict[str, int | None], world: int) -> None:
+    """Mesh degrees a search is told to keep: each a positive integer (-1, fill, on dp/fsdp), their
+    product a divisor of the world, as a layout's axes must multiply to it; else name valid values."""
+    fixed: dict[str, int] = {}
+    for a in AXES + ("ep",):
+        v = pins.get(a)
+        if v is None:
+            continue
+        if v == 0 or v < -1 or (v == -1 and a not in ("dp", "fsdp")):
+            raise FivefoldError(f"--{a} must be a positive integer (or -1 on dp/fsdp), got {v}")
+        if v > 0:
+            fixed[a] = v
+    mesh = {a: v for a, v in fixed.items() if a != "ep"}
+    product = math.prod(mesh.values())
+    if world % product:
+        if len(mesh) == 1:
+            ((a, v),) = mesh.items()
+            raise FivefoldError(
+                f"--{a} {v} does not divide the {world} GPUs; valid {a}: {suggest(divisors(world))}"
+            )
+        hints = [
+            f"--{a} {suggest(divisors(world // (product // v)))}"
+            for a, v in mesh.items()
+            if world % (product // v) == 0
+        ]
+        said = " × ".join(f"--{a} {v}" for a, v in mesh.items())
+        raise FivefoldError(
+            f"{said} = {product} does not divide the {world} GPUs, so no layout keeps them; "
+            f"valid with the other flags kept: {'; '.join(hints) if hints else 'none, drop one of them'}"
+        )
+    if "ep" in fixed and world % fixed["ep"]:
+        raise FivefoldError(
+            f"--ep {fixed['ep']} does not divide the {world} GPUs; valid ep: {suggest(divisors(world))}"
+        )
+
+
 @dataclass
 class Layout:
     """How the world is split. `-1` on dp or fsdp takes whatever the other axes leave."""

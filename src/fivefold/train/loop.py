@@ -46,6 +46,7 @@ from fivefold.train.data import (
     load_data,
     sample_batch,
 )
+from fivefold.train.host_memory import keep_freed_memory
 from fivefold.train.metrics import MetricsLog, MfuMeter
 from fivefold.train.plots import plot_loss_curve
 from fivefold.train.tokenizer import load_tokenizer
@@ -275,6 +276,8 @@ def train(
     """
     spec, train_spec = cfg.model.validate(), cfg.train.validate()
     device = resolve_device(train_spec)
+    if device.type == "cpu":
+        keep_freed_memory()  # no page faults on each step's fresh tensors (host_memory.py)
     rank = int(os.environ.get("RANK", "0"))
     with supervise.rank_supervision(control_folder, rank, heartbeat):
         supervise.mark(0, "joining the process group")

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from fivefold.config import HardwareSpec, Layout, ModelSpec
-from fivefold.plan.spec import Arch
+from fivefold.plan.spec import Arch, kv_heads_local
 
 DEFAULT_MATMUL_EFFICIENCY = 0.75  # large bf16 GEMM, fraction of the dense peak
 DEFAULT_MEMORY_EFFICIENCY = 0.80  # streaming elementwise kernels, fraction of HBM bandwidth
@@ -120,7 +120,7 @@ def layer_time(
     tokens = micro_batch * seq_len / layout.cp
     norm_tokens = tokens / tp if layout.sp else tokens
     q_local = model.heads * hd / tp
-    kv_local = max(model.kv_heads / tp, 1.0) * hd
+    kv_local = kv_heads_local(model, tp) * hd
     heads_local = model.heads / tp
     gemm_fwd = 0.0
     flops = 0.0

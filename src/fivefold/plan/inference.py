@@ -20,7 +20,7 @@ from fivefold.plan.comm import collective_time, ep_link, links, ring_nics
 from fivefold.plan.compute import Rates, layer_time
 from fivefold.plan.memory import stage_counts, stage_params
 from fivefold.plan.result import capacity
-from fivefold.plan.spec import Arch, resolve_arch
+from fivefold.plan.spec import Arch, kv_heads_local, resolve_arch
 
 BYTES = 2
 
@@ -97,7 +97,7 @@ def kv_bytes_per_token(model: ModelSpec, layout: Layout, kv_bytes: int = 2) -> f
     """KV-cache bytes per token per layer on one rank."""
     if model.is_mla:
         return kv_bytes * (model.kv_lora_rank + model.qk_rope_head_dim)
-    return 2 * kv_bytes * max(model.kv_heads / layout.tp, 1.0) * model.head_dim
+    return 2 * kv_bytes * kv_heads_local(model, layout.tp) * model.head_dim
 
 
 def serving_layout(layout: Layout) -> Layout:

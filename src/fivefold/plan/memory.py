@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from fivefold.config import Layout, ModelSpec, recomputed_blocks
 from fivefold.layout_math import rank_stages, stage_split
 from fivefold.plan.pipeline import in_flight
-from fivefold.plan.spec import Arch, TrainShape, layer_shard
+from fivefold.plan.spec import Arch, TrainShape, kv_heads_local, layer_shard
 
 BYTES = 2
 MASTER_BYTES = 4  # fp32 master weights, part of optimizer_bytes
@@ -104,13 +104,13 @@ def layer_activations(
     if recompute == "selective" and sac == "op" and not model.is_mla:
         # torchtitan's per-op policy: the block input, the outputs of wq, wv, w1 and w2 (every second
         # matmul) and of the attention kernel (with its fp32 log-sum-exp)
-        q_local, kv_local = model.heads * hd / t, max(model.kv_heads / t, 1.0) * hd
+        q_local, kv_local = model.heads * hd / t, kv_heads_local(model, t) * hd
         ffn = model.expert_ffn_hidden * model.experts_per_token if moe else model.ffn_hidden
         kept = region * h + tokens * (q_local + kv_local + ffn / t) + region * h + tokens * q_local
         return BYTES * kept + 4.0 * tokens * model.heads / t
     heads_local = model.heads / t
     q_local = model.heads * hd / t
-    kv_local = max(model.kv_heads / t, 1.0) * hd
+    kv_local = kv_heads_local(model, t) * hd
     if model.is_mla:  # q, k, v per head of the decompressed attention + the latent
         v_dim = model.v_head_dim
         qk_dim = hd + model.qk_rope_head_dim

@@ -32,7 +32,15 @@ from fivefold.plan.memory import (
 )
 from fivefold.plan.pipeline import bubble_time, p2p_on_critical_path
 from fivefold.plan.result import Plan, capacity
-from fivefold.plan.spec import Arch, TrainShape, block_modules, matmul_params, resolve_arch, total_params
+from fivefold.plan.spec import (
+    Arch,
+    TrainShape,
+    block_modules,
+    kv_heads_local,
+    matmul_params,
+    resolve_arch,
+    total_params,
+)
 
 
 def check_plan_inputs(model: ModelSpec, layout: Layout, shape: TrainShape) -> None:
@@ -253,7 +261,7 @@ def _plan(
                 recs.append(("tp", ALL_GATHER, act_bytes, layout.tp, tp_link, 2 * n, t_ag, "none"))
         if layout.cp > 1:
             c = layout.cp
-            kv_local = max(model.kv_heads / layout.tp, 1.0) * model.head_dim
+            kv_local = kv_heads_local(model, layout.tp) * model.head_dim
             if layout.cp_impl == "ring":  # K,V blocks pass around the ring behind each block's attention
                 block = 2 * BYTES * tokens * kv_local
                 step_f = (c - 1) * t_of(SEND, block, 2, cp_link)

@@ -160,6 +160,12 @@ def matmul_params(model: ModelSpec, arch: Arch) -> int:
     return n
 
 
+def kv_heads_local(model: ModelSpec, tp: int) -> float:
+    """Key/value heads on one tp rank: their share, and at least one whole head (a head is
+    replicated over tp / kv_heads ranks where tp > kv_heads)."""
+    return max(model.kv_heads / tp, 1.0)
+
+
 def block_modules(model: ModelSpec, arch: Arch, layout: Layout) -> list[float] | None:
     """Parameters of a dense block's sub-modules on one rank, in forward order, as Megatron builds
     them: fused q·k·v, the output projection, the MLP's input (gate and up fused), its output. They
@@ -168,7 +174,7 @@ def block_modules(model: ModelSpec, arch: Arch, layout: Layout) -> list[float] |
     if model.is_moe or model.is_mla:
         return None
     h, d, tp = model.hidden, model.head_dim, layout.tp
-    kv_local = max(model.kv_heads / tp, 1.0)
+    kv_local = kv_heads_local(model, tp)
     out_proj = model.heads * d * h / tp
     mlp_out = model.ffn_hidden * h / tp
     return [out_proj + 2 * kv_local * d * h, out_proj, mlp_params(model, arch) / tp - mlp_out, mlp_out]
@@ -188,7 +194,7 @@ def layer_shard(model: ModelSpec, arch: Arch, layout: Layout, moe: bool) -> Laye
     if model.is_mla:
         attn = model.attention_params() / tp
     else:
-        kv_local = max(model.kv_heads / tp, 1.0)  # kv heads are replicated when tp > kv_heads
+        kv_local = kv_heads_local(model, tp)
         attn = (2 * model.heads * d * h) / tp + 2 * kv_local * d * h
     norms = 2 * h
     if moe:  # fivefold keeps the MoE block whole on every tp rank (experts split over ep only)

@@ -52,6 +52,12 @@ def complete_order(order: str) -> str:
     return ",".join(given + [a for a in DEFAULT_ORDER.split(",") if a not in given])
 
 
+def check_degree(axis: str, value: int) -> None:
+    """A mesh degree as a flag gives it: a positive integer, or -1 (fill the rest) on dp or fsdp."""
+    if value == 0 or value < -1 or (value == -1 and axis not in ("dp", "fsdp")):
+        raise FivefoldError(f"--{axis} must be a positive integer (or -1 on dp/fsdp), got {value}")
+
+
 def check_pins(pins: dict[str, int | None], world: int) -> None:
     """Mesh degrees a search is told to keep: each a positive integer (-1, fill, on dp/fsdp), their
     product a divisor of the world, as a layout's axes must multiply to it; else name valid values."""
@@ -60,8 +66,7 @@ def check_pins(pins: dict[str, int | None], world: int) -> None:
         v = pins.get(a)
         if v is None:
             continue
-        if v == 0 or v < -1 or (v == -1 and a not in ("dp", "fsdp")):
-            raise FivefoldError(f"--{a} must be a positive integer (or -1 on dp/fsdp), got {v}")
+        check_degree(a, v)
         if v > 0:
             fixed[a] = v
     mesh = {a: v for a, v in fixed.items() if a != "ep"}
@@ -136,9 +141,7 @@ class Layout:
         lay = dataclasses.replace(self)
         free = [a for a in ("dp", "fsdp") if getattr(lay, a) == -1]
         for a in AXES + ("ep",):
-            v = getattr(lay, a)
-            if v == 0 or v < -1 or (v == -1 and a not in ("dp", "fsdp")):
-                raise FivefoldError(f"--{a} must be a positive integer (or -1 on dp/fsdp), got {v}")
+            check_degree(a, getattr(lay, a))
         if len(free) > 1:
             raise FivefoldError("only one of --dp and --fsdp may be -1 (fill the rest)")
         if free:

@@ -33,6 +33,9 @@ class HardwareSpec:
     # FlashAttention-class kernels exist for this device (Ampere and newer, ROCm CDNA2+, TPU);
     # without them attention materialises the s×s scores
     flash_attention: bool = True
+    # collectives run beside the compute (their own stream and copy engines); not on a CPU, whose
+    # cores do both: there every collective, its host-side copies and hooks, sits on the critical path
+    comm_overlap: bool = True
 
     def validate(self) -> HardwareSpec:
         for name in ("gpu_memory_gb", "peak_tflops", "gpus_per_node", "intra_node_gbps", "inter_node_gbps"):

@@ -4,7 +4,8 @@ Ring algorithms (Patarasuk & Yuan 2009; the ring all-reduce bound in docs/planne
 bytes over n ranks, an all-reduce sends 2(n-1)/n·B per rank in 2(n-1) steps; all-gather and
 reduce-scatter send (n-1)/n·B in n-1 steps (B is the full, gathered size); an all-to-all sends
 (n-1)/n·B; a point-to-point send is B in one step. Time = steps·α + wire / (β·link_efficiency),
-with α and β those of the slowest link in the group (intra-node NVLink or the inter-node network).
+with α and β those of the slowest link in the group (intra-node NVLink or the inter-node network); a
+ring with k members a node takes the network's α on one step in k and NVLink's on the others.
 """
 
 from __future__ import annotations
@@ -79,7 +80,10 @@ def link_params(hw: HardwareSpec, link: str, per_node: int = 1) -> tuple[float, 
     if link == "intra":
         return hw.intra_node_latency_us * 1e-6, hw.intra_node_gbps * 1e9 * eff
     bw = min(hw.inter_node_gbps * max(per_node, 1), hw.intra_node_gbps)
-    return hw.inter_node_latency_us * 1e-6, bw * 1e9 * eff
+    # a ring through k members a node crosses the network on one hop in k, NVLink on the others
+    k = max(per_node, 1) if link == "mixed" else 1
+    latency = (hw.inter_node_latency_us + (k - 1) * hw.intra_node_latency_us) / k
+    return latency * 1e-6, bw * 1e9 * eff
 
 
 def collective_time(

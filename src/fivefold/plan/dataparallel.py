@@ -94,9 +94,13 @@ def data_parallel_traffic(
     hw: HardwareSpec,
     block_modules: list[float] | None = None,
     recomputed: float = 0.0,
+    units: int = 1,
 ) -> None:
-    """Record gradient (and ZeRO weight) traffic through `add`, each with the part no compute hides."""
-    overlap = shape.overlap_grad_reduce
+    """Record gradient (and ZeRO weight) traffic through `add`, each with the part no compute hides.
+
+    FSDP gathers and reduces its `units` (the stage's blocks, embedding and head) one collective each,
+    so each pass over the stage pays the ring's latency `units` times."""
+    overlap = shape.overlap_grad_reduce and hw.comm_overlap
     g, p = shape.grad_bytes, shape.param_bytes
     z = layout.zero
     n = shard_group(layout)
@@ -106,13 +110,16 @@ def data_parallel_traffic(
     shard_axis = "fsdp" if layout.fsdp > 1 else "dp"
     per_node = ring_nics(layout, sharded_axes, shard_link, hw.gpus_per_node)
 
-    def once(axis: str, op: str, payload: float, group: int, link: str, window: float) -> None:
-        """A step's gradient (or weight) traffic, issued in buckets as the backward frees them: each
-        bucket pays the ring's latency, and the last one cannot hide behind any compute."""
+    def once(
+        axis: str, op: str, payload: float, group: int, link: str, window: float, pieces: int = 0
+    ) -> None:
+        """A step's gradient (or weight) traffic, issued in buckets as the backward frees them (or in
+        `pieces`, FSDP's units): each pays the ring's latency, and the last one cannot hide behind any
+        compute."""
         if group <= 1 or payload <= 0:
             return
         k = per_node if link == shard_link else 1
-        buckets = max(1, math.ceil(payload / bucket_bytes(group)))
+        buckets = pieces or max(1, math.ceil(payload / bucket_bytes(group)))
         t = buckets * collective_time(hw, op, payload / buckets, group, link, k)[1]
         hidden = window if overlap else 0.0
         exposed = max(t - hidden, t / buckets)
@@ -149,7 +156,7 @@ def data_parallel_traffic(
                     group,
                     shard_link,
                     m,
-                    exposed=(max(t_rs - t_b, 0.0) + OVERLAP_DRAG * min(t_rs, t_b)) * m,
+                    exposed=(max(t_rs - t_b, 0.0) + OVERLAP_DRAG * min(t_rs, t_b) if overlap else t_rs) * m,
                     overlap="micro-batch backward",
                     per_node=per_node,
                 )
@@ -169,11 +176,13 @@ def data_parallel_traffic(
                 (1 - recomputed) * a + recomputed * b for a, b in zip(plain, again, strict=True)
             )
         shards = [(pl, grp) for pl, grp in ((dense, n), (experts, n_exp)) if grp > 1 and pl > 0]
+        units = max(units, 1)
         t_ag = {
-            grp: collective_time(hw, ALL_GATHER, p * pl, grp, shard_link, per_node)[1] for pl, grp in shards
+            grp: units * collective_time(hw, ALL_GATHER, p * pl / units, grp, shard_link, per_node)[1]
+            for pl, grp in shards
         }
         t_rs = {
-            grp: collective_time(hw, REDUCE_SCATTER, g * pl, grp, shard_link, per_node)[1]
+            grp: units * collective_time(hw, REDUCE_SCATTER, g * pl / units, grp, shard_link, per_node)[1]
             for pl, grp in shards
         }
         # torch's pipeline stage syncs FSDP gradients at the last backward of the step only (as
@@ -183,6 +192,8 @@ def data_parallel_traffic(
         busy_b = bwd_gathers * busy_f + (sum(t_rs.values()) if rs_each else 0.0)
         # gathers no prefetch can start early wait in line; the rest overlap the compute
         alone_f, alone_b = waiting_f * busy_f, waiting_b * busy_f
+        if not hw.comm_overlap:  # nothing runs beside the compute: every gather and reduction waits
+            alone_f, alone_b = busy_f, busy_b
         exposed_f = alone_f + max(busy_f - alone_f - t_f, 0.0) + OVERLAP_DRAG * min(busy_f - alone_f, t_f)
         exposed_b = alone_b + max(busy_b - alone_b - t_b, 0.0) + OVERLAP_DRAG * min(busy_b - alone_b, t_b)
         # inside a pipeline a ZeRO-3 unit stays gathered from a backward to the next forward (m + 1
@@ -198,24 +209,24 @@ def data_parallel_traffic(
             add(
                 shard_axis,
                 ALL_GATHER,
-                p * payload,
+                p * payload / units,
                 group,
                 shard_link,
-                gathers,
+                gathers * units,
                 exposed=ag_exposed * m * gathers / ((1 + bwd_gathers) * m),
                 overlap="micro-batch compute",
                 per_node=per_node,
             )
             if not rs_each:
-                once(shard_axis, REDUCE_SCATTER, g * payload, group, shard_link, t_b)
+                once(shard_axis, REDUCE_SCATTER, g * payload, group, shard_link, t_b, units)
                 continue
             add(
                 shard_axis,
                 REDUCE_SCATTER,
-                g * payload,
+                g * payload / units,
                 group,
                 shard_link,
-                m,
+                m * units,
                 exposed=t_rs[group] / busy_b * exposed_b * m,
                 overlap="micro-batch backward",
                 per_node=per_node,

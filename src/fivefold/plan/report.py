@@ -115,6 +115,14 @@ def sub_module_facts(
     return block_modules(model, arch, layout), recomputed_fraction(model, layout, shape.seq_len)
 
 
+def fsdp_units(model: ModelSpec, layout: Layout, which: str) -> int:
+    """FSDP units a rank of this stage gathers one at a time (as fivefold.parallel.data wraps them):
+    each block, the embedding, and the final norm with the head (with the embedding when tied)."""
+    n_dense, n_moe = stage_counts(model, layout.pp, which, layout)
+    first, last = holds_embedding(which), holds_head(which)
+    return n_dense + n_moe + int(first) + int(last and not (model.tie_embeddings and first))
+
+
 def _forward(lt: dict[bool, LayerTime], dense: int, moe: int) -> float:
     """Forward seconds of `dense` dense and `moe` MoE layers (one micro-batch, one rank)."""
     return dense * lt[False].fwd + (moe * lt[True].fwd if moe else 0.0)
@@ -237,7 +245,7 @@ def _plan(
             # matmul they feed, and the backward ones behind both backward matmuls
             over = shape.tp_overlap
             hidden_f = min(t_pass, wgrad) if over else 0.0
-            hidden_b = min(t_pass, (2 if over else 1) * wgrad)
+            hidden_b = min(t_pass, (2 if over else 1) * wgrad) if hw.comm_overlap else 0.0
             exp_f += t_pass - hidden_f
             exp_b += t_pass - hidden_b
             for op in ops:
@@ -386,6 +394,7 @@ def _plan(
         t_b,
         hw,
         *sub_module_facts(model, arch, layout, shape),
+        units=fsdp_units(model, layout, worst),
     )
     n = shard_group(layout)
     local = (dense / n + experts / max(n // layout.ep, 1)) if layout.zero >= 1 else dense + experts

@@ -108,12 +108,13 @@ def _schedules(pp: int, layers: int, moe: bool) -> list[tuple[str, int]]:
     return out
 
 
-def _data_modes(rest: int, cp: int, gpn: int) -> list[tuple[int, int, int]]:
-    """(dp, fsdp, zero) splits of the data-parallel ranks."""
+def _data_modes(rest: int, cp: int, gpn: int, split_weights: bool = False) -> list[tuple[int, int, int]]:
+    """(dp, fsdp, zero) splits of the data-parallel ranks; `split_weights`: tp or ep shards the
+    weights, which the runtime's ZeRO-1 (ZeroRedundancyOptimizer, plain tensors) cannot take."""
     if rest == 1:
         return [(1, 1, 0)]
-    # plain DDP (zero 0) is dominated by zero 1: the same wire bytes, less memory
-    modes = [(rest, 1, 1), (1, rest, 2), (1, rest, 3)]
+    # plain DDP (zero 0) is dominated by zero 1 (the same wire bytes, less memory) where zero 1 runs
+    modes = [(rest, 1, 0 if split_weights else 1), (1, rest, 2), (1, rest, 3)]
     for f in divisors(rest):  # HSDP: shard inside a node (or a few), replicate across
         if 1 < f < rest and f * cp <= 4 * gpn and (f & (f - 1)) == 0:
             modes.append((rest // f, f, 3))
@@ -136,11 +137,13 @@ PINNABLE = (
 )
 
 
-def _pinned_data_modes(rest: int, cp: int, gpn: int, pins: dict) -> list[tuple[int, int, int]]:
+def _pinned_data_modes(
+    rest: int, cp: int, gpn: int, pins: dict, split_weights: bool = False
+) -> list[tuple[int, int, int]]:
     """(dp, fsdp, zero) splits that honour pinned dp, fsdp and zero."""
     dp, fsdp = pins.get("dp"), pins.get("fsdp")
     if dp is None and fsdp is None:
-        modes = _data_modes(rest, cp, gpn)
+        modes = _data_modes(rest, cp, gpn, split_weights)
         if "zero" in pins:
             z = pins["zero"]
             modes = [m for m in modes if m[2] == z]
@@ -155,7 +158,10 @@ def _pinned_data_modes(rest: int, cp: int, gpn: int, pins: dict) -> list[tuple[i
         pairs = [(rest // fsdp, fsdp)] if rest % fsdp == 0 else []
     out = []
     for d, f in pairs:
-        zeros = [pins["zero"]] if "zero" in pins else ([2, 3] if d == 1 and f > 1 else [3] if f > 1 else [1])
+        plain = 0 if split_weights else 1
+        zeros = (
+            [pins["zero"]] if "zero" in pins else ([2, 3] if d == 1 and f > 1 else [3] if f > 1 else [plain])
+        )
         out += [(d, f, z) for z in zeros if not (f > 1 and z < 2) or "zero" in pins]
     return out
 
@@ -179,7 +185,8 @@ def candidates(
                 if "cp" not in pins and cp > 1 and (shape.seq_len % (2 * cp) or shape.seq_len // cp < 1024):
                     continue
                 rest = gpus // (tp * pp * cp)
-                for dp, fsdp, zero in _pinned_data_modes(rest, cp, gpn, pins):
+                split = tp > 1 or (model.is_moe and pins.get("ep", 2) > 1)
+                for dp, fsdp, zero in _pinned_data_modes(rest, cp, gpn, pins, split):
                     eps = [1]
                     if model.is_moe:
                         room = fsdp * cp

@@ -397,3 +397,20 @@ def test_fsdp_collectives_are_counted_per_unit_as_the_ledger_counts_them(
         assert planned.count == step.comm[("fsdp", op)][0], op
         one = collective_time(hw, op, planned.bytes / planned.count, 4, planned.link)[1]
         assert planned.time_s == pytest.approx(one * planned.count)
+
+
+def test_on_a_cpu_no_collective_overlaps_the_compute() -> None:
+    """The cores that compute also run gloo: every collective's time is exposed on the `cpu` preset,
+    while a GPU hides the same collectives behind the backward."""
+    model = load_model("small")
+    shape = TrainShape(seq_len=256, global_batch=16, micro_batch=4)
+    for layout in (
+        Layout(fsdp=2, zero=3).resolve(2),
+        Layout(tp=2, sp=True).resolve(2),
+        Layout(dp=2).resolve(2),
+    ):
+        cpu = plan(model, load_hardware("cpu"), layout, shape)
+        gpu = plan(model, dataclasses.replace(load_hardware("cpu"), comm_overlap=True), layout, shape)
+        assert all(c.exposed_s == pytest.approx(c.time_s) for c in cpu.comm if c.axis != "pp")
+        # DDP's one bucket is exposed either way (the last bucket never hides); the others hide on a GPU
+        assert cpu.step_time_s > gpu.step_time_s or layout.dp > 1

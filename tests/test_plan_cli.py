@@ -302,6 +302,13 @@ def test_calibrate_reads_run_directories(capsys, tmp_path) -> None:
     assert main(["plan", "--calibrate", str(run)]) == 2  # no metrics.jsonl yet
     err = capsys.readouterr().err
     assert "run-dp2" in err and "metrics.jsonl" in err
+    for bad, said in (
+        ('{"step": 2, "step_time_s": "fast"}', "step 2: step_time_s"),
+        ("[1, 2]", "JSON object"),
+    ):
+        (run / "metrics.jsonl").write_text(bad + "\n")
+        assert main(["plan", "--calibrate", str(run)]) == 2  # one line, no traceback
+        assert said in capsys.readouterr().err
     steps = [{"step": i, "loss": 5.0, "step_time_s": t} for i, t in enumerate((9.0, 2.1, 1.9, 2.0), 1)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
     out_file = tmp_path / "cpu-here.toml"

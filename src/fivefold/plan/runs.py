@@ -511,8 +511,16 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 raise FivefoldError(f"run directory {p}: metrics.jsonl has a line that is not JSON") from None
+            if not isinstance(rec, dict):
+                raise FivefoldError(f"run directory {p}: metrics.jsonl has a line that is not a JSON object")
             if "step_time_s" in rec:
-                times.append(float(rec["step_time_s"]))
+                t = rec["step_time_s"]
+                if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+                    raise FivefoldError(
+                        f"run directory {p}: metrics.jsonl step {rec.get('step', '?')}: step_time_s must be a "
+                        f"positive number of seconds, got {t!r}"
+                    )
+                times.append(float(t))
     if len(times) < 2:
         raise FivefoldError(f"run directory {p}: metrics.jsonl needs step_time_s on at least 2 steps")
     m, lay, tr = to_dict(cfg.model), cfg.layout, cfg.train

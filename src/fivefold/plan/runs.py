@@ -516,9 +516,10 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
             if "step_time_s" in rec:
                 t = rec["step_time_s"]
                 if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+                    step = rec.get("step", "?")
                     raise FivefoldError(
-                        f"run directory {p}: metrics.jsonl step {rec.get('step', '?')}: step_time_s must be a "
-                        f"positive number of seconds, got {t!r}"
+                        f"run directory {p}: metrics.jsonl step {step}: step_time_s must be a positive "
+                        f"number of seconds, got {t!r}"
                     )
                 times.append(float(t))
     if len(times) < 2:

@@ -449,3 +449,30 @@ def test_serving_refuses_throughput_for_layouts_that_do_not_fit(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:  # argparse refuses an unknown objective
         _serving(capsys, "llama3-70b", 8, "--context", "8192", "--search", "--objective", "cost")
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize(
+    "old, new, needle",
+    [
+        (
+            "tokens_per_s_per_gpu = 1000",
+            'tokens_per_s_per_gpu = "fast"',
+            "tokens_per_s_per_gpu must be a positive",
+        ),
+        (
+            "tokens_per_s_per_gpu = 1000",
+            "tokens_per_s_per_gpu = -3",
+            "tokens_per_s_per_gpu must be a positive",
+        ),
+        ("tokens_per_s_per_gpu = 1000", "mfu = 47.0", "fraction of the peak"),
+        ("layers = 32", "layers = 1000000000", "layers must be at most"),  # no hour-long walk over them
+    ],
+)
+def test_a_runs_measured_numbers_and_size_are_checked(
+    capsys, tmp_path, old: str, new: str, needle: str
+) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(BAD_RUN.replace("vocab = 32000", "vocab = 32000\nseq_len = 2048").replace(old, new))
+    assert main(["plan", "--validate", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad-run" in err[0] and needle in err[0]

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from fivefold.errors import FivefoldError, divisors, suggest
 
+MAX_LAYERS = 10_000  # published models have a few hundred at most
+
 
 @dataclass
 class ModelSpec:
@@ -68,6 +70,10 @@ class ModelSpec:
         for name in ("layers", "hidden", "heads", "vocab", "ffn_hidden", "kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise FivefoldError(f"model {self.name}: {name} must be positive, got {getattr(self, name)}")
+        if self.layers > MAX_LAYERS:  # the planner and the runtime walk the layers one by one
+            raise FivefoldError(
+                f"model {self.name}: layers must be at most {MAX_LAYERS:,}, got {self.layers:,}"
+            )
         if self.heads % self.kv_heads:
             raise FivefoldError(
                 f"model {self.name}: heads ({self.heads}) must be a multiple of kv_heads "

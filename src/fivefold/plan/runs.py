@@ -11,6 +11,7 @@ run and the field.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import tomllib
 from dataclasses import dataclass
@@ -430,7 +431,11 @@ class Throughput:
 def throughput(run: dict[str, Any]) -> Throughput | None:
     """The most definition-free throughput the run publishes: tokens/s, then step time, then
     TFLOP/s, then MFU (the last two depend on a FLOP convention and a peak)."""
-    meas, gpus = run.get("measured", {}), run.get("layout", {}).get("gpus")
+    meas, gpus = measured_numbers(run), run.get("layout", {}).get("gpus")
+    if meas.get("mfu", 0) > 1:
+        raise FivefoldError(
+            f"run {run['id']}: measured.mfu is a fraction of the peak (0 to 1), got {meas['mfu']}"
+        )
     if meas.get("tokens_per_s_per_gpu"):
         return Throughput("tokens/s/GPU", float(meas["tokens_per_s_per_gpu"]))
     if meas.get("tokens_per_s_total") and gpus:
@@ -444,6 +449,25 @@ def throughput(run: dict[str, Any]) -> Throughput | None:
     return None
 
 
+def measured_numbers(run: dict[str, Any]) -> dict[str, float]:
+    """The run's [measured] table with each throughput it states checked to be a positive number."""
+    meas = run.get("measured", {})
+    if not isinstance(meas, dict):
+        raise FivefoldError(f"run {run['id']}: measured must be a table")
+    out = dict(meas)
+    for key in THROUGHPUT_KEYS:
+        if key in meas:
+            value = meas[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise FivefoldError(
+                    f"run {run['id']}: measured.{key} must be a positive number, got {value!r}"
+                )
+    return out
+
+
+THROUGHPUT_KEYS = ("tokens_per_s_per_gpu", "tokens_per_s_total", "iteration_time_s", "tflops_per_gpu", "mfu")
+
+
 def source_peak(run: dict[str, Any], hw: HardwareSpec, fp8: bool) -> float:
     """The peak (TFLOP/s) the source divided by for its MFU: the fp8 peak for fp8 rows that give one."""
     table = run.get("hardware", {})
@@ -454,7 +478,7 @@ def source_peak(run: dict[str, Any], hw: HardwareSpec, fp8: bool) -> float:
 
 def contradictions(run: dict[str, Any]) -> list[str]:
     """Stated facts of a run that disagree with each other by more than rounding (2%)."""
-    meas, lt, out = run.get("measured", {}), run.get("layout", {}), []
+    meas, lt, out = measured_numbers(run), run.get("layout", {}), []
     gpus = lt.get("gpus")
     per, total = meas.get("tokens_per_s_per_gpu"), meas.get("tokens_per_s_total")
     if per and total and gpus and abs(per * gpus / total - 1) > 0.02:

@@ -181,7 +181,7 @@ MUTATIONS: dict[str, dict[str, list[str]]] = {
         "--model": ["no-such-model", "{hf_heads0_json}", "{hf_rope_json}"],
     },
     "plan": {
-        "--gpus": ["0", "-8", "7"],
+        "--gpus": ["0", "-8", "7", "999999999999"],
         "--gpus-per-node": ["0", "-1"],
         "--seq-len": ["0", "-1"],
         "--global-batch": ["0", "-4", "3"],
@@ -193,7 +193,7 @@ MUTATIONS: dict[str, dict[str, list[str]]] = {
         **_ARGPARSE,
     },
     "mesh": {
-        "--gpus": ["0", "-4", "7"],
+        "--gpus": ["0", "-4", "7", "99999999"],
         "--gpus-per-node": ["0", "-8"],
         "--tp": ["0", "3", "-2"],
         "--pp": ["0", "16"],
@@ -201,7 +201,7 @@ MUTATIONS: dict[str, dict[str, list[str]]] = {
         "--bogus-flag": ["1"],
     },
     "explore": {
-        "--gpus": ["0", "-1", "3"],
+        "--gpus": ["0", "-1", "3", "9999999999"],
         "--gpus-per-node": ["0", "-2"],
         "--seq-len": ["0", "-5"],
         "--global-batch": ["0"],

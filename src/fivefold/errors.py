@@ -21,4 +21,13 @@ def suggest(values: Iterable[object], limit: int = 8) -> str:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The positive divisors of n, ascending (pairs up to sqrt(n): a world size of 10^12 stays quick)."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import fields
 
 from fivefold.commands import defaults
-from fivefold.config import Layout, add_layout_arguments
+from fivefold.config import Layout, add_layout_arguments, check_gpus
 
 # every layout field has its flag (config.flags): any of them given draws that layout
 _LAYOUT_FLAGS = tuple(f.name for f in fields(Layout))
@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     gpus = args.gpus or (base.layout.world if base else None)
     if not gpus:
         raise FivefoldError("give --gpus N (the world size)")
+    check_gpus(gpus)
     if not args.seq_len and not base:
         assumed["seq_len"] = defaults.SEQ_LEN
     seq_len = args.seq_len or (base.train.seq_len if base else defaults.SEQ_LEN)

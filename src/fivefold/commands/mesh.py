@@ -8,7 +8,7 @@ import os
 import sys
 from html import escape
 
-from fivefold.config import AXES, add_layout_arguments, layout_from_args
+from fivefold.config import AXES, add_layout_arguments, check_gpus, layout_from_args
 from fivefold.errors import FivefoldError
 
 # dims shown in the picture and accepted by --axis
@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from fivefold.mesh import build_mesh
 
+    check_gpus(args.gpus)
     layout = layout_from_args(args)
     if args.dp is None and args.fsdp is None:
         layout.dp = -1  # as in plan and explore: the data-parallel degree fills what the other axes leave

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from fivefold.commands import defaults
-from fivefold.config import add_layout_arguments, check_pins
+from fivefold.config import add_layout_arguments, check_gpus, check_pins
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,8 +123,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag) is None:
             raise FivefoldError(f"--{flag} is required (unless --validate, --cross-validate or --calibrate)")
     model = load_model(args.model)
-    if args.gpus <= 0:
-        raise FivefoldError(f"--gpus must be positive, got {args.gpus}")
+    check_gpus(args.gpus)
     for flag in ("gpus_per_node", "seq_len", "global_batch", "micro_batch"):
         value = getattr(args, flag, None)
         if value is not None and value <= 0:

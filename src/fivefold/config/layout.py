@@ -52,6 +52,17 @@ def complete_order(order: str) -> str:
     return ",".join(given + [a for a in DEFAULT_ORDER.split(",") if a not in given])
 
 
+MAX_GPUS = 1 << 20  # a million GPUs: ten times the largest cluster trained on so far
+
+
+def check_gpus(gpus: int, flag: str = "--gpus") -> None:
+    """A world size the planner and the mesh can reason about: 1 to MAX_GPUS."""
+    if gpus <= 0:
+        raise FivefoldError(f"{flag} must be a positive integer, got {gpus}")
+    if gpus > MAX_GPUS:
+        raise FivefoldError(f"{flag} must be at most {MAX_GPUS:,} (a million GPUs), got {gpus:,}")
+
+
 def check_degree(axis: str, value: int) -> None:
     """A mesh degree as a flag gives it: a positive integer, or -1 (fill the rest) on dp or fsdp."""
     if value == 0 or value < -1 or (value == -1 and axis not in ("dp", "fsdp")):

@@ -476,3 +476,25 @@ def test_a_runs_measured_numbers_and_size_are_checked(
     assert main(["plan", "--validate", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bad-run" in err[0] and needle in err[0]
+
+
+@pytest.mark.parametrize(
+    "line, needle",
+    [
+        ("intra_node_latency_us = -5", "intra_node_latency_us must be 0 or more"),
+        ("intra_node_latency_us = nan", "must be a finite number"),
+        ("hbm_gbps = inf", "must be a finite number"),
+        ("link_efficiency = 7", "link_efficiency is a fraction"),
+        ("matmul_efficiency = -1", "matmul_efficiency is a fraction"),
+        ("step_overhead_s = -3", "step_overhead_s must be 0 or more"),
+    ],
+)
+def test_a_hardware_file_with_impossible_numbers_is_one_line(
+    capsys, tmp_path, line: str, needle: str
+) -> None:
+    """A negative latency or an efficiency of 7 planned happily before, to MFUs above 100%."""
+    hw = tmp_path / "hw.toml"
+    hw.write_text(f'name = "x"\ngpu_memory_gb = 80\npeak_tflops = 900\n{line}\n')
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--hardware", str(hw)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]

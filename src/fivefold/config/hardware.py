@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
 from fivefold.errors import FivefoldError
 
@@ -38,7 +39,36 @@ class HardwareSpec:
     comm_overlap: bool = True
 
     def validate(self) -> HardwareSpec:
-        for name in ("gpu_memory_gb", "peak_tflops", "gpus_per_node", "intra_node_gbps", "inter_node_gbps"):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise FivefoldError(f"hardware {self.name}: {f.name} must be a finite number, got {value}")
+        for name in POSITIVE:
             if getattr(self, name) <= 0:
-                raise FivefoldError(f"hardware {self.name}: {name} must be positive")
+                raise FivefoldError(
+                    f"hardware {self.name}: {name} must be positive, got {getattr(self, name)}"
+                )
+        for name in NON_NEGATIVE:
+            if getattr(self, name) < 0:
+                raise FivefoldError(
+                    f"hardware {self.name}: {name} must be 0 or more, got {getattr(self, name)}"
+                )
+        for name in FRACTIONS:  # 0 stands for the planner's default
+            if not 0 <= getattr(self, name) <= 1:
+                raise FivefoldError(
+                    f"hardware {self.name}: {name} is a fraction (0 to 1; 0: the default), "
+                    f"got {getattr(self, name)}"
+                )
         return self
+
+
+POSITIVE = ("gpu_memory_gb", "peak_tflops", "gpus_per_node", "intra_node_gbps", "inter_node_gbps", "hbm_gbps")
+NON_NEGATIVE = (
+    "intra_node_latency_us",
+    "inter_node_latency_us",
+    "tdp_w",
+    "power_limit_w",
+    "fp8_speedup",
+    "step_overhead_s",
+)
+FRACTIONS = ("matmul_efficiency", "link_efficiency", "memory_efficiency", "attention_efficiency")

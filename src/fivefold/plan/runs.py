@@ -184,7 +184,10 @@ def hardware(run: dict[str, Any]) -> HardwareSpec:
                 "and hardware.gpu_memory_gb"
             )
         return HardwareSpec(name=gpu or "gpu", **changes).validate()
-    return dataclasses.replace(load_hardware(preset), **changes)
+    try:
+        return dataclasses.replace(load_hardware(preset), **changes).validate()
+    except FivefoldError as exc:
+        raise FivefoldError(f"run {run['id']}: {exc}") from None
 
 
 def family(hw: HardwareSpec) -> str:

@@ -20,12 +20,17 @@ def files(tmp_path_factory) -> dict[str, str]:
     (root / "bad.toml").write_text("[train\nsteps = 3\n")
     (root / "unknown_key.toml").write_text("[train]\nstepz = 3\n")
     (root / "big_tp.toml").write_text('model = "tiny"\n[layout]\ntp = 3\n')
+    # 37,000B parameters: the run would die allocating them; refused before any tensor is made
+    (root / "huge.toml").write_text(
+        'name = "huge"\nlayers = 2\nhidden = 1048576\nheads = 8\nvocab = 1000000\n'
+    )
     corpus = root / "code.txt"
     corpus.write_text("def f(x):\n    return x + 1\n" * 400)
     return {
         "bad": str(root / "bad.toml"),
         "unknown_key": str(root / "unknown_key.toml"),
         "big_tp": str(root / "big_tp.toml"),
+        "huge": str(root / "huge.toml"),
         "missing": str(root / "missing.toml"),
         "corpus": str(corpus),
         "root": str(root),
@@ -52,6 +57,7 @@ BAD_INPUT = [
     ("train", ["--model", "tiny", "--data", "{root}/nothing-here", "--seq-len", "16"], "data not found"),
     ("train", ["--model", "tiny", "--tokenizer", "{root}/none.json"], "tokenizer not found"),
     ("train", ["--model", "tiny", "--resume"], "--run-dir"),
+    ("train", ["--model", "{huge}", "--run-dir", "{root}/huge-run"], "Adam state take 16 bytes each"),
     (
         "train",
         ["--model", "tiny", "--run-dir", "{root}/fresh", "--resume", "--data", "{corpus}", "--seq-len", "16"],

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from fivefold.config import AXES, Layout, ModelSpec, RunConfig, TrainSpec, check_seq_len
 from fivefold.errors import FivefoldError
+from fivefold.layout_math import numel, param_shapes
 from fivefold.measure.ledger import CommLedger
 from fivefold.measure.memory import ActivationMeter, device_memory, state_bytes
 from fivefold.measure.timeline import write_trace
@@ -126,6 +127,7 @@ def preflight(cfg: RunConfig, run_dir: Path, resume: str | None, world: int) -> 
     if tspec.device == "cuda" and not torch.cuda.is_available():
         raise FivefoldError("device cuda was asked for but no CUDA GPU is visible; use --device cpu")
     check_data_source(tspec.data)
+    check_model_state_fits(spec, tspec, world)
     tokenizer = load_tokenizer(tspec.tokenizer)
     if tokenizer.vocab_size > spec.vocab:
         raise FivefoldError(
@@ -136,6 +138,32 @@ def preflight(cfg: RunConfig, run_dir: Path, resume: str | None, world: int) -> 
         if resume is not None:
             find_checkpoint(run_dir, resume, warn=False)
         check_run_dir(run_dir, resume)
+
+
+# fp32 weights, their gradients and Adam's two moments: what every parameter costs at the least, however
+# it is sharded (bf16 adds a compute copy on top)
+STATE_BYTES_PER_PARAM = 16
+
+
+def check_model_state_fits(spec: ModelSpec, tspec: TrainSpec, world: int) -> None:
+    """Refuse, before any rank allocates, a model whose weights, gradients and optimizer state alone
+    exceed this machine's memory even spread evenly over every rank (the least any layout can hold);
+    activations and buffers come on top, so a run that passes may still run out."""
+    params = sum(numel(shape) for shape in param_shapes(spec).values())
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if "RANK" in os.environ else world
+    if tspec.device == "cuda":
+        have = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        need, where = STATE_BYTES_PER_PARAM * params / world, "a GPU's memory"
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        need, where = STATE_BYTES_PER_PARAM * params * local / world, f"this machine's {have / 1e9:.1f} GB"
+    if need > have:
+        raise FivefoldError(
+            f"model {spec.name} has {params / 1e9:,.2f}B parameters: their weights, gradients and Adam "
+            f"state take {STATE_BYTES_PER_PARAM} bytes each, {need / 1e9:,.1f} GB even spread over the "
+            f"{world} rank(s), more than {where}; train a smaller model, or size a layout for it first "
+            "with `fivefold plan --search`"
+        )
 
 
 def _barrier() -> None:

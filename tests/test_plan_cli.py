@@ -357,6 +357,36 @@ def test_a_gpu_run_directory_is_planned_on_the_gpu_it_ran_on(tmp_path) -> None:
         assert run_from_dir(run)["hardware"]["gpu"] == "H100"
 
 
+def test_a_run_directory_is_planned_in_its_own_dtype(tmp_path) -> None:
+    """An fp32 run (the CPU default) gathers, sends and streams 4-byte elements: its FSDP gathers
+    and tp traffic are twice a bf16 run's, as its ledger records them."""
+    from fivefold.config import Layout, RunConfig, TrainSpec, load_model
+    from fivefold.plan import plan
+    from fivefold.plan.runs import build, run_from_dir
+
+    volumes = {}
+    for dtype in ("fp32", "bf16"):
+        run = tmp_path / dtype
+        run.mkdir()
+        cfg = RunConfig(
+            model=load_model("small"),
+            train=TrainSpec(seq_len=256, micro_batch=4, global_batch=16, dtype=dtype),
+            layout=Layout(fsdp=2, tp=2, zero=3, sp=True).resolve(4),
+        )
+        (run / "config.toml").write_text(cfg.to_toml())
+        (run / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": i, "step_time_s": 1.0}) + "\n" for i in (1, 2))
+        )
+        inputs = build(run_from_dir(run))
+        assert inputs.shape.act_bytes == inputs.shape.param_bytes == (4 if dtype == "fp32" else 2)
+        p = plan(inputs.model, inputs.hw, inputs.layout, inputs.shape)
+        volumes[dtype] = {(c.axis, c.op): c.bytes for c in p.comm}
+    assert volumes["fp32"][("fsdp", "all_gather")] == pytest.approx(
+        2 * volumes["bf16"][("fsdp", "all_gather")]
+    )
+    assert volumes["fp32"][("tp", "all_gather")] == pytest.approx(2 * volumes["bf16"][("tp", "all_gather")])
+
+
 @pytest.mark.parametrize(
     "argv",
     [

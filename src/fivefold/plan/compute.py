@@ -64,7 +64,9 @@ class Rates:
     hbm: float  # sustained bytes/s
 
     @classmethod
-    def of(cls, hw: HardwareSpec, fp8: bool = False, attention: str = "flash") -> Rates:
+    def of(
+        cls, hw: HardwareSpec, fp8: bool = False, attention: str = "flash", act_bytes: int = BYTES
+    ) -> Rates:
         mm = hw.matmul_efficiency or DEFAULT_MATMUL_EFFICIENCY
         mem = hw.memory_efficiency or DEFAULT_MEMORY_EFFICIENCY
         peak = hw.peak_tflops * 1e12 * clock_factor(hw)
@@ -75,7 +77,8 @@ class Rates:
         attn = peak * hw.attention_efficiency if hw.attention_efficiency else dense * ATTENTION_RATIO
         if attention == "flash3":
             attn *= FLASH3_SPEEDUP
-        return cls(dense * speedup, attn, hw.hbm_gbps * 1e9 * mem)
+        # traffic is counted in 16-bit elements: wider ones (fp32 training) stream proportionally slower
+        return cls(dense * speedup, attn, hw.hbm_gbps * 1e9 * mem * BYTES / act_bytes)
 
     def gemm(self, m: float, k: float, n: float, count: float = 1.0) -> float:
         """Seconds for `count` matmuls (m×k)·(k×n) in 16 bits, on the roofline."""

@@ -18,7 +18,6 @@ from fivefold.plan.comm import Collective, collective_time, ep_link, links, ring
 from fivefold.plan.compute import LayerTime, Rates, head_time, layer_time, optimizer_time
 from fivefold.plan.dataparallel import data_parallel_traffic
 from fivefold.plan.memory import (
-    BYTES,
     Memory,
     cached_stage_params,
     holds_embedding,
@@ -95,7 +94,7 @@ def layer_times(
     """Dense (False) and MoE (True) layer times, cached in `memo` across layouts."""
     out = {}
     for moe in (False, True) if model.is_moe else (False,):
-        key = ("time", layout.tp, layout.cp, layout.sp, layout.ep, shape.micro_batch, moe)
+        key = ("time", layout.tp, layout.cp, layout.sp, layout.ep, shape.micro_batch, shape.act_bytes, moe)
         if key not in memo:
             memo[key] = layer_time(
                 model, arch, layout, shape.micro_batch, shape.seq_len, rates, moe, shape.fused
@@ -132,7 +131,7 @@ def step_lower_bound(
     model: ModelSpec, arch: Arch, hw: HardwareSpec, layout: Layout, shape: TrainShape, m: int, memo: dict
 ) -> float:
     """Step time with every collective free: never above `_plan`'s (the search's pruning bound)."""
-    rates = Rates.of(hw, shape.fp8, shape.attention)
+    rates = Rates.of(hw, shape.fp8, shape.attention, shape.act_bytes)
     lt = layer_times(model, arch, layout, shape, rates, memo)
     weights = stage_weights(layout, model)
     times = []
@@ -172,7 +171,7 @@ def _plan(
     memo: dict | None = None,
 ) -> Plan:
     memo = {} if memo is None else memo
-    rates = Rates.of(hw, shape.fp8, shape.attention)
+    rates = Rates.of(hw, shape.fp8, shape.attention, shape.act_bytes)
     kinds = links(layout, gpn)
     mem = mem or memory(model, arch, layout, shape, m, memo)
     comms: dict[tuple[str, str], Collective] = {}
@@ -204,7 +203,7 @@ def _plan(
         return t
 
     tokens = shape.micro_batch * shape.seq_len / layout.cp
-    act_bytes = BYTES * tokens * model.hidden
+    act_bytes = shape.act_bytes * tokens * model.hidden
     tp_link, cp_link = kinds.get("tp", "intra"), kinds.get("cp", "intra")
     exp_link = ep_link(layout, gpn)
     rc = layout.recompute
@@ -271,7 +270,7 @@ def _plan(
             c = layout.cp
             kv_local = kv_heads_local(model, layout.tp) * model.head_dim
             if layout.cp_impl == "ring":  # K,V blocks pass around the ring behind each block's attention
-                block = 2 * BYTES * tokens * kv_local
+                block = 2 * shape.act_bytes * tokens * kv_local
                 step_f = (c - 1) * t_of(SEND, block, 2, cp_link)
                 step_b = (c - 1) * t_of(SEND, 2 * block, 2, cp_link)  # K,V and their grads
                 e_f = n * max(step_f - core / n, 0.0)
@@ -291,7 +290,7 @@ def _plan(
                     )
                 )
             elif layout.cp_impl == "allgather":  # K,V gathered forward, their grads reduce-scattered
-                gathered = 2 * BYTES * shape.seq_len * shape.micro_batch * kv_local
+                gathered = 2 * shape.act_bytes * shape.seq_len * shape.micro_batch * kv_local
                 t_ag = n * t_of(ALL_GATHER, gathered, c, cp_link, "cp")
                 t_rs = n * t_of(REDUCE_SCATTER, gathered, c, cp_link, "cp")
                 exp_f += t_ag
@@ -299,7 +298,7 @@ def _plan(
                 recs.append(("cp", ALL_GATHER, gathered, c, cp_link, n + r, (1 + again) * t_ag, "none"))
                 recs.append(("cp", REDUCE_SCATTER, gathered, c, cp_link, n, t_rs, "none"))
             else:  # Ulysses: q, k, v in and the output back, all-to-all over heads
-                payload = BYTES * tokens * (model.heads * model.head_dim / layout.tp + kv_local) / 2
+                payload = shape.act_bytes * tokens * (model.heads * model.head_dim / layout.tp + kv_local) / 2
                 t4 = 4 * n * t_of(ALL_TO_ALL, payload, c, cp_link)
                 exp_f += t4
                 exp_b += t4
@@ -310,7 +309,7 @@ def _plan(
             # fivefold: every tp rank dispatches all its tokens (the MoE block is whole on each);
             # expert tensor parallelism (published runs): the tp ranks split them
             etp = layout.tp if arch.expert_tp else 1
-            payload = BYTES * tokens * model.experts_per_token * model.hidden / etp
+            payload = shape.act_bytes * tokens * model.experts_per_token * model.hidden / etp
             t2 = 2 * n_moe * t_of(ALL_TO_ALL, payload, layout.ep, exp_link)
             hidden = layout.pp_schedule == "dualpipev" and layout.pp > 1  # overlapped with the paired chunk
             if not hidden:

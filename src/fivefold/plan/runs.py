@@ -350,6 +350,9 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         micro_batch=mb,
         attention=str(lt.get("attention", attention)),
         fp8="fp8" in precision or "float8" in precision,
+        # an fp32 run (fivefold's default on a CPU) computes, gathers and sends 4-byte elements
+        act_bytes=4 if precision in ("fp32", "float32") else 2,
+        param_bytes=4 if precision in ("fp32", "float32") else 2,
         fused=bool(lt.get("torch_compile", trainer.get("fused", True))),
         grad_bytes=int(trainer.get("grad_bytes", 4)),
         optimizer_bytes=optimizer_bytes(run),
@@ -581,6 +584,7 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
             "pipeline_schedule": lay.pp_schedule,
             "virtual_stages": lay.virtual_stages,
             "torch_compile": tr.compile,
+            "precision": tr.dtype,
         },
         "measured": {"iteration_time_s": statistics.median(times[1:])},
     }

@@ -25,6 +25,7 @@ class TrainShape:
     global_batch: int
     micro_batch: int = 1
     param_bytes: int = 2  # 16-bit weights used by the matmuls
+    act_bytes: int = 2  # an activation element: 2 in 16-bit training, 4 in fp32 (fivefold's CPU default)
     grad_bytes: int = 4  # fp32 gradient accumulation (Megatron main grads, FSDP2 reduce dtype)
     optimizer_bytes: int = 12  # fp32 master weights + Adam first and second moments
     block: str = "auto"  # auto | llama | gpt (see Arch)

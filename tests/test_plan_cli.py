@@ -379,6 +379,7 @@ def test_a_run_directory_is_planned_in_its_own_dtype(tmp_path) -> None:
         )
         inputs = build(run_from_dir(run))
         assert inputs.shape.act_bytes == inputs.shape.param_bytes == (4 if dtype == "fp32" else 2)
+        assert inputs.model.tie_embeddings is cfg.model.tie_embeddings is True  # `small` ties its head
         p = plan(inputs.model, inputs.hw, inputs.layout, inputs.shape)
         volumes[dtype] = {(c.axis, c.op): c.bytes for c in p.comm}
     assert volumes["fp32"][("fsdp", "all_gather")] == pytest.approx(

@@ -243,8 +243,11 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     if "ffn_hidden" not in shape_vals:
         shape_vals["ffn_hidden"] = 4 * int(mt["hidden"])
     ints = {k: _int(run, "model", k, v) for k, v in shape_vals.items()}
+    tied = mt.get("tie_embeddings", mt.get("tie_word_embeddings", False))  # fivefold's name, or HF's
+    if not isinstance(tied, bool):
+        raise FivefoldError(f"run {rid}: model.tie_embeddings must be true or false, got {tied!r}")
     try:
-        model = ModelSpec(name=rid, **ints).validate()
+        model = ModelSpec(name=rid, tie_embeddings=tied, **ints).validate()
     except FivefoldError as exc:
         raise FivefoldError(f"run {rid}: {exc}") from None
     gpus = _int(run, "layout", "gpus", _need(run, "layout", "gpus"))
@@ -559,7 +562,9 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
     if min(lay.dp, lay.fsdp) < 1:
         raise FivefoldError(f"run directory {p}: config.toml [layout] is not resolved (dp/fsdp = -1)")
     model = {k: m[k] for k in SHAPE_KEYS if m.get(k)}
-    model.update(seq_len=tr.seq_len, arch="fivefold Llama block (SwiGLU)")
+    model.update(
+        seq_len=tr.seq_len, arch="fivefold Llama block (SwiGLU)", tie_embeddings=bool(m["tie_embeddings"])
+    )
     return {
         "id": p.name,
         "source": f"run-directory/{p.name}",

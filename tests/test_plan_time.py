@@ -408,6 +408,7 @@ def test_on_a_cpu_no_collective_overlaps_the_compute() -> None:
         Layout(fsdp=2, zero=3).resolve(2),
         Layout(tp=2, sp=True).resolve(2),
         Layout(dp=2).resolve(2),
+        Layout(cp=2, dp=1).resolve(2),  # ring attention's K/V sends
     ):
         cpu = plan(model, load_hardware("cpu"), layout, shape)
         gpu = plan(model, dataclasses.replace(load_hardware("cpu"), comm_overlap=True), layout, shape)

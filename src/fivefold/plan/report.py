@@ -272,9 +272,10 @@ def _plan(
             if layout.cp_impl == "ring":  # K,V blocks pass around the ring behind each block's attention
                 block = 2 * shape.act_bytes * tokens * kv_local
                 step_f = (c - 1) * t_of(SEND, block, 2, cp_link)
-                step_b = (c - 1) * t_of(SEND, 2 * block, 2, cp_link)  # K,V and their grads
-                e_f = n * max(step_f - core / n, 0.0)
-                e_b = n * max(step_b - 2 * core / n, 0.0)
+                step_b = 2 * step_f  # K,V and their grads: two sends a ring step, as the ledger counts them
+                beside = 1.0 if hw.comm_overlap else 0.0  # on a CPU the ring's sends wait for the compute
+                e_f = n * max(step_f - beside * core / n, 0.0)
+                e_b = n * max(step_b - 2 * beside * core / n, 0.0)
                 exp_f += e_f
                 exp_b += e_b
                 recs.append(

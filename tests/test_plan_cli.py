@@ -312,6 +312,8 @@ def test_calibrate_reads_run_directories(capsys, tmp_path) -> None:
     steps = [{"step": i, "loss": 5.0, "step_time_s": t} for i, t in enumerate((9.0, 2.1, 1.9, 2.0), 1)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
     out_file = tmp_path / "cpu-here.toml"
+    assert main(["plan", "--calibrate", str(run), "--out", str(tmp_path)]) == 2  # a directory: one line
+    assert "cannot write there" in capsys.readouterr().err
     assert main(["plan", "--calibrate", str(run), "--out", str(out_file)]) == 0
     capsys.readouterr()
     code = main(

@@ -7,6 +7,7 @@ from dataclasses import fields
 
 from fivefold.commands import defaults
 from fivefold.config import Layout, add_layout_arguments, check_gpus
+from fivefold.outputs import write_text_whole
 
 # every layout field has its flag (config.flags): any of them given draws that layout
 _LAYOUT_FLAGS = tuple(f.name for f in fields(Layout))
@@ -111,15 +112,7 @@ def run(args: argparse.Namespace) -> int:
         lab=not args.no_lab,
         lab_also=also,
     )
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(html)
-        tmp.replace(out)
-    except OSError as exc:
-        if tmp.exists():
-            tmp.unlink()
-        raise FivefoldError(f"--out {out}: cannot write the page there ({exc.strerror or exc})") from None
+    write_text_whole(out, html)
     defaults.say_assumed(assumed)
     print(f"wrote {out} ({len(html) / 1e3:.0f} kB): open it in a browser")
     return 0

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from fivefold.errors import FivefoldError
+from fivefold.outputs import write_text_whole
 
 
 def _runs(paths: list[str]) -> tuple[list, list[str]]:
@@ -96,7 +97,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         f"worst {s['worst']:.1%}\n" + dumps_toml(data)
     )
     if args.out:
-        Path(args.out).write_text(text)
+        write_text_whole(Path(args.out), text)
         print(f"wrote {args.out} (mean |error| {s['mean']:.1%} over {s['runs']} run(s))")
     else:
         print(text)

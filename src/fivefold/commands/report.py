@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.errors import FivefoldError
+from fivefold.outputs import write_text_whole
 
 COLORS = {
     "F": "#4e79a7",
@@ -76,9 +77,12 @@ def run(args: argparse.Namespace) -> int:
         idle = predicted[0]["args"]["idle"]
         print(f"  the schedule's action table at 1:2 costs predicts idle fraction {idle:.3f}")
     if out.suffix == ".svg":
-        out.write_text(render_svg(metrics, timeline, ledger, title=run_dir.name, predicted=predicted))
+        write_text_whole(out, render_svg(metrics, timeline, ledger, title=run_dir.name, predicted=predicted))
     else:
-        render_png(metrics, timeline, out, title=run_dir.name)
+        try:
+            render_png(metrics, timeline, out, title=run_dir.name)
+        except OSError as exc:
+            raise FivefoldError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
     print(f"wrote {out}")
     return 0
 

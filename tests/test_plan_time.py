@@ -415,3 +415,19 @@ def test_on_a_cpu_no_collective_overlaps_the_compute() -> None:
         assert all(c.exposed_s == pytest.approx(c.time_s) for c in cpu.comm if c.axis != "pp")
         # DDP's one bucket is exposed either way (the last bucket never hides); the others hide on a GPU
         assert cpu.step_time_s > gpu.step_time_s or layout.dp > 1
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fsdp_bytes_are_the_exact_steps_in_either_dtype(dtype: str) -> None:
+    """`plan --dtype` sets what FSDP gathers (the compute dtype) beside what it reduces (fp32
+    gradients): the plan's bytes are the exact step's, which `verify` checks against the ledger."""
+    from fivefold.plan.step import plan_step
+
+    model = load_model("small")
+    width = 4 if dtype == "fp32" else 2
+    layout = Layout(fsdp=2, zero=3).resolve(2)
+    shape = TrainShape(seq_len=256, global_batch=16, micro_batch=4, act_bytes=width, param_bytes=width)
+    p = plan(model, load_hardware("cpu"), layout, shape)
+    step = plan_step(model, layout, 4, 256, p.microbatches, dtype, {"pp": 0, "fsdp_cp": 0, "dp": 0})
+    for c in p.comm:
+        assert (c.count, c.bytes) == pytest.approx(step.comm[(c.axis, c.op)]), (c.axis, c.op)

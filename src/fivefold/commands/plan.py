@@ -83,6 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "materialised attention, tied embeddings); auto: gpt for MHA with a 4h MLP",
     )
     parser.add_argument(
+        "--dtype",
+        choices=("bf16", "fp32"),
+        default="bf16",
+        help="compute dtype of activations and gathered weights (fp32: `fivefold train`'s default)",
+    )
+    parser.add_argument(
         "--grad-dtype",
         choices=("fp32", "bf16"),
         default="fp32",
@@ -146,11 +152,17 @@ def run(args: argparse.Namespace) -> int:
         args.seq_len = assumed["seq_len"] = defaults.SEQ_LEN
     if args.global_batch is None:
         args.global_batch = assumed["global_batch"] = defaults.global_batch(args.gpus, args.seq_len)
+    if args.fp8 and args.dtype == "fp32":
+        raise FivefoldError(
+            "--fp8 runs the matmuls in fp8 beside 16-bit activations; use it with --dtype bf16"
+        )
     shape = TrainShape(
         seq_len=args.seq_len,
         global_batch=args.global_batch,
         micro_batch=args.micro_batch or 1,
         grad_bytes=4 if args.grad_dtype == "fp32" else 2,
+        act_bytes=4 if args.dtype == "fp32" else 2,
+        param_bytes=4 if args.dtype == "fp32" else 2,
         block=args.block,
         overlap_grad_reduce=not args.no_overlap_grad_reduce,
         attention=args.attention,

@@ -375,7 +375,7 @@ def _stage_memory(
             memo[key] = layer_activations(
                 model, arch, layout, shape.micro_batch, shape.seq_len, moe, recompute, shape.sac
             )
-        return memo[key]
+        return memo[key] * shape.act_bytes / BYTES  # counted in 16-bit elements; fp32 runs keep twice
 
     r_dense, r_moe = recomputed_counts(model, layout, which)
     # (layers, of them recomputed whole, MoE?)
@@ -395,7 +395,7 @@ def _stage_memory(
     tokens = shape.micro_batch * shape.seq_len / layout.cp
     logits = 0.0
     if holds_head(which):  # 16-bit logits + fp32 softmax kept by the vocab-parallel loss
-        logits = (BYTES + (0 if shape.fused_loss else 4)) * tokens * model.vocab / layout.tp
+        logits = (shape.act_bytes + (0 if shape.fused_loss else 4)) * tokens * model.vocab / layout.tp
     gather = 0.0
     if shape.live_params:
         biggest = min(biggest, shape.live_params)

@@ -51,3 +51,12 @@ def test_plan_against_run_trains_plans_and_calibrates_here(tmp_path) -> None:
     rows = [line for line in done.stdout.splitlines() if line.startswith("| eager-")]
     assert len(rows) == 5 and "(fitted)" in rows[0]
     assert sorted(p.name for p in keep.iterdir()) == sorted(row.split()[1] for row in rows)
+
+
+def test_the_gloo_link_benchmark_prints_a_latency_and_a_bandwidth_for_a_hardware_file() -> None:
+    """The measurement behind the `cpu` preset's links, on small payloads so that it stays quick."""
+    command = [sys.executable, str(BENCH / "bench_gloo_links.py"), "--large-mb", "0.5", "--repeats", "3"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    values = dict(line.split("#")[0].split(" = ") for line in done.stdout.splitlines() if " = " in line)
+    assert float(values["intra_node_latency_us"]) > 0 and float(values["intra_node_gbps"]) > 0

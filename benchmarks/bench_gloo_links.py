@@ -1,0 +1,109 @@
+"""This machine's gloo links as the planner's `cpu` preset describes them: a ring step's latency and the
+bandwidth of large payloads, from timed all-gathers, reduce-scatters and all-reduces between local ranks.
+
+Each collective is timed at a small and a large size (medians of `--repeats` calls after warm-up). The
+small one gives the latency per ring step (the planner's α: an all-gather or reduce-scatter of 2 ranks
+is one step, an all-reduce two); the large one, less that latency, gives the bytes each rank puts on
+the wire per second (what `intra_node_gbps` × `link_efficiency` stands for). The last lines are the
+values to put in a hardware TOML for this machine (`presets/hardware/cpu.toml` took them from a
+2-core machine).
+Run: .venv/bin/python benchmarks/bench_gloo_links.py [--ranks 2] [--large-mb 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fivefold.plan.comm import DEFAULT_LINK_EFFICIENCY, wire_factor
+
+OPS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+# torch 2.13 renames the tensor forms (`*_single`); older releases have only the first names
+_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _call(op: str, x: torch.Tensor, ranks: int) -> None:
+    if op == "all_gather":
+        _GATHER(torch.empty(x.numel() * ranks), x)
+    elif op == "reduce_scatter":
+        _SCATTER(torch.empty(x.numel() // ranks), x)
+    else:
+        dist.all_reduce(x)
+
+
+def _rank(rank: int, ranks: int, port: int, sizes: tuple[int, int], repeats: int, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    try:
+        for op in OPS:
+            for elements in sizes:
+                x = torch.randn(elements)
+                for _ in range(3):
+                    _call(op, x, ranks)
+                times = []
+                for _ in range(repeats):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    _call(op, x, ranks)
+                    times.append(time.perf_counter() - start)
+                if rank == 0:
+                    out[(op, elements)] = statistics.median(times)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(ranks: int, small: int, large: int, repeats: int) -> dict[tuple[str, int], float]:
+    """Median seconds of each op at each size (in fp32 elements a rank hands the collective)."""
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(_rank, args=(ranks, port, (small, large), repeats, out), nprocs=ranks)
+    return dict(out)
+
+
+def fit(times: dict[tuple[str, int], float], ranks: int, small: int, large: int) -> tuple[float, float]:
+    """(seconds per ring step, wire bytes per second) over the three ops."""
+    alphas, rates = [], []
+    for op in OPS:
+        factor, steps = wire_factor(op, ranks)
+        alpha = times[(op, small)] / steps
+        alphas.append(alpha)
+        payload = 4 * large * (ranks if op == "all_gather" else 1)  # B: the full, gathered size
+        rates.append(factor * payload / max(times[(op, large)] - steps * alpha, 1e-9))
+    return statistics.mean(alphas), statistics.mean(rates)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--large-mb", type=float, default=16.0, help="large payload a rank hands in, MB")
+    parser.add_argument("--repeats", type=int, default=11)
+    args = parser.parse_args()
+    small, large = 256, max(int(args.large_mb * 1e6 / 4) // args.ranks * args.ranks, args.ranks)
+    times = measure(args.ranks, small, large, args.repeats)
+    print(f"gloo, {args.ranks} local ranks, load average {os.getloadavg()[0]:.2f}")
+    print("| op | 1 KB | large |")
+    print("|---|---|---|")
+    for op in OPS:
+        print(f"| {op} | {times[(op, small)] * 1e3:.2f} ms | {times[(op, large)] * 1e3:.1f} ms |")
+    alpha, rate = fit(times, args.ranks, small, large)
+    print(f"ring step {alpha * 1e6:.0f} us; wire {rate / 1e9:.2f} GB/s")
+    print(f"intra_node_latency_us = {alpha * 1e6:.0f}")
+    gbps = rate / 1e9 / DEFAULT_LINK_EFFICIENCY
+    print(f"intra_node_gbps = {gbps:.2f}  # at link_efficiency {DEFAULT_LINK_EFFICIENCY}")
+
+
+if __name__ == "__main__":
+    main()

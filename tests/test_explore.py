@@ -345,3 +345,26 @@ def test_cli_writes_the_page(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     data = _embedded(out.read_text())
     assert data["layouts"][0]["mesh"]["world"] == 16 and data["labs"] == []
+
+
+def test_a_run_is_planned_in_its_own_dtype_so_plan_and_ledger_agree(tmp_path: Path) -> None:
+    """An fp32 run (train's default) gathers 4-byte weights: the page's plan shows the ledger's bytes
+    and calls, not a bf16 plan's half."""
+    from fivefold.cli import main
+    from fivefold.config import RunConfig, TrainSpec
+    from fivefold.plan.step import plan_step
+
+    run = write_run(tmp_path / "run")
+    model, layout = load_model("small"), Layout(fsdp=2, zero=3).resolve(2)
+    cfg = RunConfig(model=model, train=TrainSpec(seq_len=256, micro_batch=4, global_batch=16), layout=layout)
+    assert cfg.train.dtype == "fp32"
+    (run / "config.toml").write_text(cfg.to_toml())
+    out = tmp_path / "page.html"
+    assert main(["explore", "--run", str(run), "--top", "0", "--no-lab", "--out", str(out)]) == 0
+    planned = {
+        (c["axis"], c["op"]): (c["count"], c["bytes"])
+        for c in _embedded(out.read_text())["layouts"][0]["plan"]["comm"]
+    }
+    exact = plan_step(model, layout, 4, 256, 2, "fp32", {"pp": 0, "fsdp_cp": 0, "dp": 0}).comm
+    assert planned[("fsdp", "all_gather")] == exact[("fsdp", "all_gather")]
+    assert planned[("fsdp", "reduce_scatter")] == exact[("fsdp", "reduce_scatter")]

@@ -92,7 +92,11 @@ def run(args: argparse.Namespace) -> int:
     )
 
     micro = args.micro_batch or (base.train.micro_batch if base else 1)
-    shape = TrainShape(seq_len=seq_len, global_batch=global_batch, micro_batch=micro).validate()
+    # a run is planned in its own dtype (fp32 by default), so the page's plan and ledger agree
+    width = 4 if base and base.train.dtype == "fp32" else 2
+    shape = TrainShape(
+        seq_len=seq_len, global_batch=global_batch, micro_batch=micro, act_bytes=width, param_bytes=width
+    ).validate()
     if given and args.dp is None and args.fsdp is None and not base:
         layout.dp = -1
     resolved = resolve_layout(layout, gpus) if given else None

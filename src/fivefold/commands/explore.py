@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from fivefold.explore import build_page
     from fivefold.mesh import resolve_layout
     from fivefold.plan import TrainShape
+    from fivefold.plan.runshape import DTYPE_BYTES
 
     base = None
     if args.run:
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
     micro = args.micro_batch or (base.train.micro_batch if base else 1)
     # a run is planned in its own dtype (fp32 by default), so the page's plan and ledger agree
-    width = 4 if base and base.train.dtype == "fp32" else 2
+    width = DTYPE_BYTES[base.train.dtype] if base else DTYPE_BYTES["bf16"]
     shape = TrainShape(
         seq_len=seq_len, global_batch=global_batch, micro_batch=micro, act_bytes=width, param_bytes=width
     ).validate()

@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         return _inference(args, model, hw, gpn, assumed)
     from fivefold.plan import TrainShape, plan
     from fivefold.plan import text as view
+    from fivefold.plan.runshape import DTYPE_BYTES
     from fivefold.plan.search import search
 
     if args.seq_len is None:
@@ -161,8 +162,8 @@ def run(args: argparse.Namespace) -> int:
         global_batch=args.global_batch,
         micro_batch=args.micro_batch or 1,
         grad_bytes=4 if args.grad_dtype == "fp32" else 2,
-        act_bytes=4 if args.dtype == "fp32" else 2,
-        param_bytes=4 if args.dtype == "fp32" else 2,
+        act_bytes=DTYPE_BYTES[args.dtype],
+        param_bytes=DTYPE_BYTES[args.dtype],
         block=args.block,
         overlap_grad_reduce=not args.no_overlap_grad_reduce,
         attention=args.attention,

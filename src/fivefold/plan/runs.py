@@ -353,9 +353,10 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         micro_batch=mb,
         attention=str(lt.get("attention", attention)),
         fp8="fp8" in precision or "float8" in precision,
-        # an fp32 run (fivefold's default on a CPU) computes, gathers and sends 4-byte elements
-        act_bytes=4 if precision in ("fp32", "float32") else 2,
-        param_bytes=4 if precision in ("fp32", "float32") else 2,
+        # an fp32 run (fivefold's default on a CPU) computes, gathers and sends 4-byte elements;
+        # mixed precision ("bf16", "amp_fp8", ...) 16-bit ones
+        act_bytes=STATE_DTYPE_BYTES.get(precision, 2),
+        param_bytes=STATE_DTYPE_BYTES.get(precision, 2),
         fused=bool(lt.get("torch_compile", trainer.get("fused", True))),
         grad_bytes=int(trainer.get("grad_bytes", 4)),
         optimizer_bytes=optimizer_bytes(run),
@@ -467,11 +468,16 @@ def measured_numbers(run: dict[str, Any]) -> dict[str, float]:
     for key in THROUGHPUT_KEYS:
         if key in meas:
             value = meas[key]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            if not _positive_number(value):
                 raise FivefoldError(
                     f"run {run['id']}: measured.{key} must be a positive number, got {value!r}"
                 )
     return out
+
+
+def _positive_number(value: Any) -> bool:
+    """A finite number above zero, not a bool, a string or NaN."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
 
 
 THROUGHPUT_KEYS = ("tokens_per_s_per_gpu", "tokens_per_s_total", "iteration_time_s", "tflops_per_gpu", "mfu")
@@ -548,7 +554,7 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
                 raise FivefoldError(f"run directory {p}: metrics.jsonl has a line that is not a JSON object")
             if "step_time_s" in rec:
                 t = rec["step_time_s"]
-                if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+                if not _positive_number(t):
                     step = rec.get("step", "?")
                     raise FivefoldError(
                         f"run directory {p}: metrics.jsonl step {step}: step_time_s must be a positive "

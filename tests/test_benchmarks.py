@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import subprocess
 import sys
@@ -60,3 +61,20 @@ def test_the_gloo_link_benchmark_prints_a_latency_and_a_bandwidth_for_a_hardware
     assert done.returncode == 0, done.stderr[-2000:]
     values = dict(line.split("#")[0].split(" = ") for line in done.stdout.splitlines() if " = " in line)
     assert float(values["intra_node_latency_us"]) > 0 and float(values["intra_node_gbps"]) > 0
+
+
+def test_the_gemm_shape_benchmark_fits_a_known_half_dimension_and_runs_here(tmp_path) -> None:
+    """The fit behind bench_gemm_shapes.md recovers the half dimension of rates made from one, and the
+    script measures small shapes on this CPU into its JSON."""
+    fit_half_dim = _load("bench_gemm_shapes").fit_half_dim
+    made = [(d, 700e12 * d / (d + 90)) for d in (128, 256, 512, 1024, 4096, 16384)]
+    half, peak, err = fit_half_dim(made)
+    assert abs(half - 90) / 90 < 0.08 and abs(peak - 700e12) / 700e12 < 0.08 and err < 0.01
+    out = tmp_path / "gemm.json"
+    command = [sys.executable, str(BENCH / "bench_gemm_shapes.py"), "--device", "cpu", "--tokens", "256"]
+    command += ["--max-dim", "512", "--repeats", "2", "--json", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert len(result["gemm"]) >= 5 and all(row["flops"] > 0 for row in result["gemm"])
+    assert [a["head_dim"] for a in result["attention"]] == [64, 128, 256]

@@ -1,0 +1,168 @@
+"""How fast a matmul runs as its smallest dimension shrinks: the planner's GEMM shape curve, measured.
+
+The planner times each matmul at `matmul_efficiency · d / (d + GEMM_HALF_DIM)` of the peak, d the
+matmul's smallest dimension (plan/compute.py), and each attention kernel at
+`head_dim / (head_dim + ATTENTION_HALF_DIM)` of its rate at head dim 128. This script measures both
+curves on the device at hand: 16-bit (m×k)·(k×n) matmuls with m fixed at a step's token count and k,
+n swept from thin to wide (and thin token counts against wide weights), and torch's fused attention
+(scaled_dot_product_attention, causal) over head dims 64, 128 and 256. It then fits the half
+dimension that describes the measured matmuls best (free peak, least mean |log error|) and prints it
+beside the planner's constant, with each shape's measured and predicted rate relative to the widest.
+
+Run: python benchmarks/bench_gemm_shapes.py [--device cuda|cpu] [--tokens 8192] [--max-dim 16384]
+     [--repeats 20] [--json OUT.json]
+Without a CUDA GPU and without `--device cpu` it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from fivefold.plan.compute import ATTENTION_HALF_DIM, GEMM_HALF_DIM, head_dim_factor
+
+
+def timed(fn: Callable[[], object], repeats: int, device: str) -> float:
+    """Median seconds of one call of `fn`. Each sample runs enough calls back to back to fill about
+    2 ms, so that a small matmul's launch and the host's synchronisation do not pass for its time."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(2):
+        fn()
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    calls = min(1000, max(1, math.ceil(2e-3 / max(time.perf_counter() - start, 1e-7))))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
+def gemm_rate(m: int, k: int, n: int, dtype: torch.dtype, device: str, repeats: int) -> float:
+    """Measured FLOP/s of one (m×k)·(k×n) matmul."""
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    b = torch.randn(k, n, dtype=dtype, device=device)
+    return 2.0 * m * k * n / timed(lambda: a @ b, repeats, device)
+
+
+def attention_rate(head_dim: int, tokens: int, dtype: torch.dtype, device: str, repeats: int) -> float:
+    """Measured FLOP/s of causal fused attention's forward (4·s²·d per head, halved by the mask)."""
+    seq = min(4096, tokens)
+    batch = max(1, tokens // seq)
+    heads = max(1, 2048 // head_dim)
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=device) for _ in range(3))
+    flops = 4.0 * batch * heads * seq * seq * head_dim / 2
+
+    def attend() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return flops / timed(attend, repeats, device)
+
+
+def shapes(tokens: int, max_dim: int) -> list[tuple[int, int, int]]:
+    """Thin-to-wide weights at a step's token count, then thin token counts against wide weights."""
+    dims = [2**p for p in range(7, int(math.log2(max_dim)) + 1)]
+    out = [(tokens, d, d) for d in dims]  # square weights, as h×h projections
+    out += [(tokens, max_dim, d) for d in dims[:-1]]  # a wide input into a narrow output (tp shards)
+    out += [(d, max_dim, max_dim) for d in dims if d < tokens]  # few tokens (small micro-batches)
+    return out
+
+
+def fit_half_dim(points: list[tuple[int, float]]) -> tuple[float, float, float]:
+    """(half dim, peak FLOP/s, mean |log error|) of rate = peak·d/(d+half) that fits best."""
+    best = (0.0, 0.0, math.inf)
+    for step in range(0, 121):
+        half = 2 ** (step / 10)  # 1 .. 4096, 10 steps an octave
+        logs = [math.log(rate * (d + half) / d) for d, rate in points]
+        peak = math.exp(statistics.median(logs))
+        err = statistics.fmean(abs(math.log(rate / (peak * d / (d + half)))) for d, rate in points)
+        if err < best[2]:
+            best = (half, peak, err)
+    return best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--max-dim", type=int, default=16384)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_gemm_shapes: no CUDA GPU here; nothing to measure (--device cpu runs it here)")
+        return 0
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    rows = []
+    for m, k, n in shapes(args.tokens, args.max_dim):
+        rows.append({"m": m, "k": k, "n": n, "flops": gemm_rate(m, k, n, dtype, args.device, args.repeats)})
+    widest = max(row["flops"] for row in rows)
+    half, peak, err = fit_half_dim([(min(r["m"], r["k"], r["n"]), r["flops"]) for r in rows])
+    shipped_peak = math.exp(
+        statistics.median(
+            math.log(r["flops"] * (min(r["m"], r["k"], r["n"]) + GEMM_HALF_DIM) / min(r["m"], r["k"], r["n"]))
+            for r in rows
+        )
+    )
+    print(f"# {name}, {str(dtype).removeprefix('torch.')} matmuls (rate relative to the fastest shape)\n")
+    print(
+        f"| m | k | n | TFLOP/s | measured | planner (half dim {GEMM_HALF_DIM}) "
+        f"| fitted (half dim {half:.0f}) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    shipped_errs = []
+    for r in rows:
+        d = min(r["m"], r["k"], r["n"])
+        shipped = shipped_peak * d / (d + GEMM_HALF_DIM)
+        fitted = peak * d / (d + half)
+        shipped_errs.append(abs(math.log(r["flops"] / shipped)))
+        print(
+            f"| {r['m']} | {r['k']} | {r['n']} | {r['flops'] / 1e12:.1f} | {r['flops'] / widest:.2f} "
+            f"| {shipped / widest:.2f} | {fitted / widest:.2f} |"
+        )
+    print(
+        f"\nfitted half dimension: {half:.0f} (mean |log error| {err:.3f}); "
+        f"the planner's {GEMM_HALF_DIM}: {statistics.fmean(shipped_errs):.3f}"
+    )
+    attention = []
+    for head_dim in (64, 128, 256):
+        rate = attention_rate(head_dim, args.tokens, dtype, args.device, args.repeats)
+        attention.append({"head_dim": head_dim, "flops": rate})
+    ref = next(a["flops"] for a in attention if a["head_dim"] == 128)
+    print(f"\n| head dim | attention TFLOP/s | ÷ head dim 128 | planner (half dim {ATTENTION_HALF_DIM}) |")
+    print("|---|---|---|---|")
+    for a in attention:
+        print(
+            f"| {a['head_dim']} | {a['flops'] / 1e12:.1f} | {a['flops'] / ref:.2f} "
+            f"| {head_dim_factor(a['head_dim']):.2f} |"
+        )
+    if args.json:
+        result = {
+            "device": name,
+            "gemm": rows,
+            "fitted_half_dim": half,
+            "fit_error": err,
+            "planner_half_dim": GEMM_HALF_DIM,
+            "planner_error": statistics.fmean(shipped_errs),
+            "attention": attention,
+        }
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

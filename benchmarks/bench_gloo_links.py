@@ -7,6 +7,13 @@ is one step, an all-reduce two); the large one, less that latency, gives the byt
 the wire per second (what `intra_node_gbps` × `link_efficiency` stands for). The last lines are the
 values to put in a hardware TOML for this machine (`presets/hardware/cpu.toml` took them from a
 2-core machine).
+
+A tensor-parallel collective costs more than its ring step: DTensor propagates the sharding, plans
+the redistribution and wraps the collective for autograd on the host, and on a CPU that host is the
+one that computes. The last measurement times the forward and backward of a column- then row-parallel
+MLP over the ranks (two all-reduces a step: the output's, and the input gradient's), less the same
+MLP unsharded on one rank and the two bare all-reduces, and prints the rest per collective as
+`collective_dispatch_us`.
 Run: .venv/bin/python benchmarks/bench_gloo_links.py [--ranks 2] [--large-mb 16]
 """
 
@@ -17,6 +24,7 @@ import os
 import socket
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -41,11 +49,47 @@ def _call(op: str, x: torch.Tensor, ranks: int) -> None:
         dist.all_reduce(x)
 
 
+def _timed(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of `fn` over `repeats` calls after three, each started together on every rank."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _tensor_parallel_step(
+    ranks: int, repeats: int, hidden: int = 64, tokens: int = 64
+) -> tuple[float, float]:
+    """(seconds of a tensor-parallel MLP's forward and backward, seconds of the same MLP whole)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    whole = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden))
+    sharded = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden))
+    mesh = init_device_mesh("cpu", (ranks,))
+    parallelize_module(sharded, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    x = torch.randn(tokens, hidden, requires_grad=True)  # its gradient is the backward's all-reduce
+
+    def step(module: torch.nn.Module) -> Callable[[], None]:
+        return lambda: module(x).sum().backward()
+
+    return _timed(step(sharded), repeats), _timed(step(whole), repeats)
+
+
 def _rank(rank: int, ranks: int, port: int, sizes: tuple[int, int], repeats: int, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     try:
+        tp_step, whole_step = _tensor_parallel_step(ranks, repeats)
+        if rank == 0:
+            out["tp_step"], out["whole_step"] = tp_step, whole_step
         for op in OPS:
             for elements in sizes:
                 x = torch.randn(elements)
@@ -63,8 +107,9 @@ def _rank(rank: int, ranks: int, port: int, sizes: tuple[int, int], repeats: int
         dist.destroy_process_group()
 
 
-def measure(ranks: int, small: int, large: int, repeats: int) -> dict[tuple[str, int], float]:
-    """Median seconds of each op at each size (in fp32 elements a rank hands the collective)."""
+def measure(ranks: int, small: int, large: int, repeats: int) -> dict:
+    """Median seconds of each op at each size (in fp32 elements a rank hands the collective), and of
+    the tensor-parallel MLP's step sharded and whole ("tp_step", "whole_step")."""
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -85,6 +130,11 @@ def fit(times: dict[tuple[str, int], float], ranks: int, small: int, large: int)
     return statistics.mean(alphas), statistics.mean(rates)
 
 
+def dispatch(times: dict, small: int) -> float:
+    """Host seconds a tensor-parallel collective adds to its bare all-reduce (two a step)."""
+    return max(0.0, (times["tp_step"] - times["whole_step"] - 2 * times[("all_reduce", small)]) / 2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
@@ -103,6 +153,11 @@ def main() -> None:
     print(f"intra_node_latency_us = {alpha * 1e6:.0f}")
     gbps = rate / 1e9 / DEFAULT_LINK_EFFICIENCY
     print(f"intra_node_gbps = {gbps:.2f}  # at link_efficiency {DEFAULT_LINK_EFFICIENCY}")
+    print(
+        f"# tensor-parallel MLP step {times['tp_step'] * 1e3:.2f} ms, whole on one rank "
+        f"{times['whole_step'] * 1e3:.2f} ms, two all-reduces a step"
+    )
+    print(f"collective_dispatch_us = {dispatch(times, small) * 1e6:.0f}")
 
 
 if __name__ == "__main__":

@@ -417,6 +417,37 @@ def test_on_a_cpu_no_collective_overlaps_the_compute() -> None:
         assert cpu.step_time_s > gpu.step_time_s or layout.dp > 1
 
 
+def test_a_cpu_pays_each_tensor_parallel_collectives_host_dispatch() -> None:
+    """Every tp collective costs the `cpu` preset its ring time plus `collective_dispatch_us` (DTensor's
+    host-side work, which the cores that compute must do); other axes and GPU presets pay none."""
+    from fivefold.plan.comm import collective_time
+
+    model = load_model("small")
+    shape = TrainShape(seq_len=256, global_batch=16, micro_batch=4)
+    cpu = load_hardware("cpu")
+    assert cpu.collective_dispatch_us > 0
+    assert all(load_hardware(name).collective_dispatch_us == 0 for name in ("h100-80gb", "a100-80gb"))
+    layout = Layout(tp=2, sp=True).resolve(2)
+    with_dispatch = plan(model, cpu, layout, shape)
+    without = plan(model, dataclasses.replace(cpu, collective_dispatch_us=0.0), layout, shape)
+    for c, bare in zip(with_dispatch.comm, without.comm, strict=True):
+        assert (c.axis, c.op, c.count) == (bare.axis, bare.op, bare.count)
+        ring = collective_time(cpu, c.op, c.bytes / c.count, c.group, c.link)[1]
+        if c.axis == "tp":
+            assert c.time_s == pytest.approx(c.count * (ring + cpu.collective_dispatch_us * 1e-6))
+            assert c.exposed_s == pytest.approx(c.time_s)
+        else:
+            assert c.time_s == pytest.approx(bare.time_s)
+    calls = sum(c.count for c in with_dispatch.comm if c.axis == "tp")
+    added = with_dispatch.step_time_s - without.step_time_s
+    assert added == pytest.approx(calls * cpu.collective_dispatch_us * 1e-6, rel=0.02)
+    data = Layout(fsdp=2, zero=3).resolve(2)  # FSDP issues its own collectives, not through DTensor
+    fsdp_dispatch = plan(model, cpu, data, shape).step_time_s
+    assert fsdp_dispatch == pytest.approx(
+        plan(model, dataclasses.replace(cpu, collective_dispatch_us=0.0), data, shape).step_time_s
+    )
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_fsdp_bytes_are_the_exact_steps_in_either_dtype(dtype: str) -> None:
     """`plan --dtype` sets what FSDP gathers (the compute dtype) beside what it reduces (fp32

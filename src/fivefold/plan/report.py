@@ -42,6 +42,12 @@ from fivefold.plan.spec import (
 )
 
 
+def host_dispatch(hw: HardwareSpec, axis: str) -> float:
+    """Host seconds a collective costs beyond the wire: the runtime issues its tp collectives through
+    DTensor, whose host-side work (`collective_dispatch_us`) a CPU pays in series with the compute."""
+    return hw.collective_dispatch_us * 1e-6 if axis == "tp" else 0.0
+
+
 def check_plan_inputs(model: ModelSpec, layout: Layout, shape: TrainShape) -> None:
     """What the model allows (a plan may predict layouts other frameworks run, e.g. ZeRO-1 with tp);
     the search also applies `check_trainable`, so it proposes only what `train` runs."""
@@ -192,6 +198,7 @@ def _plan(
         if n <= 1 or count <= 0:
             return 0.0
         wire, t = collective_time(hw, op, payload, n, link, per_node)
+        t += host_dispatch(hw, axis)
         key = (axis, op)
         c = comms.get(key) or Collective(axis, op, 0.0, 0.0, 0.0, link, 0, n, overlap=overlap)
         c.bytes += payload * count
@@ -216,7 +223,7 @@ def _plan(
         return striped.get(axis, 1) if op in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) else 1
 
     def t_of(op: str, payload: float, group: int, link: str, axis: str = "") -> float:
-        return collective_time(hw, op, payload, group, link, nics(axis, op))[1]
+        return collective_time(hw, op, payload, group, link, nics(axis, op))[1] + host_dispatch(hw, axis)
 
     def stage_costs(which: str) -> tuple[float, float, float, float, list[tuple], tuple[float, float]]:
         """(t_f, t_b, compute, exposed comm) of one micro-batch through a stage, its collectives as

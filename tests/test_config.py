@@ -41,6 +41,15 @@ HARDWARE_PRESETS = [
     "tpu-v4",
     "tpu-v5p",
     "cpu",
+    "h800",
+    "a800-80gb",
+    "h20",
+    "tpu-v5e",
+    "tpu-v6e",
+    "mi325x",
+    "gaudi2",
+    "gaudi3",
+    "l40s",
 ]
 
 

@@ -418,6 +418,59 @@ def test_megatron_on_hopper_runs_transformer_engine_and_tunes_the_chunk_count(tm
     assert ampere.inputs.shape.attention == "flash" and not ampere.inputs.shape.tp_overlap
 
 
+ONE_GPU_NAME = """
+[[run]]
+id = "{id}"
+source = "an unseen source"
+kind = "measured"
+[run.hardware]
+gpu = "{gpu}"
+[run.model]
+layers = 12
+hidden = 1024
+heads = 16
+vocab = 32000
+seq_len = 2048
+[run.layout]
+gpus = 16
+tp = 1
+dp = 16
+micro_batch = 1
+global_batch = 64
+[run.measured]
+mfu = 0.4
+"""
+
+
+def test_export_and_other_accelerators_get_their_own_presets(tmp_path) -> None:
+    """A run's GPU name picks the most specific preset: the H800 and A800 carry their cut NVLink (200 GB/s
+    per direction, not the H100's or A100's) and keep their generation's fitted knobs; "H20" does not
+    swallow the H200 or GH200; a TPU v5e run, with no GPU in its name, is planned."""
+    from fivefold.plan import validation as V
+    from fivefold.plan.runs import family
+
+    names = {
+        "h800": "H800 SXM5 80GB",
+        "a800": "A800-SXM4-80GB",
+        "h200": "NVIDIA H200",
+        "gh200": "GH200",
+        "h20": "H20 96GB",
+        "v5e": "TPU v5e",
+    }
+    path = tmp_path / "runs.toml"
+    path.write_text("".join(ONE_GPU_NAME.format(id=k, gpu=g) for k, g in names.items()))
+    cases = {c.id: c for c in V.cases(load_runs(path))}
+    hw = {k: c.inputs.hw for k, c in cases.items()}
+    assert (hw["h800"].name, hw["h800"].intra_node_gbps, family(hw["h800"])) == ("h800", 200, "hopper")
+    assert (hw["a800"].name, hw["a800"].intra_node_gbps, family(hw["a800"])) == ("a800-80gb", 200, "a100")
+    assert hw["h800"].peak_tflops == hw["h200"].peak_tflops == 989
+    assert (hw["h200"].name, hw["gh200"].name, hw["h20"].name) == ("h200", "h100-80gb", "h20")
+    assert (hw["h20"].peak_tflops, hw["h20"].gpu_memory_gb, family(hw["h20"])) == (148, 96, "hopper")
+    assert (hw["v5e"].name, family(hw["v5e"])) == ("tpu-v5e", "other")
+    prediction = V.predict(cases["v5e"])
+    assert prediction.fits and prediction.predicted > 0
+
+
 def test_runs_published_before_flash_attention_plan_materialised_scores() -> None:
     """A run's year (read from its source) decides the attention kernel it left unstated: up to 2022
     the scores were materialised; later, or with no year, FlashAttention; a trainer that says (the

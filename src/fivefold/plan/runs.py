@@ -29,21 +29,39 @@ GPU_PRESETS = {  # a substring of the run's GPU name -> preset; the more specifi
     "A100 40": "a100-40gb",
     "A100-SXM4-40": "a100-40gb",
     "A100": "a100-80gb",
-    "A800": "a100-80gb",
-    "GH200": "h100-80gb",
+    "A800": "a800-80gb",
+    "GH200": "h100-80gb",  # the H100 die; no preset of its own (its nodes' links vary by system)
     "H100": "h100-80gb",
-    "H800": "h100-80gb",
+    "H800": "h800",
     "HOPPER": "h100-80gb",
     "H200": "h200",
+    "H20": "h20",  # after "GH200" and "H200", which contain it
     "GB200": "b200",
     "B200": "b200",
     "V100": "v100-32gb",
+    "L40S": "l40s",
     "MI250": "mi250x",
     "MI300": "mi300x",
+    "MI325": "mi325x",
+    "GAUDI2": "gaudi2",
+    "GAUDI 2": "gaudi2",
+    "HL-225": "gaudi2",
+    "GAUDI3": "gaudi3",
+    "GAUDI 3": "gaudi3",
+    "HL-325": "gaudi3",
     "TPU V4": "tpu-v4",
     "TPUV4": "tpu-v4",
     "TPU V5P": "tpu-v5p",
     "TPUV5P": "tpu-v5p",
+    "TPU V5E": "tpu-v5e",
+    "TPUV5E": "tpu-v5e",
+    "TPU-V5E": "tpu-v5e",
+    "V5LITE": "tpu-v5e",  # the Cloud TPU API's name for v5e ("v5litepod")
+    "V5 LITE": "tpu-v5e",
+    "TPU V6E": "tpu-v6e",
+    "TPUV6E": "tpu-v6e",
+    "TPU-V6E": "tpu-v6e",
+    "TRILLIUM": "tpu-v6e",
     "CPU": "cpu",
 }
 # What the trainer behind a source does when a run does not say (facts about the frameworks):
@@ -191,11 +209,12 @@ def hardware(run: dict[str, Any]) -> HardwareSpec:
 
 
 def family(hw: HardwareSpec) -> str:
-    """The GPU generation a run's matmul knob belongs to: a100, hopper (H100/H200) or other."""
+    """The GPU generation a run's matmul knob belongs to: a100 (A100/A800), hopper (H100/H200/H800/H20)
+    or other."""
     name = hw.name.lower()
-    if "a100" in name:
+    if "a100" in name or name.startswith("a800"):
         return "a100"
-    if name.startswith(("h100", "h200", "h800")) or "hopper" in name:
+    if name.startswith(("h100", "h200", "h800", "h20")) or "hopper" in name:
         return "hopper"
     return "other"
 
@@ -329,7 +348,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     precision = str(lt.get("precision", "")).lower()
     trainer = TRAINERS.get(source_of(run), {})
     gpu_name = str(run.get("hardware", {}).get("gpu", "")).upper()
-    hopper_or_newer = any(k in gpu_name for k in ("H100", "H200", "H800", "B200", "B100"))
+    hopper_or_newer = any(k in gpu_name for k in ("H100", "H200", "H800", "H20", "B200", "B100"))
     if source_of(run) == "NVIDIA/Megatron-LM" and hopper_or_newer:
         # Megatron-LM's Hopper-era runs go through Transformer Engine like NeMo's and dgxc's (the same
         # Megatron-Core): cuDNN's fused attention, and tp collectives overlapped with the GEMMs

@@ -13,7 +13,7 @@ the redistribution and wraps the collective for autograd on the host, and on a C
 one that computes. The last measurement times the forward and backward of a column- then row-parallel
 MLP over the ranks (two all-reduces a step: the output's, and the input gradient's), less the same
 MLP unsharded on one rank and the two bare all-reduces, and prints the rest per collective as
-`collective_dispatch_us`.
+`tp_dispatch_us`.
 Run: .venv/bin/python benchmarks/bench_gloo_links.py [--ranks 2] [--large-mb 16]
 """
 
@@ -62,24 +62,49 @@ def _timed(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _tensor_parallel_step(
-    ranks: int, repeats: int, hidden: int = 64, tokens: int = 64
-) -> tuple[float, float]:
-    """(seconds of a tensor-parallel MLP's forward and backward, seconds of the same MLP whole)."""
+def _mlp(hidden: int, blocks: int) -> torch.nn.Sequential:
+    """`blocks` two-layer MLPs in a row (each one FSDP unit, or one tensor-parallel pair)."""
+    return torch.nn.Sequential(
+        *(
+            torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden))
+            for _ in range(blocks)
+        )
+    )
+
+
+def _issued_step(ranks: int, repeats: int, hidden: int = 64, tokens: int = 64, blocks: int = 4) -> dict:
+    """Seconds of the forward and backward of the MLP whole on one rank, tensor-parallel (column then
+    row, per block) and under FSDP (a unit per block), with each form's collectives counted by op."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(0)
-    whole = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden))
-    sharded = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden))
     mesh = init_device_mesh("cpu", (ranks,))
-    parallelize_module(sharded, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
-    x = torch.randn(tokens, hidden, requires_grad=True)  # its gradient is the backward's all-reduce
+    whole, tensor_parallel, sharded = _mlp(hidden, blocks), _mlp(hidden, blocks), _mlp(hidden, blocks)
+    plan = {f"{i}.0": ColwiseParallel() for i in range(blocks)}
+    plan |= {f"{i}.1": RowwiseParallel() for i in range(blocks)}
+    parallelize_module(tensor_parallel, mesh, plan)
+    for block in sharded:
+        fully_shard(block, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    x = torch.randn(tokens, hidden, requires_grad=True)  # its gradient is a tensor-parallel all-reduce
+    out = {}
+    for name, module in (("whole", whole), ("tp", tensor_parallel), ("fsdp", sharded)):
 
-    def step(module: torch.nn.Module) -> Callable[[], None]:
-        return lambda: module(x).sum().backward()
+        def step(module: torch.nn.Module = module) -> None:
+            module(x).sum().backward()
 
-    return _timed(step(sharded), repeats), _timed(step(whole), repeats)
+        out[f"{name}_step"] = _timed(step, repeats)
+        with CommDebugMode() as comms:
+            step()
+        counts: dict[str, int] = {}
+        for op, n in comms.get_comm_counts().items():
+            kind = next((k for k in OPS if k.replace("_", "") in str(op).replace("_", "")), "all_reduce")
+            counts[kind] = counts.get(kind, 0) + n
+        out[f"{name}_calls"] = counts
+    return out
 
 
 def _rank(rank: int, ranks: int, port: int, sizes: tuple[int, int], repeats: int, out: dict) -> None:
@@ -87,9 +112,9 @@ def _rank(rank: int, ranks: int, port: int, sizes: tuple[int, int], repeats: int
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     try:
-        tp_step, whole_step = _tensor_parallel_step(ranks, repeats)
+        issued = _issued_step(ranks, repeats)
         if rank == 0:
-            out["tp_step"], out["whole_step"] = tp_step, whole_step
+            out.update(issued)
         for op in OPS:
             for elements in sizes:
                 x = torch.randn(elements)
@@ -108,8 +133,8 @@ def _rank(rank: int, ranks: int, port: int, sizes: tuple[int, int], repeats: int
 
 
 def measure(ranks: int, small: int, large: int, repeats: int) -> dict:
-    """Median seconds of each op at each size (in fp32 elements a rank hands the collective), and of
-    the tensor-parallel MLP's step sharded and whole ("tp_step", "whole_step")."""
+    """Median seconds of each op at each size (in fp32 elements a rank hands the collective), and
+    `_issued_step`'s steps and collective counts."""
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -130,9 +155,13 @@ def fit(times: dict[tuple[str, int], float], ranks: int, small: int, large: int)
     return statistics.mean(alphas), statistics.mean(rates)
 
 
-def dispatch(times: dict, small: int) -> float:
-    """Host seconds a tensor-parallel collective adds to its bare all-reduce (two a step)."""
-    return max(0.0, (times["tp_step"] - times["whole_step"] - 2 * times[("all_reduce", small)]) / 2)
+def dispatch(times: dict, small: int, form: str) -> float:
+    """Host seconds each collective of a tensor-parallel or FSDP step (`form`) adds to the bare
+    collectives: the step, less the MLP whole and the bare time of the collectives it issued, per
+    collective."""
+    calls = times[f"{form}_calls"]
+    bare = sum(n * times[(op, small)] for op, n in calls.items())
+    return max(0.0, (times[f"{form}_step"] - times["whole_step"] - bare) / max(sum(calls.values()), 1))
 
 
 def main() -> None:
@@ -153,11 +182,11 @@ def main() -> None:
     print(f"intra_node_latency_us = {alpha * 1e6:.0f}")
     gbps = rate / 1e9 / DEFAULT_LINK_EFFICIENCY
     print(f"intra_node_gbps = {gbps:.2f}  # at link_efficiency {DEFAULT_LINK_EFFICIENCY}")
-    print(
-        f"# tensor-parallel MLP step {times['tp_step'] * 1e3:.2f} ms, whole on one rank "
-        f"{times['whole_step'] * 1e3:.2f} ms, two all-reduces a step"
-    )
-    print(f"collective_dispatch_us = {dispatch(times, small) * 1e6:.0f}")
+    print(f"# MLP step whole on one rank {times['whole_step'] * 1e3:.2f} ms")
+    for form in ("tp", "fsdp"):
+        calls = ", ".join(f"{n} {op}" for op, n in sorted(times[f"{form}_calls"].items()))
+        print(f"# {form} step {times[f'{form}_step'] * 1e3:.2f} ms ({calls})")
+        print(f"{form}_dispatch_us = {dispatch(times, small, form) * 1e6:.0f}")
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def test_the_gloo_link_benchmark_prints_a_latency_and_a_bandwidth_for_a_hardware
     assert done.returncode == 0, done.stderr[-2000:]
     values = dict(line.split("#")[0].split(" = ") for line in done.stdout.splitlines() if " = " in line)
     assert float(values["intra_node_latency_us"]) > 0 and float(values["intra_node_gbps"]) > 0
-    assert float(values["collective_dispatch_us"]) >= 0  # DTensor's host work a tp collective adds
+    assert float(values["tp_dispatch_us"]) >= 0 and float(values["fsdp_dispatch_us"]) >= 0
 
 
 def test_the_gemm_shape_benchmark_fits_a_known_half_dimension_and_runs_here(tmp_path) -> None:

@@ -417,35 +417,44 @@ def test_on_a_cpu_no_collective_overlaps_the_compute() -> None:
         assert cpu.step_time_s > gpu.step_time_s or layout.dp > 1
 
 
-def test_a_cpu_pays_each_tensor_parallel_collectives_host_dispatch() -> None:
-    """Every tp collective costs the `cpu` preset its ring time plus `collective_dispatch_us` (DTensor's
-    host-side work, which the cores that compute must do); other axes and GPU presets pay none."""
+@pytest.mark.parametrize(
+    ("layout", "axis", "knob"),
+    [
+        (Layout(tp=2, sp=True), "tp", "tp_dispatch_us"),  # DTensor's host work
+        (Layout(tp=2), "tp", "tp_dispatch_us"),
+        (Layout(fsdp=2, zero=3), "fsdp", "fsdp_dispatch_us"),  # FSDP's per-unit hooks
+        (Layout(fsdp=2, zero=2), "fsdp", "fsdp_dispatch_us"),
+        (Layout(pp=2, fsdp=1, dp=1), "fsdp", "fsdp_dispatch_us"),  # no FSDP: nothing added
+    ],
+)
+def test_a_cpu_pays_the_host_work_of_each_collective_the_runtime_issues_from_python(
+    layout: Layout, axis: str, knob: str
+) -> None:
+    """Every tp and FSDP collective costs the `cpu` preset its ring time plus its host dispatch (work the
+    cores that compute must do), all of it exposed; other axes pay none, and GPU presets none at all."""
     from fivefold.plan.comm import collective_time
 
     model = load_model("small")
     shape = TrainShape(seq_len=256, global_batch=16, micro_batch=4)
     cpu = load_hardware("cpu")
-    assert cpu.collective_dispatch_us > 0
-    assert all(load_hardware(name).collective_dispatch_us == 0 for name in ("h100-80gb", "a100-80gb"))
-    layout = Layout(tp=2, sp=True).resolve(2)
+    per_call = getattr(cpu, knob) * 1e-6
+    assert per_call > 0
+    assert all(getattr(load_hardware(name), knob) == 0 for name in ("h100-80gb", "a100-80gb", "b200"))
+    layout = layout.resolve(2)
     with_dispatch = plan(model, cpu, layout, shape)
-    without = plan(model, dataclasses.replace(cpu, collective_dispatch_us=0.0), layout, shape)
+    without = plan(model, dataclasses.replace(cpu, **{knob: 0.0}), layout, shape)
     for c, bare in zip(with_dispatch.comm, without.comm, strict=True):
         assert (c.axis, c.op, c.count) == (bare.axis, bare.op, bare.count)
         ring = collective_time(cpu, c.op, c.bytes / c.count, c.group, c.link)[1]
-        if c.axis == "tp":
-            assert c.time_s == pytest.approx(c.count * (ring + cpu.collective_dispatch_us * 1e-6))
+        if c.axis == axis:
+            assert c.time_s == pytest.approx(c.count * (ring + per_call))
             assert c.exposed_s == pytest.approx(c.time_s)
         else:
             assert c.time_s == pytest.approx(bare.time_s)
-    calls = sum(c.count for c in with_dispatch.comm if c.axis == "tp")
+    calls = sum(c.count for c in with_dispatch.comm if c.axis == axis)
+    assert calls > 0 or layout.fsdp == 1
     added = with_dispatch.step_time_s - without.step_time_s
-    assert added == pytest.approx(calls * cpu.collective_dispatch_us * 1e-6, rel=0.02)
-    data = Layout(fsdp=2, zero=3).resolve(2)  # FSDP issues its own collectives, not through DTensor
-    fsdp_dispatch = plan(model, cpu, data, shape).step_time_s
-    assert fsdp_dispatch == pytest.approx(
-        plan(model, dataclasses.replace(cpu, collective_dispatch_us=0.0), data, shape).step_time_s
-    )
+    assert added == pytest.approx(calls * per_call, rel=0.02, abs=1e-9)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

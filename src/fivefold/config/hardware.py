@@ -21,10 +21,12 @@ class HardwareSpec:
     hbm_gbps: float = 2000.0
     intra_node_latency_us: float = 3.0
     inter_node_latency_us: float = 10.0
-    # host time of each tensor-parallel collective beyond its wire time: DTensor's sharding
-    # propagation, redistribution planning and autograd wrapping. A GPU's host runs ahead of its
-    # kernels and hides it (0); a CPU's host is the compute, so it adds to the step
-    collective_dispatch_us: float = 0.0
+    # host time of each collective beyond its wire time, where the runtime issues it from Python:
+    # a tensor-parallel one through DTensor (sharding propagation, redistribution, autograd
+    # wrapping), an FSDP one through its per-unit hooks (copy-in and copy-out, buffer bookkeeping).
+    # A GPU's host runs ahead of its kernels and hides it (0); a CPU's host is the compute
+    tp_dispatch_us: float = 0.0
+    fsdp_dispatch_us: float = 0.0
     # achievable fractions (calibrated knobs with a physical meaning; see docs/planner.md)
     matmul_efficiency: float = 0.0  # 0: the planner's default for this peak
     link_efficiency: float = 0.0
@@ -70,7 +72,8 @@ POSITIVE = ("gpu_memory_gb", "peak_tflops", "gpus_per_node", "intra_node_gbps", 
 NON_NEGATIVE = (
     "intra_node_latency_us",
     "inter_node_latency_us",
-    "collective_dispatch_us",
+    "tp_dispatch_us",
+    "fsdp_dispatch_us",
     "tdp_w",
     "power_limit_w",
     "fp8_speedup",

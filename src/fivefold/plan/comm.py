@@ -86,6 +86,13 @@ def link_params(hw: HardwareSpec, link: str, per_node: int = 1) -> tuple[float, 
     return latency * 1e-6, bw * 1e9 * eff
 
 
+def host_dispatch(hw: HardwareSpec, axis: str) -> float:
+    """Host seconds one collective of `axis` costs beyond its wire time: the runtime issues tp's
+    through DTensor and FSDP's through its per-unit hooks (`tp_dispatch_us`, `fsdp_dispatch_us`), work
+    a CPU does in series with the compute and a GPU's host does ahead of the kernels (0 there)."""
+    return {"tp": hw.tp_dispatch_us, "fsdp": hw.fsdp_dispatch_us}.get(axis, 0.0) * 1e-6
+
+
 def collective_time(
     hw: HardwareSpec, op: str, payload: float, n: int, link: str, per_node: int = 1
 ) -> tuple[float, float]:

@@ -14,7 +14,7 @@ from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError
 from fivefold.flops import hardware_flops_per_token, model_flops_per_token
 from fivefold.layout_math import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SEND
-from fivefold.plan.comm import Collective, collective_time, ep_link, links, ring_nics
+from fivefold.plan.comm import Collective, collective_time, ep_link, host_dispatch, links, ring_nics
 from fivefold.plan.compute import LayerTime, Rates, head_time, layer_time, optimizer_time
 from fivefold.plan.dataparallel import data_parallel_traffic
 from fivefold.plan.memory import (
@@ -40,12 +40,6 @@ from fivefold.plan.spec import (
     resolve_arch,
     total_params,
 )
-
-
-def host_dispatch(hw: HardwareSpec, axis: str) -> float:
-    """Host seconds a collective costs beyond the wire: the runtime issues its tp collectives through
-    DTensor, whose host-side work (`collective_dispatch_us`) a CPU pays in series with the compute."""
-    return hw.collective_dispatch_us * 1e-6 if axis == "tp" else 0.0
 
 
 def check_plan_inputs(model: ModelSpec, layout: Layout, shape: TrainShape) -> None:

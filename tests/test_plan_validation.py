@@ -546,3 +546,21 @@ mfu = 0.40
     assert table.splitlines()[1].endswith(f"interleaved-1f1b ×{layout.virtual_stages}")
     megatron = [c for c in V.cases(load_runs_all()) if c.id.startswith("megatron-a100-2021")]
     assert megatron and all(V.predict(c).filled == "" for c in megatron)  # every fact published
+
+
+def test_a_run_that_gives_only_its_hfu_or_its_aggregate_rate_is_still_judged() -> None:
+    """Megatron's 1.7B row states the same throughput three ways (137 TFLOP/s of hardware FLOPs per
+    GPU, 4.4 PFLOP/s over 32 GPUs, 44% HFU of the A100's 312): each alone is a target, and the three
+    judge the plan alike."""
+    from fivefold.plan import validation as V
+
+    (row,) = [r for p in builtin_paths() for r in load_runs(p) if r["id"] == "megatron-a100-2021-1.7b"]
+    errors = {}
+    for kept in (("tflops_per_gpu", "tflops_basis"), ("aggregate_pflops", "tflops_basis"), ("hfu",)):
+        run = {**row, "measured": {k: row["measured"][k] for k in kept}}
+        (case,) = V.cases([run])
+        errors[kept[0]] = V.predict(case).error
+    assert case.target.metric == "HFU"
+    assert max(errors.values()) - min(errors.values()) < 0.01, errors
+    with pytest.raises(FivefoldError, match="hfu is a fraction"):
+        V.cases([{**row, "measured": {"hfu": 44}}])

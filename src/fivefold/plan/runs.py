@@ -461,20 +461,26 @@ def throughput(run: dict[str, Any]) -> Throughput | None:
     """The most definition-free throughput the run publishes: tokens/s, then step time, then
     TFLOP/s, then MFU (the last two depend on a FLOP convention and a peak)."""
     meas, gpus = measured_numbers(run), run.get("layout", {}).get("gpus")
-    if meas.get("mfu", 0) > 1:
-        raise FivefoldError(
-            f"run {run['id']}: measured.mfu is a fraction of the peak (0 to 1), got {meas['mfu']}"
-        )
+    for key in ("mfu", "hfu"):
+        if meas.get(key, 0) > 1:
+            raise FivefoldError(
+                f"run {run['id']}: measured.{key} is a fraction of the peak (0 to 1), got {meas[key]}"
+            )
     if meas.get("tokens_per_s_per_gpu"):
         return Throughput("tokens/s/GPU", float(meas["tokens_per_s_per_gpu"]))
     if meas.get("tokens_per_s_total") and gpus:
         return Throughput("tokens/s/GPU", float(meas["tokens_per_s_total"]) / int(gpus))
     if meas.get("iteration_time_s"):
         return Throughput("step time s", float(meas["iteration_time_s"]))
+    basis = meas.get("tflops_basis", "model")
     if meas.get("tflops_per_gpu"):
-        return Throughput(f"TFLOP/s ({meas.get('tflops_basis', 'model')})", float(meas["tflops_per_gpu"]))
+        return Throughput(f"TFLOP/s ({basis})", float(meas["tflops_per_gpu"]))
+    if meas.get("aggregate_pflops") and gpus:  # the whole job's rate
+        return Throughput(f"TFLOP/s ({basis})", 1000 * float(meas["aggregate_pflops"]) / int(gpus))
     if meas.get("mfu"):
         return Throughput("MFU", float(meas["mfu"]))
+    if meas.get("hfu"):  # hardware FLOPs (recomputation included) over the source's peak
+        return Throughput("HFU", float(meas["hfu"]))
     return None
 
 
@@ -499,7 +505,15 @@ def _positive_number(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
 
 
-THROUGHPUT_KEYS = ("tokens_per_s_per_gpu", "tokens_per_s_total", "iteration_time_s", "tflops_per_gpu", "mfu")
+THROUGHPUT_KEYS = (
+    "tokens_per_s_per_gpu",
+    "tokens_per_s_total",
+    "iteration_time_s",
+    "tflops_per_gpu",
+    "aggregate_pflops",
+    "mfu",
+    "hfu",
+)
 
 
 def source_peak(run: dict[str, Any], hw: HardwareSpec, fp8: bool) -> float:

@@ -289,6 +289,8 @@ def predict(case: Case, knobs: Knobs = Knobs()) -> Prediction:
         value = p.hardware_tflops_per_gpu
     elif metric.startswith("TFLOP/s"):
         value = mfu * hw.peak_tflops
+    elif metric == "HFU":  # hardware FLOPs over the source's peak
+        value = p.hardware_tflops_per_gpu / source_peak(case.run, hw, case.inputs.shape.fp8)
     else:  # MFU of the source's peak
         value = mfu * hw.peak_tflops / source_peak(case.run, hw, case.inputs.shape.fp8)
     margin = (capacity(hw) - p.memory.total) / 1e9

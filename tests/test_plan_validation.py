@@ -564,3 +564,19 @@ def test_a_run_that_gives_only_its_hfu_or_its_aggregate_rate_is_still_judged() -
     assert max(errors.values()) - min(errors.values()) < 0.01, errors
     with pytest.raises(FivefoldError, match="hfu is a fraction"):
         V.cases([{**row, "measured": {"hfu": 44}}])
+
+
+def test_a_measured_run_without_a_throughput_is_named_not_dropped_silently(tmp_path, capsys) -> None:
+    import tomli_w
+
+    from fivefold.cli import main
+
+    rows = [r for p in builtin_paths() for r in load_runs(p) if r["id"].startswith("megatron-a100-2021-")]
+    silent, judged = ({k: v for k, v in r.items() if not k.startswith("_")} for r in rows[:2])
+    silent["measured"] = {"memory_peak_gib_per_gpu": 30.0}
+    path = tmp_path / "runs.toml"
+    path.write_text(tomli_w.dumps({"run": [silent, judged]}))
+    assert main(["plan", "--validate", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert f"run {silent['id']}: left out, its [measured] table states no throughput" in captured.err
+    assert judged["id"] in captured.out and silent["id"] not in captured.out

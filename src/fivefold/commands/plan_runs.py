@@ -14,7 +14,14 @@ from fivefold.outputs import write_text_whole
 def _runs(paths: list[str]) -> tuple[list, list[str]]:
     """Cases of the files (the bundled reference sets when none is given) and the runs left out."""
     from fivefold.plan import validation as V
-    from fivefold.plan.runs import builtin_paths, contradictions, load_runs, run_from_dir
+    from fivefold.plan.runs import (
+        THROUGHPUT_KEYS,
+        builtin_paths,
+        contradictions,
+        load_runs,
+        run_from_dir,
+        throughput,
+    )
 
     files = [Path(p) for p in paths] or builtin_paths()
     runs = [run_from_dir(p) for p in files if p.is_dir()]
@@ -24,6 +31,11 @@ def _runs(paths: list[str]) -> tuple[list, list[str]]:
         bad = contradictions(run)
         if bad:
             left_out.append(f"run {run['id']}: left out, its facts contradict: {'; '.join(bad)}")
+        elif run.get("kind") == "measured" and throughput(run) is None:
+            left_out.append(
+                f"run {run['id']}: left out, its [measured] table states no throughput "
+                f"(one of {', '.join(THROUGHPUT_KEYS)})"
+            )
         else:
             kept.append(run)
     return V.cases(kept), left_out

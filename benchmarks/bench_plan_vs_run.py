@@ -131,18 +131,26 @@ def main() -> int:
         run_dirs, failed = [], {}
         for name in names:
             result = train(name, model, args, out)
-            if isinstance(result, Path):
-                run_dirs.append(result)
-            else:
+            if not isinstance(result, Path):
                 failed[name] = result
-            print(f"{name}: {'trained' if isinstance(result, Path) else 'failed: ' + result}", flush=True)
+                print(f"{name}: failed: {result}", flush=True)
+                continue
+            run_dirs.append(result)
+            if args.keep_runs:  # kept as each finishes, so that a run cut short leaves the ones done
+                shutil.copytree(result, Path(args.keep_runs) / result.name, dirs_exist_ok=True)
+            if run_dirs[0].name != names[0]:
+                print(f"{name}: trained", flush=True)
+                continue
+            row = compare(run_dirs)[-1]  # the row so far, calibrated on the first run
+            print(
+                f"{name}: trained, step {row['measured_step_s']:.4g} s, plan {row['shipped']:+.1%} as "
+                f"shipped, {row['calibrated']:+.1%} calibrated on {names[0]}",
+                flush=True,
+            )
         if not run_dirs or run_dirs[0].name != names[0]:
             print(f"bench_plan_vs_run: {names[0]} did not train; nothing to calibrate on", file=sys.stderr)
             return 1
         text = table(compare(run_dirs), failed, names[0])
-        if args.keep_runs:
-            for run_dir in run_dirs:
-                shutil.copytree(run_dir, Path(args.keep_runs) / run_dir.name, dirs_exist_ok=True)
     print(text)
     if args.md:
         with open(args.md, "a") as fh:

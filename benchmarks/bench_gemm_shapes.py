@@ -1,6 +1,6 @@
 """How fast a matmul runs as its smallest dimension shrinks: the planner's GEMM shape curve, measured.
 
-The planner times each matmul at `matmul_efficiency · d / (d + GEMM_HALF_DIM)` of the peak, d the
+The planner times each matmul at `matmul_efficiency · d / (d + gemm_half_dim)` of the peak, d the
 matmul's smallest dimension (plan/compute.py), and each attention kernel at
 `head_dim / (head_dim + ATTENTION_HALF_DIM)` of its rate at head dim 128. This script measures both
 curves on the device at hand: 16-bit (m×k)·(k×n) matmuls with m fixed at a step's token count and k,
@@ -26,7 +26,8 @@ from collections.abc import Callable
 
 import torch
 
-from fivefold.plan.compute import ATTENTION_HALF_DIM, GEMM_HALF_DIM, head_dim_factor
+from fivefold.config.hardware import DEFAULT_GEMM_HALF_DIM as GEMM_HALF_DIM
+from fivefold.plan.compute import ATTENTION_HALF_DIM, head_dim_factor
 
 
 def timed(fn: Callable[[], object], repeats: int, device: str) -> float:

@@ -471,3 +471,17 @@ def test_fsdp_bytes_are_the_exact_steps_in_either_dtype(dtype: str) -> None:
     step = plan_step(model, layout, 4, 256, p.microbatches, dtype, {"pp": 0, "fsdp_cp": 0, "dp": 0})
     for c in p.comm:
         assert (c.count, c.bytes) == pytest.approx(step.comm[(c.axis, c.op)]), (c.axis, c.op)
+
+
+def test_thin_matmuls_pay_the_tile_penalty_on_a_gpu_only() -> None:
+    """A GPU preset halves a matmul's rate at 128 wide (`gemm_half_dim`); the `cpu` preset's vector
+    units run thin and wide matmuls alike (benchmarks/bench_gemm_shapes.py --device cpu)."""
+    from fivefold.plan.compute import Rates
+
+    for name, half in (("h100-80gb", 128.0), ("a100-80gb", 128.0), ("cpu", 0.0)):
+        rates = Rates.of(load_hardware(name))
+        assert rates.half_dim == half
+        thin, wide = rates.gemm(16384, 16384, 256), rates.gemm(16384, 16384, 8192)  # both compute-bound
+        # seconds per FLOP, thin over wide: (d + half) / d of each, equal without the penalty
+        ratio = (thin / 256) / (wide / 8192)
+        assert ratio == pytest.approx((256 + half) / 256 * 8192 / (8192 + half), rel=1e-6), name

@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 
 from fivefold.errors import FivefoldError
 
+DEFAULT_GEMM_HALF_DIM = 128.0  # a GPU's tensor cores (benchmarks/bench_gemm_shapes.md)
+
 
 @dataclass
 class HardwareSpec:
@@ -27,6 +29,9 @@ class HardwareSpec:
     # A GPU's host runs ahead of its kernels and hides it (0); a CPU's host is the compute
     tp_dispatch_us: float = 0.0
     fsdp_dispatch_us: float = 0.0
+    # a matmul whose smallest dimension is this runs at half the large-GEMM rate: a GPU's tiles and
+    # waves fill worse as a dimension shrinks; 0: every shape at the full rate (a CPU's vector units)
+    gemm_half_dim: float = DEFAULT_GEMM_HALF_DIM
     # achievable fractions (calibrated knobs with a physical meaning; see docs/planner.md)
     matmul_efficiency: float = 0.0  # 0: the planner's default for this peak
     link_efficiency: float = 0.0
@@ -73,6 +78,7 @@ NON_NEGATIVE = (
     "intra_node_latency_us",
     "inter_node_latency_us",
     "tp_dispatch_us",
+    "gemm_half_dim",
     "fsdp_dispatch_us",
     "tdp_w",
     "power_limit_w",

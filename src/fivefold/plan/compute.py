@@ -1,6 +1,6 @@
 """Compute time of one transformer layer, the head and the optimizer, op by op, on a roofline.
 
-Each matmul takes max(FLOPs / (peak·matmul_efficiency·d/(d+128)), bytes / (HBM·memory_efficiency)),
+Each matmul takes max(FLOPs / (peak·matmul_efficiency·d/(d+gemm_half_dim)), bytes / (HBM·memory_efficiency)),
 d its smallest dimension (tile and wave quantisation make thin matmuls slower); each
 elementwise op (norms, activations, residual adds, dropout, softmax, rotary) takes its bytes over the
 sustained HBM bandwidth. The backward of a matmul is two matmuls of the same shape; FlashAttention's
@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from fivefold.config import HardwareSpec, Layout, ModelSpec
+from fivefold.config.hardware import DEFAULT_GEMM_HALF_DIM
 from fivefold.plan.spec import Arch, kv_heads_local
 
 DEFAULT_MATMUL_EFFICIENCY = 0.75  # large bf16 GEMM, fraction of the dense peak
@@ -34,7 +35,6 @@ BYTES = 2  # 16-bit activations
 HOST_LINK_BPS = 25e9  # PCIe 4.0 x16 per GPU, one direction, sustained
 HOST_MEMORY_BPS = 25e9  # a GPU's share of its host's DRAM bandwidth (8 GPUs on ~200 GB/s)
 EAGER_TRAFFIC = 3.0  # unfused elementwise ops re-read and re-write their tensors about three times
-GEMM_HALF_DIM = 128  # a matmul whose smallest dimension is this runs at half the large-GEMM rate
 # Attention kernels run at head_dim / (head_dim + ATTENTION_HALF_DIM) of their best rate: the softmax
 # work per score is fixed while the matmul work grows with the head dim. FlashAttention-3's published
 # H100 forward rates (497, 648, 756 TFLOP/s at head dims 64, 128, 256) fit 56 within 2 %; the fitted
@@ -62,6 +62,7 @@ class Rates:
     flops: float  # sustained matmul FLOP/s
     attn_flops: float
     hbm: float  # sustained bytes/s
+    half_dim: float = DEFAULT_GEMM_HALF_DIM  # HardwareSpec.gemm_half_dim
 
     @classmethod
     def of(
@@ -78,13 +79,13 @@ class Rates:
         if attention == "flash3":
             attn *= FLASH3_SPEEDUP
         # traffic is counted in 16-bit elements: wider ones (fp32 training) stream proportionally slower
-        return cls(dense * speedup, attn, hw.hbm_gbps * 1e9 * mem * BYTES / act_bytes)
+        return cls(dense * speedup, attn, hw.hbm_gbps * 1e9 * mem * BYTES / act_bytes, hw.gemm_half_dim)
 
     def gemm(self, m: float, k: float, n: float, count: float = 1.0) -> float:
         """Seconds for `count` matmuls (m×k)·(k×n) in 16 bits, on the roofline."""
         flops = 2.0 * m * k * n
         traffic = BYTES * (m * k + k * n + m * n)
-        shape_eff = 1.0 / (1.0 + GEMM_HALF_DIM / min(m, k, n))  # thin matmuls fill fewer tiles
+        shape_eff = 1.0 / (1.0 + self.half_dim / min(m, k, n))  # thin matmuls fill fewer tiles
         return count * max(flops / (self.flops * shape_eff), traffic / self.hbm)
 
     def stream(self, nbytes: float) -> float:

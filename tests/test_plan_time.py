@@ -453,6 +453,8 @@ def test_a_cpu_pays_the_host_work_of_each_collective_the_runtime_issues_from_pyt
             assert c.time_s == pytest.approx(bare.time_s)
     calls = sum(c.count for c in with_dispatch.comm if c.axis == axis)
     assert calls > 0 or layout.fsdp == 1
+    said = any("host dispatch" in note for note in with_dispatch.notes)  # the plan says what it added
+    assert said == (calls > 0) and not any("host dispatch" in note for note in without.notes)
     added = with_dispatch.step_time_s - without.step_time_s
     assert added == pytest.approx(calls * per_call, rel=0.02, abs=1e-9)
 

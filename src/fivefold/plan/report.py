@@ -422,6 +422,13 @@ def _plan(
         notes.append(f"interleaved 1F1B wants micro-batches ({m}) divisible by pp ({layout.pp})")
     if (model.layers % (layout.pp * v)) != 0:
         notes.append(f"{model.layers} layers do not split evenly into pp×virtual = {layout.pp * v} chunks")
+    dispatched = sorted({c.axis for c in comm_list if host_dispatch(hw, c.axis) > 0})
+    if dispatched:
+        each = ", ".join(f"{a} {host_dispatch(hw, a) * 1e3:.2f} ms" for a in dispatched)
+        notes.append(
+            f"each collective's time includes its host dispatch ({each}: DTensor or FSDP's hooks, "
+            "which this device's host runs in series with the compute)"
+        )
     return Plan(
         model=model,
         hardware=hw,

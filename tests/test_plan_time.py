@@ -487,3 +487,18 @@ def test_thin_matmuls_pay_the_tile_penalty_on_a_gpu_only() -> None:
         # seconds per FLOP, thin over wide: (d + half) / d of each, equal without the penalty
         ratio = (thin / 256) / (wide / 8192)
         assert ratio == pytest.approx((256 + half) / 256 * 8192 / (8192 + half), rel=1e-6), name
+
+
+def test_a_cpu_serving_plan_pays_the_tp_dispatch_of_each_decode_all_reduce() -> None:
+    """Serving runs the same DTensor tensor parallelism: each layer's two tp all-reduces per decoded
+    token cost the `cpu` preset their host dispatch on top of the ring."""
+    from fivefold.plan.inference import InferenceShape, inference_plan
+
+    model = load_model("small")
+    shape = InferenceShape(batch=2, context=128, prompt=64)
+    layout = Layout(tp=2)
+    cpu = load_hardware("cpu")
+    served = inference_plan(model, cpu, layout, shape)
+    bare = inference_plan(model, dataclasses.replace(cpu, tp_dispatch_us=0.0), layout, shape)
+    added = served.decode_time_per_token_s - bare.decode_time_per_token_s
+    assert added == pytest.approx(model.layers * 2 * cpu.tp_dispatch_us * 1e-6)

@@ -7,7 +7,8 @@ curves on the device at hand: 16-bit (m×k)·(k×n) matmuls with m fixed at a st
 n swept from thin to wide (and thin token counts against wide weights), and torch's fused attention
 (scaled_dot_product_attention, causal) over head dims 64, 128 and 256. It then fits the half
 dimension that describes the measured matmuls best (free peak, least mean |log error|) and prints it
-beside the planner's constant, with each shape's measured and predicted rate relative to the widest.
+beside the planner's for that device (every GPU preset's 128, the `cpu` preset's 0), with each
+shape's measured and predicted rate relative to the widest.
 
 Run: python benchmarks/bench_gemm_shapes.py [--device cuda|cpu] [--tokens 8192] [--max-dim 16384]
      [--repeats 20] [--json OUT.json]
@@ -26,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from fivefold.config.hardware import DEFAULT_GEMM_HALF_DIM as GEMM_HALF_DIM
+from fivefold.config import load_hardware
 from fivefold.plan.compute import ATTENTION_HALF_DIM, head_dim_factor
 
 
@@ -107,6 +108,8 @@ def main() -> int:
         return 0
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    # the curve the planner uses for this device: every GPU preset's, or the `cpu` preset's
+    planner_half = round(load_hardware("h100-80gb" if args.device == "cuda" else "cpu").gemm_half_dim)
     rows = []
     for m, k, n in shapes(args.tokens, args.max_dim):
         rows.append({"m": m, "k": k, "n": n, "flops": gemm_rate(m, k, n, dtype, args.device, args.repeats)})
@@ -114,20 +117,20 @@ def main() -> int:
     half, peak, err = fit_half_dim([(min(r["m"], r["k"], r["n"]), r["flops"]) for r in rows])
     shipped_peak = math.exp(
         statistics.median(
-            math.log(r["flops"] * (min(r["m"], r["k"], r["n"]) + GEMM_HALF_DIM) / min(r["m"], r["k"], r["n"]))
+            math.log(r["flops"] * (min(r["m"], r["k"], r["n"]) + planner_half) / min(r["m"], r["k"], r["n"]))
             for r in rows
         )
     )
     print(f"# {name}, {str(dtype).removeprefix('torch.')} matmuls (rate relative to the fastest shape)\n")
     print(
-        f"| m | k | n | TFLOP/s | measured | planner (half dim {GEMM_HALF_DIM}) "
+        f"| m | k | n | TFLOP/s | measured | planner (half dim {planner_half}) "
         f"| fitted (half dim {half:.0f}) |"
     )
     print("|---|---|---|---|---|---|---|")
     shipped_errs = []
     for r in rows:
         d = min(r["m"], r["k"], r["n"])
-        shipped = shipped_peak * d / (d + GEMM_HALF_DIM)
+        shipped = shipped_peak * d / (d + planner_half)
         fitted = peak * d / (d + half)
         shipped_errs.append(abs(math.log(r["flops"] / shipped)))
         print(
@@ -136,7 +139,7 @@ def main() -> int:
         )
     print(
         f"\nfitted half dimension: {half:.0f} (mean |log error| {err:.3f}); "
-        f"the planner's {GEMM_HALF_DIM}: {statistics.fmean(shipped_errs):.3f}"
+        f"the planner's {planner_half}: {statistics.fmean(shipped_errs):.3f}"
     )
     attention = []
     for head_dim in (64, 128, 256):
@@ -156,7 +159,7 @@ def main() -> int:
             "gemm": rows,
             "fitted_half_dim": half,
             "fit_error": err,
-            "planner_half_dim": GEMM_HALF_DIM,
+            "planner_half_dim": planner_half,
             "planner_error": statistics.fmean(shipped_errs),
             "attention": attention,
         }

@@ -8,12 +8,13 @@ the wire per second (what `intra_node_gbps` × `link_efficiency` stands for). Th
 values to put in a hardware TOML for this machine (`presets/hardware/cpu.toml` took them from a
 2-core machine).
 
-A tensor-parallel collective costs more than its ring step: DTensor propagates the sharding, plans
-the redistribution and wraps the collective for autograd on the host, and on a CPU that host is the
-one that computes. The last measurement times the forward and backward of a column- then row-parallel
-MLP over the ranks (two all-reduces a step: the output's, and the input gradient's), less the same
-MLP unsharded on one rank and the two bare all-reduces, and prints the rest per collective as
-`tp_dispatch_us`.
+A collective the runtime issues from Python costs more than its ring step: a tensor-parallel one goes
+through DTensor (sharding propagation, redistribution, autograd wrapping), an FSDP one through its
+unit's hooks (copy-in, copy-out, buffer bookkeeping), and on a CPU the host doing that work is the one
+that computes. The last measurements time the forward and backward of four MLP blocks made
+tensor-parallel (column then row) and FSDP-sharded (a unit per block) over the ranks, less the same
+MLP whole on one rank and the bare time of the collectives each issued (counted by torch's
+CommDebugMode), and print the rest per collective as `tp_dispatch_us` and `fsdp_dispatch_us`.
 Run: .venv/bin/python benchmarks/bench_gloo_links.py [--ranks 2] [--large-mb 16]
 """
 
@@ -118,16 +119,9 @@ def _rank(rank: int, ranks: int, port: int, sizes: tuple[int, int], repeats: int
         for op in OPS:
             for elements in sizes:
                 x = torch.randn(elements)
-                for _ in range(3):
-                    _call(op, x, ranks)
-                times = []
-                for _ in range(repeats):
-                    dist.barrier()
-                    start = time.perf_counter()
-                    _call(op, x, ranks)
-                    times.append(time.perf_counter() - start)
+                seconds = _timed(lambda op=op, x=x: _call(op, x, ranks), repeats)
                 if rank == 0:
-                    out[(op, elements)] = statistics.median(times)
+                    out[(op, elements)] = seconds
     finally:
         dist.destroy_process_group()
 

@@ -21,9 +21,11 @@ Run: .venv/bin/python benchmarks/bench_gloo_links.py [--ranks 2] [--large-mb 16]
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -105,6 +107,11 @@ def _issued_step(ranks: int, repeats: int, hidden: int = 64, tokens: int = 64, b
             kind = next((k for k in OPS if k.replace("_", "") in str(op).replace("_", "")), "all_reduce")
             counts[kind] = counts.get(kind, 0) + n
         out[f"{name}_calls"] = counts
+    # nothing of the mesh's may be in flight or left to the collector once the process group goes:
+    # gloo aborts the process if a group is torn down under its own pending work
+    dist.barrier(group=mesh.get_group())
+    del whole, tensor_parallel, sharded, module
+    gc.collect()
     return out
 
 
@@ -124,6 +131,13 @@ def _rank(rank: int, ranks: int, port: int, sizes: tuple[int, int], repeats: int
                     out[(op, elements)] = seconds
     finally:
         dist.destroy_process_group()
+    # Every result is handed over and the groups destroyed, yet since the tp and FSDP steps were added
+    # the interpreter's own teardown aborts the worker in about one run in eight here ("terminate
+    # called without an active exception", after destroy_process_group has returned), which failed the
+    # whole measurement: a worker that finished ends here, without that teardown
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def measure(ranks: int, small: int, large: int, repeats: int) -> dict:

@@ -288,6 +288,38 @@ def test_contradicting_runs_are_reported_and_calibration_writes_hardware(capsys,
     assert data["hardware"] == "hw" and data["step_time_s"] > 0
 
 
+@pytest.mark.parametrize(
+    "measured, named",
+    [
+        ("mfu = 0.40", "tokens_per_s_per_gpu"),  # an 8B at 1000 tokens/s/GPU is ~5% MFU: 8x apart
+        ("tflops_per_gpu = 4000", "tflops_per_gpu"),  # TFLOP/s of the job, not of one GPU
+    ],
+)
+def test_throughputs_that_disagree_leave_the_run_out(capsys, tmp_path, measured: str, named: str) -> None:
+    good = BAD_RUN.replace("vocab = 32000", "vocab = 32000\nseq_len = 2048")
+    path = tmp_path / "runs.toml"
+    path.write_text(
+        good
+        + good.replace('"bad-run"', '"slipped"').replace(
+            "tokens_per_s_per_gpu = 1000", f"tokens_per_s_per_gpu = 1000\n{measured}"
+        )
+    )
+    assert main(["plan", "--validate", str(path)]) == 0
+    captured = capsys.readouterr()
+    left = [line for line in captured.err.splitlines() if "left out" in line]
+    assert len(left) == 1 and "slipped" in left[0] and named in left[0] and "MFU" in left[0]
+    assert "bad-run" in captured.out and "slipped" not in captured.out
+    path.write_text(good.replace("tokens_per_s_per_gpu = 1000", "tokens_per_s_per_gpu = 1000\nmfu = 0.05"))
+    assert main(["plan", "--validate", str(path)]) == 0  # the same throughput twice: kept
+    assert "left out" not in capsys.readouterr().err
+
+
+def test_no_bundled_run_contradicts_itself() -> None:
+    from fivefold.plan.runs import builtin_paths, contradictions, load_runs
+
+    assert [r["id"] for r in load_runs(*builtin_paths()) if contradictions(r)] == []
+
+
 def test_calibrate_reads_run_directories(capsys, tmp_path) -> None:
     from fivefold.config import Layout, RunConfig, TrainSpec, load_model
 

@@ -55,10 +55,10 @@ def run_runs(args: argparse.Namespace) -> int:
     if args.calibrate is not None:
         return _calibrate(args)
     cases, left_out = _runs(paths)
+    for line in left_out:  # before the error below, which they explain when they are every run
+        print(line, file=sys.stderr)
     if not cases:
         raise FivefoldError("no run with a model shape and a published throughput to compare")
-    for line in left_out:
-        print(line, file=sys.stderr)
     if not cross and paths:  # someone's own runs: predicted as the planner ships, nothing refitted
         title = "as shipped (preset knobs; the constant is the bundled runs' median MFU)"
         if given is not None:  # e.g. the file `--calibrate` wrote: does it predict the other runs?

@@ -545,7 +545,56 @@ def contradictions(run: dict[str, Any]) -> list[str]:
             world *= a if isinstance(a, int) and a > 0 else 1
         if world != gpus:
             out.append(f"dp×fsdp×tp×pp×cp = {world} but gpus = {gpus}")
+    out.extend(_utilisation_mismatch(run, meas))
     return out
+
+
+# how far two statements of one run's throughput, each read as an MFU, may part before they contradict:
+# FLOP conventions (causal halving, embeddings, the head) and peaks (dense or sparse, boost clocks) move
+# an MFU by up to ~40% between sources, a unit slip (percent for a fraction, per job for per GPU) by 8×+
+UTILISATION_SPREAD = 2.0
+
+
+def _utilisation_mismatch(run: dict[str, Any], meas: dict[str, Any]) -> list[str]:
+    """A run's tokens/s, model TFLOP/s and MFU, each turned into an MFU range (the FLOPs per token with
+    and without the causal half of attention, over the source's peak); ranges more than
+    UTILISATION_SPREAD apart mean one of the numbers is wrong."""
+    from fivefold.flops import model_flops_per_token
+
+    try:
+        inputs = build(run)
+        peak = source_peak(run, inputs.hw, inputs.shape.fp8) if inputs else 0.0
+    except (FivefoldError, KeyError, TypeError, ValueError):
+        return []  # what `build` refuses is reported by the command that plans the run
+    if inputs is None or peak <= 0:
+        return []
+    gpus = inputs.layout.world
+    ranges: dict[str, tuple[float, float]] = {}
+    if meas.get("mfu"):
+        ranges["mfu"] = (float(meas["mfu"]), float(meas["mfu"]))
+    if meas.get("tflops_per_gpu") and meas.get("tflops_basis", "model") == "model":
+        ranges["tflops_per_gpu"] = (float(meas["tflops_per_gpu"]) / peak,) * 2
+    per_gpu = meas.get("tokens_per_s_per_gpu") or (meas.get("tokens_per_s_total") or 0) / gpus
+    if per_gpu:
+        seq = inputs.shape.seq_len
+        lo, hi = (model_flops_per_token(inputs.model, seq, causal=c) for c in (True, False))
+        key = "tokens_per_s_per_gpu" if meas.get("tokens_per_s_per_gpu") else "tokens_per_s_total"
+        ranges[key] = (per_gpu * lo / 1e12 / peak, per_gpu * hi / 1e12 / peak)
+    out = []
+    names = list(ranges)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            (alo, ahi), (blo, bhi) = ranges[a], ranges[b]
+            if alo > UTILISATION_SPREAD * bhi or blo > UTILISATION_SPREAD * ahi:
+                out.append(
+                    f"measured.{a} means an MFU of {_span(alo, ahi)} but measured.{b} one of "
+                    f"{_span(blo, bhi)} (on a {peak:g} TFLOP/s peak)"
+                )
+    return out
+
+
+def _span(lo: float, hi: float) -> str:
+    return f"{lo:.3g}" if abs(hi - lo) <= 0.005 * hi else f"{lo:.3g}–{hi:.3g}"
 
 
 def _measured_on(run_dir: Path, device: str) -> str:

@@ -45,6 +45,12 @@ PINNED += [
     layout_draw.Case(2, "tiny", "bf16", {"cp": 2, "recompute": "full", "recompute_layers": 3}, 1),
     layout_draw.Case(2, "tiny", "fp32", {"pp": 2, "pp_schedule": "1f1b", "microbatches": 4, **_SOME}, 4),
 ]
+# tied embeddings across a pipeline: the two pp ranks holding the embedding and the head sum the
+# shared weight's gradient (its tp shard, its FSDP shard)
+PINNED += [
+    layout_draw.Case(4, "small", "fp32", {"pp": 2, "tp": 2, "sp": True, "microbatches": 2}, 2),
+    layout_draw.Case(4, "small", "bf16", {"pp": 2, "fsdp": 2, "zero": 3, "microbatches": 2}, 2),
+]
 CASES = layout_draw.draw(SEED, 30, WORLDS) + PINNED
 
 
@@ -124,7 +130,11 @@ def test_the_draw_covers_every_axis_and_option() -> None:
         assert any(getattr(lay, axis) > 1 for lay in lays), axis
     assert {lay.zero for lay in lays if lay.fsdp > 1} == {2, 3}
     assert {lay.recompute for lay in lays} == {"none", "selective", "full"}
-    assert {c.dtype for c in CASES} == {"fp32", "bf16"} and {c.model for c in CASES} == {"tiny", "tiny-moe"}
+    assert {c.dtype for c in CASES} == {"fp32", "bf16"} and {c.model for c in CASES} == {
+        "tiny",
+        "tiny-moe",
+        "small",
+    }
     assert any(lay.sp for lay in lays)
     assert {lay.cp_impl for lay in lays if lay.cp > 1} == {"ring", "allgather", "ulysses"}
     assert len({lay.pp_schedule for lay in lays if lay.pp > 1}) >= 5

@@ -256,6 +256,20 @@ def param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return _SHAPES[key]
 
 
+_WITH_HEAD: dict[tuple, dict[str, tuple[int, ...]]] = {}
+
+
+def chunk_param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """`param_shapes`, plus under tied embeddings the head that a pipeline's last chunk holds as its
+    own copy of the shared weight (the runtime sums the two copies' gradients). Cached like it."""
+    key = _spec_key(spec)
+    if key not in _WITH_HEAD:
+        shapes = dict(param_shapes(spec))
+        shapes.setdefault("lm_head.weight", (spec.vocab, spec.hidden))
+        _WITH_HEAD[key] = shapes
+    return _WITH_HEAD[key]
+
+
 _BY_LAYER: dict[tuple, dict[int, list[str]]] = {}
 
 

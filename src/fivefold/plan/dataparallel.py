@@ -19,6 +19,7 @@ from fivefold.layout_math import (
     ALL_REDUCE,
     BROADCAST,
     REDUCE_SCATTER,
+    chunk_param_shapes,
     is_expert,
     names_by_layer,
     numel,
@@ -266,11 +267,9 @@ def units(run: RunShape, chunk: Chunk) -> list[list[str]]:
     names = param_shapes(spec)
     keep = (lambda n: not is_expert(n)) if run.layout.ep > 1 else (lambda n: True)
     out: list[list[str]] = []
-    head = (
-        (["model.norm.weight"] + (["lm_head.weight"] if "lm_head.weight" in names else []))
-        if chunk.last
-        else []
-    )
+    # a pipeline's last chunk without the embedding holds its own copy of a tied weight
+    own_head = "lm_head.weight" in names or (spec.tie_embeddings and not chunk.first)
+    head = (["model.norm.weight"] + (["lm_head.weight"] if own_head else [])) if chunk.last else []
     if chunk.first:
         out.append(["model.embed_tokens.weight"] + (head if spec.tie_embeddings else []))
     by_layer = names_by_layer(spec)
@@ -283,7 +282,7 @@ def units(run: RunShape, chunk: Chunk) -> list[list[str]]:
 
 def chunk_grads(run: RunShape, chunk: Chunk) -> list[int]:
     """Elements of each (tensor-parallel local) parameter of a chunk."""
-    shapes = param_shapes(run.spec)
+    shapes = chunk_param_shapes(run.spec)
     return [
         numel(tp_local_shape(n, shapes[n], run.spec, run.layout.tp))
         for unit in units(run, chunk)
@@ -294,7 +293,7 @@ def chunk_grads(run: RunShape, chunk: Chunk) -> list[int]:
 def data_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
     lay, spec = run.layout, run.spec
     out = Traffic()
-    shapes = param_shapes(spec)
+    shapes = chunk_param_shapes(spec)
     gather_bytes = run.act_bytes  # FSDP's mixed precision gathers in the compute dtype
     if lay.fsdp > 1:
         n = lay.fsdp * lay.cp

@@ -10,7 +10,14 @@ gives this dp rank (largest first, each to the least-loaded rank, decay group th
 
 from __future__ import annotations
 
-from fivefold.layout_math import chunk_rows, is_expert, names_by_layer, numel, param_shapes, tp_local_shape
+from fivefold.layout_math import (
+    chunk_param_shapes,
+    chunk_rows,
+    is_expert,
+    names_by_layer,
+    numel,
+    tp_local_shape,
+)
 from fivefold.plan.dataparallel import units
 from fivefold.plan.runshape import Chunk, RunShape
 
@@ -20,7 +27,7 @@ STATE_BYTES = 4  # fp32 master weights, gradients and moments (bf16 runs compute
 def local_shapes(run: RunShape, chunk: Chunk, coords: dict[str, int]) -> dict[str, tuple[int, ...]]:
     """name -> the shape this rank stores of each parameter of `chunk`."""
     lay, spec = run.layout, run.spec
-    shapes = param_shapes(spec)
+    shapes = chunk_param_shapes(spec)
     names = [n for unit in units(run, chunk) for n in unit]
     if lay.ep > 1:
         by_layer = names_by_layer(spec)

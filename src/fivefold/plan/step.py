@@ -11,13 +11,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fivefold.config import Layout, ModelSpec
-from fivefold.layout_math import ALL_REDUCE, param_shapes, replica_axis, tp_local_shape
+from fivefold.layout_math import (
+    ALL_REDUCE,
+    chunk_param_shapes,
+    chunk_rows,
+    param_shapes,
+    replica_axis,
+    stage_to_rank,
+    tp_local_shape,
+)
 from fivefold.plan.context import context_traffic
 from fivefold.plan.dataparallel import data_traffic, loss_traffic, units
 from fivefold.plan.expert import expert_traffic
 from fivefold.plan.pipeline import pipeline_traffic
 from fivefold.plan.runshape import Chunk, RunShape, Traffic
-from fivefold.plan.state import state_bytes
+from fivefold.plan.state import STATE_BYTES, state_bytes
 from fivefold.plan.tensor import tensor_traffic
 
 
@@ -48,7 +56,7 @@ def plan_step(
         "tp": tensor_traffic(run, chunks),
         "cp": context_traffic(run, chunks),
         "ep": expert_traffic(run, chunks, rows_received, rows_received_once),
-        "pp": pipeline_traffic(run, coords.get("pp", 0)),
+        "pp": pipeline_traffic(run, coords.get("pp", 0)).merge(tied_traffic(run, chunks, coords)),
         "data": data_traffic(run, chunks).merge(loss_traffic(run)),
         "clip": clip_traffic(run, chunks),
     }
@@ -60,11 +68,32 @@ def plan_step(
     )
 
 
+def tied_traffic(run: RunShape, chunks: list[Chunk], coords: dict[str, int]) -> Traffic:
+    """Tied embeddings split by a pipeline: the first chunk's embedding and the last chunk's head are
+    one weight, and the two pp ranks that hold them sum its gradient (fivefold.parallel.pipeline_runner)
+    after the schedule, one fp32 all_reduce of the local shard per copy this rank holds."""
+    lay, spec = run.layout, run.spec
+    out = Traffic()
+    if not spec.tie_embeddings or lay.pp == 1:
+        return out
+    first = stage_to_rank(0, lay.pp, lay.pp_schedule)
+    last = stage_to_rank(lay.pp * lay.virtual_stages - 1, lay.pp, lay.pp_schedule)
+    copies = sum(c.first for c in chunks) + sum(c.last for c in chunks)
+    if first == last or not copies:  # one rank holds both (a V-shaped schedule): summed locally
+        return out
+    name = "model.embed_tokens.weight"
+    rows = tp_local_shape(name, param_shapes(spec)[name], spec, lay.tp)[0]
+    if lay.fsdp > 1:  # the gradient is the local shard's (dim 0 chunked over fsdp×cp)
+        rows = chunk_rows(rows, lay.fsdp * lay.cp, coords.get("fsdp_cp", 0))
+    out.add("pp", ALL_REDUCE, copies, rows * spec.hidden * STATE_BYTES)
+    return out
+
+
 def clip_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
     """The global gradient norm: one fp64 all_reduce per group of each distinct gradient sharding
     (fivefold.parallel.gradnorm), and one over pp for the stages' sums."""
     lay, spec = run.layout, run.spec
-    shapes = param_shapes(spec)
+    shapes = chunk_param_shapes(spec)
     fsdp_axis = replica_axis(lay, ("fsdp", "cp")) if lay.fsdp > 1 else None
     shardings: set[tuple[str, ...]] = set()
     for chunk in chunks:

@@ -10,6 +10,7 @@ fsdp or tp), which would hide a real difference rather than show one.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fivefold.config import TrainSpec
@@ -56,8 +57,8 @@ def train_briefly(rank: int, world: int, train_dir: str, layout: dict[str, Any])
     from fivefold.config import Layout, RunConfig, load_model
     from fivefold.train.loop import train
 
-    cfg = RunConfig(
-        model=load_model("tiny"),
+    cfg = RunConfig(  # tied: the two pp ranks holding the embedding and the head sum its gradient
+        model=dataclasses.replace(load_model("tiny"), tie_embeddings=True),
         layout=Layout(**layout),
         train=TrainSpec(
             steps=3, seq_len=32, micro_batch=4, eval_every=3, eval_batches=2, warmup_steps=1, log_every=1

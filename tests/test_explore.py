@@ -368,3 +368,9 @@ def test_a_run_is_planned_in_its_own_dtype_so_plan_and_ledger_agree(tmp_path: Pa
     exact = plan_step(model, layout, 4, 256, 2, "fp32", {"pp": 0, "fsdp_cp": 0, "dp": 0}).comm
     assert planned[("fsdp", "all_gather")] == exact[("fsdp", "all_gather")]
     assert planned[("fsdp", "reduce_scatter")] == exact[("fsdp", "reduce_scatter")]
+    # the run view sets the ledger beside the run's own step, every collective of it (the gradient
+    # norm's all-reduces too, which the layout's plan leaves out)
+    stepped = {
+        (r["axis"], r["op"]): (r["count"], r["bytes"]) for r in _embedded(out.read_text())["run"]["planned"]
+    }
+    assert stepped == exact and ("fsdp", "all_reduce") in stepped

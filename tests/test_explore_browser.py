@@ -400,3 +400,37 @@ def test_all_16384_ranks_are_drawn(browser, tmp_path_factory, artifacts: Path) -
     assert all(c.endswith(",255") and not c.startswith("255,255,255") for c in colours)  # every rank painted
     page.screenshot(path=str(artifacts / "explore-16384.png"), full_page=True)
     assert page.errors == [] and first_render < 30
+
+
+def test_run_view_sets_the_ledger_beside_the_runs_own_planned_step(browser, tmp_path) -> None:
+    """A run directory with its config: the plan column is the step `fivefold verify` plans for that
+    config on rank 0 (tied embeddings across pp 2: the shared weight's gradient sum included), and a
+    collective planned but not measured still gets its row."""
+    from fivefold.config import RunConfig, TrainSpec
+    from fivefold.explore.run import planned_step
+
+    run = write_run(tmp_path / "run", axis="pp")
+    layout = resolve_layout(Layout(pp=2, tp=2, sp=True, microbatches=2), 4)
+    cfg = RunConfig(
+        model=load_model("small"), train=TrainSpec(seq_len=64, micro_batch=2, global_batch=4), layout=layout
+    )
+    (run / "config.toml").write_text(cfg.to_toml())
+    planned = planned_step(run / "config.toml")
+    measured = [dict(r, wire_bytes=r["bytes"]) for r in planned if r["op"] != "broadcast"]
+    (run / "ledger.json").write_text(json.dumps({"summary": measured}))
+    shape = TrainShape(seq_len=64, global_batch=4, micro_batch=2)
+    html = build_page(cfg.model, load_hardware("cpu"), 4, shape, layout, run_dir=run, top=0, lab=False)
+    page = _open(browser, html, tmp_path / "page.html", "run")
+    rows = page.eval_on_selector_all(
+        "#ledger tr", "rs => rs.slice(1).map(r => [...r.children].map(c => c.textContent))"
+    )
+    assert "step planned for the run's config" in page.inner_text("#ledgerNote")
+    by_key = {(r[0], r[1]): r for r in rows}
+    assert set(by_key) == {(r["axis"], r["op"]) for r in planned}
+    for r in planned:
+        row = by_key[r["axis"], r["op"]]
+        assert row[5] == str(r["count"]) and row[6] == fbytes(r["bytes"])
+        assert row[2] == ("—" if r["op"] == "broadcast" else str(r["count"]))
+    assert by_key["pp", "all_reduce"][5] == "2"  # the tied weight's gradient sum and the norm's
+    assert page.errors == [], page.errors
+    page.close()

@@ -40,6 +40,14 @@ def test_steps_and_summary_without_a_mesh(tmp_path):
     assert summary["pp", "send"]["wire_bytes"] == 5
     data = json.loads(ledger.write(tmp_path).read_text())
     assert (tmp_path / "ledger.json").exists() and data["steps"] == 2
+    # warm-up steps left out of the summary, but never the last step
+    assert {(r["axis"], r["op"]): r["count"] for r in ledger.summary(skip=1)} == {
+        ("tp", "all_reduce"): 1,
+        ("pp", "send"): 1,
+    }
+    assert ledger.summary(skip=5) == ledger.summary(skip=1)
+    data = json.loads(ledger.write(tmp_path, skip=2).read_text())
+    assert data["summary_skips"] == 1 and data["summary"] == ledger.summary(skip=1)
 
 
 def _ops(ledger: CommLedger) -> dict[tuple[str, str], tuple[int, int, float]]:

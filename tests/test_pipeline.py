@@ -232,6 +232,16 @@ def test_training_loop_end_to_end_and_report(two_ranks, train_dir, capsys):
         assert {"F", "B", "idle", "step"} <= kinds
     ledger = json.loads((train_dir / "ledger.json").read_text())
     assert any(r["axis"] == "pp" and r["op"] == "send" for r in ledger["summary"])
+    # the summary is the steady step (the first exchanges shapes), and it is the step the planner
+    # plans for the run's config.toml, tied embeddings' gradient sum included: the explorer shows both
+    from fivefold.explore.run import planned_step
+
+    assert ledger["summary_skips"] == 2
+    measured = {(r["axis"], r["op"]): (r["count"], r["bytes"]) for r in ledger["summary"]}
+    planned = {
+        (r["axis"], r["op"]): (r["count"], r["bytes"]) for r in planned_step(train_dir / "config.toml")
+    }
+    assert measured == planned and planned[("pp", "all_reduce")][0] == 2
     assert main(["report", str(train_dir)]) == 0
     assert "measured idle fraction" in capsys.readouterr().out
     svg = (train_dir / "report.svg").read_text()

@@ -119,7 +119,7 @@ def _run_layout(args: argparse.Namespace, spec, tspec: TrainSpec, run_dir, start
 
 
 def _print_ledger(path) -> None:
-    """Rank 0's communication per training step (mean over the run) by axis and collective."""
+    """Rank 0's communication per training step (mean of the steady steps) by axis and collective."""
     if not path.exists():
         return
     rows = json.loads(path.read_text()).get("summary", [])

@@ -135,8 +135,28 @@ def trace_bars(trace: Any, path: Path | str = "trace.json") -> list[dict[str, An
     return bars
 
 
+def planned_step(config: Path) -> list[dict[str, Any]]:
+    """Rank 0's step as `fivefold.plan.step` plans it from the run's `config.toml`: the collectives
+    `fivefold verify` checks a ledger against, beside the ledger's steady-step summary (balanced
+    routing for MoE: the ledger counts the rows the router really sent)."""
+    from fivefold.config import RunConfig
+    from fivefold.plan.step import plan_step
+
+    cfg = RunConfig.from_toml(config)
+    lay, train = cfg.layout, cfg.train
+    accumulation = train.grad_accum(lay.dp * lay.fsdp)
+    micro_batch, microbatches = train.micro_batch, accumulation
+    if lay.pp > 1:  # the pipeline splits each data rank's batch into its schedule's micro-batches
+        microbatches = lay.microbatches
+        micro_batch = train.micro_batch * accumulation // microbatches
+    origin = dict.fromkeys(("dp", "fsdp", "cp", "tp", "pp", "ep", "fsdp_cp", "batch"), 0)  # rank 0
+    step = plan_step(cfg.model, lay, micro_batch, train.seq_len, microbatches, train.dtype, origin)
+    return [{"axis": a, "op": o, "count": c, "bytes": b} for (a, o), (c, b) in sorted(step.comm.items())]
+
+
 def read_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Metrics, ledger summary and the last step's timeline of a run directory."""
+    """Metrics, ledger summary (with the step planned for it) and the last step's timeline of a run
+    directory."""
     run = Path(run_dir)
     if not run.is_dir():
         raise FivefoldError(f"run directory not found: {run}")
@@ -147,4 +167,6 @@ def read_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]
     ledger = read_ledger(run / "ledger.json") if (run / "ledger.json").exists() else []
     trace_path = run / "trace.json"
     bars = trace_bars(_load_json(trace_path), trace_path) if trace_path.exists() else []
-    return {"metrics": metrics, "ledger": ledger}, bars
+    config = run / "config.toml"
+    planned = planned_step(config) if ledger and config.exists() else []
+    return {"metrics": metrics, "ledger": ledger, "planned": planned}, bars

@@ -278,8 +278,10 @@ class CommLedger(TorchDispatchMode):
         return [self._rows(s) for s in steps]
 
     def summary(self, skip: int = 0) -> list[dict]:
-        """Mean rows per step over the recorded steps after the first `skip` (warm-up)."""
-        steps = (self.steps if self.steps[-1] else self.steps[:-1])[skip:]
+        """Mean rows per step over the recorded steps after the first `skip` (warm-up; fewer when the
+        run recorded no more, so that the last step is always counted)."""
+        recorded = self.steps if self.steps[-1] else self.steps[:-1]
+        steps = recorded[min(skip, max(len(recorded) - 1, 0)) :]
         if not steps:
             return []
         total: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])
@@ -310,6 +312,7 @@ class CommLedger(TorchDispatchMode):
         return {
             "rank": self.rank,
             "steps": len(per_step),
+            "summary_skips": min(skip, max(len(per_step) - 1, 0)),
             "per_step": [{"step": i, "ops": rows} for i, rows in enumerate(per_step)],
             "summary": self.summary(skip),
             "by_axis": self.by_axis(skip),

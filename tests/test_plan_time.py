@@ -376,6 +376,35 @@ def test_a_blocks_sub_modules_add_up_to_its_shard() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("name", "axes", "world"),
+    [
+        ("small", {"tp": 2, "sp": True}, 2),
+        ("small", {"cp": 2, "dp": 1}, 2),  # gradients over the cp ranks: the ledger's "cp"
+        ("small", {"cp": 2, "fsdp": 2, "zero": 3}, 4),  # FSDP over fsdp×cp: "fsdp_cp"
+        ("small", {"cp": 2, "dp": 2}, 4),  # DDP over dp×cp: "dp_fsdp_cp"
+        ("small", {"pp": 2, "fsdp": 2, "zero": 2}, 4),  # sends and receives, the tied weight's sum
+        ("small", {"dp": 2, "fsdp": 2, "zero": 3}, 4),
+        ("small", {"cp": 2, "cp_impl": "ulysses", "dp": 1}, 2),
+        ("tiny-moe", {"ep": 2, "fsdp": 2, "dp": 2, "zero": 2}, 4),
+    ],
+)
+def test_the_plan_names_its_collectives_as_the_ledger_does(name: str, axes: dict, world: int) -> None:
+    """Every (axis, op) of the layout plan is one the exact step (what the ledger records) has too:
+    the same group and op names, whatever the two count."""
+    from fivefold.plan.step import plan_step
+
+    model, layout = load_model(name), Layout(**axes).resolve(world)
+    shape = TrainShape(seq_len=256, global_batch=16, micro_batch=2, act_bytes=4, param_bytes=4)
+    p = plan(model, load_hardware("cpu"), layout, shape)
+    origin = {"pp": 0, "fsdp_cp": 0, "dp": 0, "cp": 0}
+    step = plan_step(model, layout, 2, 256, p.microbatches, "fp32", origin)
+    assert {(c.axis, c.op) for c in p.comm} <= set(step.comm)
+    if layout.pp > 1:  # one rank's activations out and gradients in: as many sends as receives
+        sends, recvs = (next(c for c in p.comm if c.axis == "pp" and c.op == op) for op in ("send", "recv"))
+        assert sends.count == recvs.count == step.comm[("pp", "send")][0]
+
+
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize(("zero", "pp"), [(3, 1), (2, 1), (3, 2)])
 def test_fsdp_collectives_are_counted_per_unit_as_the_ledger_counts_them(

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from fivefold.config import HardwareSpec, Layout
-from fivefold.layout_math import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, RECV, REDUCE_SCATTER, SEND
+from fivefold.layout_math import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, RECV, REDUCE_SCATTER, SEND, replica_axis
 from fivefold.mesh import axis_link_kinds, strides
 
 DEFAULT_LINK_EFFICIENCY = 0.75  # share of the per-direction link bandwidth a large collective reaches
@@ -90,7 +90,31 @@ def host_dispatch(hw: HardwareSpec, axis: str) -> float:
     """Host seconds one collective of `axis` costs beyond its wire time: the runtime issues tp's
     through DTensor and FSDP's through its per-unit hooks (`tp_dispatch_us`, `fsdp_dispatch_us`), work
     a CPU does in series with the compute and a GPU's host does ahead of the kernels (0 there)."""
-    return {"tp": hw.tp_dispatch_us, "fsdp": hw.fsdp_dispatch_us}.get(axis, 0.0) * 1e-6
+    if axis.startswith("fsdp"):  # FSDP's own group, over fsdp or fsdp×cp
+        return hw.fsdp_dispatch_us * 1e-6
+    return hw.tp_dispatch_us * 1e-6 if axis == "tp" else 0.0
+
+
+def in_ledger_words(comms: list[Collective], layout: Layout) -> list[Collective]:
+    """The plan's collectives under the names the comm ledger gives them: the data-parallel
+    gradients and ZeRO traffic of a layout with context parallelism travel over the flattened
+    data×cp group (`fivefold.layout_math.replica_axis`: "cp", "dp_fsdp_cp", "fsdp_cp"), and a stage's
+    activations and their gradients both ways, as sends and as receives (half each)."""
+    from dataclasses import replace
+
+    out: list[Collective] = []
+    for c in comms:
+        if c.axis == "pp" and c.op == SEND:
+            half = {k: getattr(c, k) / 2 for k in ("bytes", "wire_bytes", "time_s", "exposed_s")}
+            out.append(replace(c, count=c.count // 2, **half))
+            out.append(replace(c, op=RECV, count=c.count - c.count // 2, **half))
+            continue
+        if layout.cp > 1 and c.axis == "fsdp":
+            c = replace(c, axis=replica_axis(layout, ("fsdp", "cp")) or c.axis)
+        elif layout.cp > 1 and c.axis == "dp" and layout.fsdp == 1:  # sharded over dp×cp (shard_group)
+            c = replace(c, axis=replica_axis(layout, ("dp", "fsdp", "cp")) or c.axis)
+        out.append(c)
+    return out
 
 
 def collective_time(

@@ -14,7 +14,15 @@ from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError
 from fivefold.flops import hardware_flops_per_token, model_flops_per_token
 from fivefold.layout_math import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SEND, stage_to_rank
-from fivefold.plan.comm import Collective, collective_time, ep_link, host_dispatch, links, ring_nics
+from fivefold.plan.comm import (
+    Collective,
+    collective_time,
+    ep_link,
+    host_dispatch,
+    in_ledger_words,
+    links,
+    ring_nics,
+)
 from fivefold.plan.compute import LayerTime, Rates, head_time, layer_time, optimizer_time
 from fivefold.plan.dataparallel import data_parallel_traffic
 from fivefold.plan.memory import (
@@ -423,7 +431,8 @@ def _plan(
     peak = hw.peak_tflops * 1e12
     tflops = mflops * tokens_per_s / gpus
     htflops = hflops * tokens_per_s / gpus
-    comm_list = sorted(comms.values(), key=lambda c: ("tp", "cp", "ep", "pp", "fsdp", "dp").index(c.axis))
+    order = ("tp", "cp", "ep", "pp", "fsdp", "fsdp_cp", "dp", "dp_fsdp_cp")
+    comm_list = sorted(in_ledger_words(list(comms.values()), layout), key=lambda c: order.index(c.axis))
     notes = []
     if layout.pp > 1 and layout.pp_schedule == "interleaved-1f1b" and m % layout.pp:
         notes.append(f"interleaved 1F1B wants micro-batches ({m}) divisible by pp ({layout.pp})")

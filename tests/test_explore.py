@@ -328,6 +328,30 @@ def test_cli_malformed_run_files_name_the_file(tmp_path: Path) -> None:
     _one_clean_line(_cli("--run", str(run), "--top", "0", "--no-lab", "--out", out), "trace.json")
 
 
+def test_cli_hand_edited_run_configs_are_one_line(tmp_path: Path) -> None:
+    """The run view plans the run's own config: an axis of 0 or micro-batches its batch does not
+    split into end in one line naming config.toml or the constraint, never a traceback."""
+    from fivefold.config import RunConfig, TrainSpec
+
+    run = write_run(tmp_path / "run")
+    out = str(tmp_path / "p.html")
+    cfg = RunConfig(
+        model=load_model("tiny"),
+        layout=Layout(pp=2, microbatches=2),
+        train=TrainSpec(seq_len=64, micro_batch=2, global_batch=4),
+    )
+    (run / "config.toml").write_text(cfg.to_toml().replace("tp = 1", "tp = 0"))
+    _one_clean_line(_cli("--run", str(run), "--top", "0", "--no-lab", "--out", out), "config.toml")
+    for microbatches in ("0", "3"):  # 0: the default, which must not divide by zero; 3 does not split 4
+        text = cfg.to_toml().replace("microbatches = 2", f"microbatches = {microbatches}")
+        (run / "config.toml").write_text(text)
+        done = _cli("--run", str(run), "--top", "0", "--no-lab", "--out", out)
+        if microbatches == "3":
+            _one_clean_line(done, "microbatches")
+        else:
+            assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+
+
 def test_cli_unwritable_out_is_one_line(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -59,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
         if not cfg_path.exists():
             raise FivefoldError(f"{args.run} is not a run directory: config.toml is missing")
         base = RunConfig.from_toml(cfg_path)
+        try:  # a hand-edited axis (tp = 0, say) is named here, not as a missing --gpus
+            base.layout.resolve(base.layout.world if base.layout.world > 0 else None)
+        except FivefoldError as exc:
+            raise FivefoldError(f"{cfg_path}: {exc}") from None
     if args.model:
         model = load_model(args.model)
     elif base:

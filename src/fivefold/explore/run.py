@@ -140,11 +140,14 @@ def planned_step(config: Path) -> list[dict[str, Any]]:
     `fivefold verify` checks a ledger against, beside the ledger's steady-step summary (balanced
     routing for MoE: the ledger counts the rows the router really sent)."""
     from fivefold.config import RunConfig
+    from fivefold.parallel.pipeline import check_pipeline_batch
     from fivefold.plan.step import plan_step
 
     cfg = RunConfig.from_toml(config)
-    lay, train = cfg.layout, cfg.train
+    lay, train = cfg.layout.resolve(cfg.layout.world), cfg.train.validate()
     accumulation = train.grad_accum(lay.dp * lay.fsdp)
+    if lay.pp > 1:  # a hand-edited config may ask for micro-batches its batch does not split into
+        check_pipeline_batch(lay, train)
     micro_batch, microbatches = train.micro_batch, accumulation
     if lay.pp > 1:  # the pipeline splits each data rank's batch into its schedule's micro-batches
         microbatches = lay.microbatches

@@ -89,7 +89,8 @@ def test_schedule_rankings() -> None:
 
 def test_selective_beats_full_recompute() -> None:
     model = gpt(48, 6144, 64)
-    shape = TrainShape(seq_len=2048, global_batch=4, micro_batch=4)
+    # Korthikanti's runs are Megatron's: sequence parallelism gathers the matmul inputs again backward
+    shape = TrainShape(seq_len=2048, global_batch=4, micro_batch=4, tp_regather=True)
     full = plan(model, A100, Layout(tp=8, recompute="full").resolve(8), shape)
     sel = plan(model, A100, Layout(tp=8, sp=True, recompute="selective").resolve(8), shape)
     none = plan(model, A100, Layout(tp=8, sp=True, recompute="none").resolve(8), shape)
@@ -115,8 +116,14 @@ def test_tp_across_nodes_is_slow() -> None:
     )
     assert {c.link for c in across.comm if c.axis == "tp"} != {"intra"}
     assert across.step_time_s > 1.3 * inside.step_time_s
-    # half its ring hops stay on NVLink (4 ranks a node), so it pays less latency than tp 16
-    assert strided.step_time_s > 1.2 * inside.step_time_s
+    # half its ring hops stay on NVLink (4 ranks a node), so it pays less latency than tp 16 (1.19x
+    # with DTensor's sequence parallelism, 1.26x with Megatron's, which gathers the inputs again)
+    assert strided.step_time_s > 1.15 * inside.step_time_s
+    megatron = dataclasses.replace(shape, tp_regather=True)
+    assert (
+        plan(model, hw, strided.layout, megatron).step_time_s
+        > 1.2 * plan(model, hw, inside.layout, megatron).step_time_s
+    )
 
 
 def test_strong_scaling_loses_efficiency_weak_scaling_keeps_it() -> None:

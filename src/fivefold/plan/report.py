@@ -39,6 +39,7 @@ from fivefold.plan.memory import (
 )
 from fivefold.plan.pipeline import bubble_time, p2p_on_critical_path
 from fivefold.plan.result import Plan, capacity
+from fivefold.plan.runshape import fsdp_sync_deferred
 from fivefold.plan.spec import (
     Arch,
     TrainShape,
@@ -258,7 +259,10 @@ def _plan(
             exp_b += t_pass - hidden_b
             for op in ops:
                 share = times[op] / sum(times.values())
-                calls = 2 * (2 * n + r)
+                # full recompute re-runs a block's forward collectives; torch's checkpoint (DTensor
+                # trainers) stops once the saved tensors are rebuilt, before the block's last one
+                again_calls = 2 * r if shape.tp_regather or op == ALL_GATHER else r
+                calls = 4 * n + again_calls
                 recs.append(
                     (
                         "tp",
@@ -271,7 +275,7 @@ def _plan(
                         "matmuls (collective matmul)" if over else "weight-grad matmuls",
                     )
                 )
-            if layout.sp:  # norm outputs are kept sharded: re-gather them for the weight gradients
+            if layout.sp and shape.tp_regather:  # inputs kept sharded: gathered again for the wgrads
                 t_ag = 0.0 if over else 2 * n * times[ALL_GATHER]
                 exp_b += t_ag
                 recs.append(("tp", ALL_GATHER, act_bytes, layout.tp, tp_link, 2 * n, t_ag, "none"))
@@ -340,15 +344,40 @@ def _plan(
         # per layer: one forward pass, its backward, and (full recompute) the forward's collectives again
         exp_rc = exp_f * again
         layer_f, layer_b = (f + exp_f) / n, (b + exp_b + exp_rc) / n
-        if layout.tp > 1:  # vocab-parallel embedding (forward) and the head's input gradient (backward)
-            t_ar = t_of(ALL_REDUCE, act_bytes, layout.tp, tp_link, "tp")
-            ends = (holds_embedding(which), holds_head(which))
-            exp_f += t_ar * ends[0]
-            exp_b += t_ar * ends[1]
-            if sum(ends):
-                recs.append(
-                    ("tp", ALL_REDUCE, act_bytes, layout.tp, tp_link, sum(ends), t_ar * sum(ends), "none")
-                )
+        if layout.tp > 1:  # the vocab-parallel embedding's output and the head's input
+            emb, head = holds_embedding(which), holds_head(which)
+            if layout.sp:  # scattered to / gathered from the sequence shards: embedding RS forward and
+                # AG backward, head AG forward and RS backward
+                t_ag = t_of(ALL_GATHER, act_bytes, layout.tp, tp_link, "tp")
+                t_rs = t_of(REDUCE_SCATTER, act_bytes, layout.tp, tp_link, "tp")
+                exp_f += emb * t_rs + head * t_ag
+                exp_b += emb * t_ag + head * t_rs
+                for op, t in ((ALL_GATHER, t_ag), (REDUCE_SCATTER, t_rs)):
+                    if emb + head:
+                        recs.append(
+                            ("tp", op, act_bytes, layout.tp, tp_link, emb + head, t * (emb + head), "none")
+                        )
+            else:  # embedding all-reduce forward, the head's input gradient backward
+                t_ar = t_of(ALL_REDUCE, act_bytes, layout.tp, tp_link, "tp")
+                exp_f += t_ar * emb
+                exp_b += t_ar * head
+                if emb + head:
+                    recs.append(
+                        (
+                            "tp",
+                            ALL_REDUCE,
+                            act_bytes,
+                            layout.tp,
+                            tp_link,
+                            emb + head,
+                            t_ar * (emb + head),
+                            "none",
+                        )
+                    )
+            if head:  # the loss over vocabulary shards: max logit, sum of exponentials, target logit
+                t_loss = 3 * t_of(ALL_REDUCE, 4 * tokens, layout.tp, tp_link, "tp")
+                exp_f += t_loss
+                recs.append(("tp", ALL_REDUCE, 4 * tokens, layout.tp, tp_link, 3, t_loss, "none"))
         recompute = f_again if rc == "full" else (core if rc == "selective" else 0.0)
         hf = hb = 0.0
         if holds_head(which):
@@ -394,6 +423,29 @@ def _plan(
             shards = layout.fsdp * layout.cp if layout.fsdp > 1 else 1
             tied = model.vocab / layout.tp / shards * model.hidden * shape.grad_bytes
             add("pp", ALL_REDUCE, tied, 2, pp_link, 1)
+    tp_once = 0.0  # seconds of the step's once-a-step tp reductions (after the backward, exposed)
+    if layout.tp > 1:  # once a step: partial weight gradients summed over tp
+        n_layers = sum(stage_counts(model, layout.pp, worst, layout))
+        if layout.sp:  # the norms' (replicated weights over sequence shards)
+            norms = 2 * n_layers + int(holds_head(worst))
+            # FSDP syncs every micro-batch's gradients (in the weights' dtype) outside a pipeline
+            syncs = m if layout.fsdp > 1 and not fsdp_sync_deferred(layout) else 1
+            width = shape.param_bytes if syncs > 1 else shape.grad_bytes
+            if shape.tp_regather:  # Megatron: every norm's in one call
+                tp_once += syncs * add(
+                    "tp", ALL_REDUCE, norms * model.hidden * width, layout.tp, tp_link, syncs
+                )
+            else:  # DTensor: one per norm weight
+                tp_once += (
+                    norms
+                    * syncs
+                    * add("tp", ALL_REDUCE, model.hidden * width, layout.tp, tp_link, norms * syncs)
+                )
+        # the gradient norm's fp64 sum over the tp-sharded parameters (fivefold's clipping, Megatron's)
+        tp_once += add("tp", ALL_REDUCE, 8, layout.tp, tp_link, 1)
+        if layout.tp > model.kv_heads and not shape.tp_regather:  # K/V projections replicated over tp
+            kv = model.kv_heads * model.head_dim * model.hidden * shape.param_bytes
+            tp_once += 2 * n_layers * add("tp", ALL_REDUCE, kv, layout.tp, tp_link, 2 * n_layers)
     pipeline_time = m * (t_f + t_b) + bubble
 
     # --- data-parallel traffic: gradients, and parameters under ZeRO-1/3
@@ -415,7 +467,7 @@ def _plan(
     n = shard_group(layout)
     local = (dense / n + experts / max(n // layout.ep, 1)) if layout.zero >= 1 else dense + experts
     opt = optimizer_time(local, rates, hw, offload=shape.offload_optimizer, gpus=layout.world)
-    exposed = sum(c.exposed_s for c in comms.values() if c.axis in ("dp", "fsdp", "pp"))
+    exposed = sum(c.exposed_s for c in comms.values() if c.axis in ("dp", "fsdp", "pp")) + tp_once
     step = pipeline_time + exposed + opt
 
     facts = facts or model_facts(model, arch, shape.seq_len)

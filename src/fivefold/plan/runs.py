@@ -72,8 +72,9 @@ GPU_PRESETS = {  # a substring of the run's GPU name -> preset; the more specifi
 TRAINERS = {
     "NVIDIA/NeMo": {"fused": True, "tp_overlap": True, "attention": "flash3", "grad_bytes": 2},
     "NVIDIA/dgxc-benchmarking": {"fused": True, "tp_overlap": True, "attention": "flash3", "grad_bytes": 2},
-    # torchtitan splits a pipeline's local batch into pp micro-batches unless told otherwise
-    "pytorch/torchtitan": {"fused": False, "tp_overlap": False, "microbatches": "pp"},
+    # torchtitan splits a pipeline's local batch into pp micro-batches unless told otherwise, and its
+    # sequence parallelism is DTensor's (the gathered matmul input kept for the backward)
+    "pytorch/torchtitan": {"fused": False, "tp_overlap": False, "microbatches": "pp", "tp_regather": False},
     "mosaicml/llm-foundry": {"fused_loss": True},  # loss_fn = fused_crossentropy by default
     # its xentropy kernel, in-place backward; its own attention kernel since its first release (2022)
     "Dao-AILab/flash-attention": {"fused_loss": True, "attention": "flash"},
@@ -83,6 +84,8 @@ TRAINERS = {
     "microsoft/DeepSpeed": {"fp32_shard": False, "live_params": 1e9, "reuse_distance": 1e9},
     # nanotron's pipeline engines are all-forward-all-backward and 1F1B: no interleaved chunks
     "huggingface/nanotron": {"interleaved": False},
+    # fivefold's own run directories (`framework = "fivefold"`): DTensor's sequence parallelism
+    "fivefold": {"tp_regather": False},
 }
 FILL = {  # what an unpublished layout field defaults to (see docs/planner.md, "Unknowns")
     "micro_batch": 1,
@@ -346,7 +349,8 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     if (batch // data) % mb:
         mb = 1  # a published micro-batch that does not divide the local batch (a short last one)
     precision = str(lt.get("precision", "")).lower()
-    trainer = TRAINERS.get(source_of(run), {})
+    framework = str(lt.get("framework", "")).lower()
+    trainer = TRAINERS.get("fivefold" if framework == "fivefold" else source_of(run), {})
     gpu_name = str(run.get("hardware", {}).get("gpu", "")).upper()
     hopper_or_newer = any(k in gpu_name for k in ("H100", "H200", "H800", "H20", "B200", "B100"))
     if source_of(run) == "NVIDIA/Megatron-LM" and hopper_or_newer:
@@ -388,6 +392,8 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         offload_optimizer=_offload(lt.get("cpu_offload", lt.get("offload_optimizer", False))),
         params_kept=params_kept,
         sac="op" if str(lt.get("recompute_policy", "")).lower().startswith("op") else "attention",
+        # Megatron's sequence parallelism (and its descendants'), unless the trainer is DTensor's
+        tp_regather=bool(trainer.get("tp_regather", True)),
     )
     offload_known = not ({"cpu_offload", "offload_optimizer", "offload"} & unknown)
     free = []
@@ -678,6 +684,7 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
             "virtual_stages": lay.virtual_stages,
             "torch_compile": tr.compile,
             "precision": tr.dtype,
+            "framework": "fivefold",
         },
         "measured": {"iteration_time_s": statistics.median(times[1:])},
     }

@@ -65,6 +65,11 @@ class TrainShape:
     # ZeRO-2 as DeepSpeed runs it: weights stay whole between micro-batches (only the step's update is
     # gathered, once); FSDP's zero 2 regathers them for every micro-batch outside a pipeline
     params_kept: bool = False
+    # sequence parallelism as Megatron runs it: a column-parallel matmul keeps its input sharded and
+    # gathers it again in the backward for the weight gradient (two more all-gathers a layer), and the
+    # norms' partial gradients are summed over tp in one call; DTensor (fivefold, torchtitan) keeps
+    # the gathered input and sums each norm's gradient on its own. Published Megatron-family runs set it
+    tp_regather: bool = False
 
     def validate(self) -> TrainShape:
         for name in ("seq_len", "global_batch", "micro_batch"):

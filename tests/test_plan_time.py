@@ -412,6 +412,36 @@ def test_the_plan_names_its_collectives_as_the_ledger_does(name: str, axes: dict
         assert sends.count == recvs.count == step.comm[("pp", "send")][0]
 
 
+@pytest.mark.parametrize(
+    ("axes", "world"),
+    [
+        ({"tp": 2, "sp": True}, 2),
+        ({"tp": 2}, 2),
+        ({"tp": 2, "sp": True, "recompute": "full"}, 2),
+        ({"tp": 2, "sp": True, "recompute": "full", "recompute_layers": 1}, 2),
+        ({"tp": 2, "sp": True, "fsdp": 2, "zero": 3}, 4),
+        ({"tp": 4, "sp": True}, 4),  # 4 KV heads over tp 4, and over tp 8 below: replicated, reduced
+        ({"tp": 8, "sp": True}, 8),
+    ],
+)
+def test_tp_collectives_are_counted_as_the_ledger_counts_them(axes: dict, world: int) -> None:
+    """fivefold's tensor parallelism (DTensor's SP, torch's checkpoint): the layout plan's tp calls and
+    bytes are the exact step's, collective by collective; Megatron's adds the backward re-gathers."""
+    from fivefold.plan.step import plan_step
+
+    model, layout = load_model("small"), Layout(**axes).resolve(world)
+    shape = TrainShape(seq_len=256, global_batch=16, micro_batch=2, act_bytes=4, param_bytes=4)
+    p = plan(model, load_hardware("cpu"), layout, shape)
+    origin = {"pp": 0, "fsdp_cp": 0, "dp": 0, "cp": 0}
+    step = plan_step(model, layout, 2, 256, p.microbatches, "fp32", origin).comm
+    planned = {(c.axis, c.op): (c.count, int(c.bytes)) for c in p.comm if c.axis == "tp"}
+    assert planned == {k: v for k, v in step.items() if k[0] == "tp"}
+    if layout.sp:
+        megatron = plan(model, load_hardware("cpu"), layout, dataclasses.replace(shape, tp_regather=True))
+        gathers = next(c.count for c in megatron.comm if c.axis == "tp" and c.op == "all_gather")
+        assert gathers == planned[("tp", "all_gather")][0] + 2 * model.layers * p.microbatches
+
+
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize(("zero", "pp"), [(3, 1), (2, 1), (3, 2)])
 def test_fsdp_collectives_are_counted_per_unit_as_the_ledger_counts_them(

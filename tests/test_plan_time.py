@@ -442,6 +442,21 @@ def test_tp_collectives_are_counted_as_the_ledger_counts_them(axes: dict, world:
         assert gathers == planned[("tp", "all_gather")][0] + 2 * model.layers * p.microbatches
 
 
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_ep_all_to_alls_are_counted_as_the_ledger_counts_them(recompute: str) -> None:
+    """Dispatch and combine both ways, and before each forward dispatch the per-expert row counts:
+    the layout plan's expert all-to-alls are the exact step's under balanced routing."""
+    from fivefold.plan.step import plan_step
+
+    model = load_model("tiny-moe")
+    layout = Layout(ep=2, fsdp=2, zero=3, recompute=recompute).resolve(2)
+    shape = TrainShape(seq_len=256, global_batch=16, micro_batch=2, act_bytes=4, param_bytes=4)
+    p = plan(model, load_hardware("cpu"), layout, shape)
+    step = plan_step(model, layout, 2, 256, p.microbatches, "fp32", {"pp": 0, "fsdp_cp": 0, "dp": 0})
+    planned = next(c for c in p.comm if c.axis == "ep" and c.op == "all_to_all")
+    assert (planned.count, int(planned.bytes)) == step.comm[("ep", "all_to_all")]
+
+
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize(("zero", "pp"), [(3, 1), (2, 1), (3, 2)])
 def test_fsdp_collectives_are_counted_per_unit_as_the_ledger_counts_them(

@@ -341,6 +341,21 @@ def _plan(
                     "paired chunk (DualPipe)" if hidden else "none",
                 )
             )
+            # before each forward dispatch, the rows each expert will get: one int64 per expert
+            t_counts = t_of(ALL_TO_ALL, 8 * model.experts, layout.ep, exp_link)
+            exp_f += n_moe * t_counts
+            recs.append(
+                (
+                    "ep",
+                    ALL_TO_ALL,
+                    8 * model.experts,
+                    layout.ep,
+                    exp_link,
+                    n_moe + r_moe,
+                    (n_moe + r_moe) * t_counts,
+                    "none",
+                )
+            )
         # per layer: one forward pass, its backward, and (full recompute) the forward's collectives again
         exp_rc = exp_f * again
         layer_f, layer_b = (f + exp_f) / n, (b + exp_b + exp_rc) / n

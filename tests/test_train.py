@@ -108,6 +108,19 @@ def _grads_and_activations(mode: str, spec, batch, layers: int = 0):
     return {n: p.grad.clone() for n, p in model.named_parameters()}, meter.peak_bytes, model
 
 
+def test_activation_meter_counts_no_parameter_seen_through_aliases():
+    """A weight reached through views (a transpose of a selected slice, as the per-expert loop uses
+    its experts' stacked weights) is the parameter's memory; a cast of it is new memory, saved."""
+    weight = torch.nn.Parameter(torch.randn(2, 8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    with ActivationMeter() as meter:
+        x.mul(2).matmul(weight.view_as(weight)[1].t()).sum().backward()
+    assert meter.peak_bytes == 4 * 8 * 4  # only x·2, which the matmul saves
+    with ActivationMeter() as meter:
+        x.mul(2).matmul(weight[1].t().to(torch.float64).float()).sum().backward()
+    assert meter.peak_bytes == 4 * 8 * 4 + 8 * 8 * 4  # and the cast copy of the weight
+
+
 @pytest.mark.parametrize("model_name", ["tiny", "tiny-moe"])
 def test_recompute_gives_the_same_gradients_and_saves_less(model_name):
     spec = load_model(model_name)

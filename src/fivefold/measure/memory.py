@@ -67,7 +67,39 @@ def state_bytes(model_parts: Iterable[nn.Module], optimizer: torch.optim.Optimiz
 
 def _is_parameter(t: torch.Tensor) -> bool:
     base = t._base if t._base is not None else t
-    return isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
+    return isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad) or _aliases_parameter(t)
+
+
+# autograd nodes of ops that hand on the same memory: views (and their transposes, selections and
+# slices) and a DTensor's local tensor
+ALIASING = (
+    "View",
+    "Alias",
+    "ToTorchTensor",
+    "TBackward",
+    "Transpose",
+    "Select",
+    "Slice",
+    "Permute",
+    "Expand",
+)
+
+
+def _aliases_parameter(t: torch.Tensor) -> bool:
+    """A parameter seen through aliases only (views, a DTensor's `to_local()`, as expert parallelism
+    hands its experts their weights, FSDP's gathered ones included): the parameter's memory, not an
+    activation's. A cast or any computation in the chain makes new memory and ends the walk."""
+    fn = t.grad_fn
+    for _ in range(8):
+        if fn is None:
+            return False
+        name = type(fn).__name__
+        if name == "AccumulateGrad":  # reached the leaf: a parameter
+            return True
+        if not any(word in name for word in ALIASING) or not fn.next_functions:
+            return False
+        fn = fn.next_functions[0][0]
+    return False
 
 
 class _Saved:
@@ -86,12 +118,16 @@ class ActivationMeter:
     tensor on it is released by the backward (or the graph is dropped).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, parameters: Iterable[torch.Tensor] = ()) -> None:
         self.live_bytes = 0
         self.peak_bytes = 0
         self._holders: dict[int, int] = {}  # storage address -> saved tensors holding it
         self._sizes: dict[int, int] = {}
         self._hooks: Any = None
+        # the storages of the model's parameters: a saved alias of one that autograd does not see as
+        # a parameter (a DTensor's `to_local()` view, as expert parallelism hands its experts) holds
+        # no memory of its own
+        self._parameter_storages = {local_tensor(p).untyped_storage().data_ptr() for p in parameters}
 
     def _release(self, key: int) -> None:
         self._holders[key] -= 1
@@ -104,7 +140,7 @@ class ActivationMeter:
             return t
         storage = local_tensor(t).untyped_storage()
         key = storage.data_ptr()
-        if key == 0:  # empty or meta storage: nothing held
+        if key == 0 or key in self._parameter_storages:  # nothing held, or a parameter's own memory
             return t
         if key not in self._holders:
             self._holders[key] = 0

@@ -15,7 +15,9 @@ run's dtypes (fp32 stream under autocast, matmul outputs in the compute dtype):
 Once per micro-batch: the token ids, the rotary table, and on the last stage the final norm, the logits and
 their log-softmax (fp32, vocab/tp wide). Selective recompute drops the attention core's saved
 tensors (q, k, v and the output are kept at its boundary); full recompute keeps each recomputed
-block's input (every block's, or the first `recompute_layers` of each chunk's).
+block's input (every block's, or the first `recompute_layers` of each chunk's). Expert parallelism
+adds the dispatch's and the combine's row orders, and in bf16 where FSDP does not shard the experts
+the per-forward bf16 copies of this rank's expert weights (`_dispatch_saved`).
 """
 
 from __future__ import annotations
@@ -99,7 +101,21 @@ def _moe_saved(run: RunShape, t: int) -> float:
     sort = 8 * rows + mm * rows * h + 8 * rows + 4 * rows
     experts = 4 * rows * fe * mm + 2 * mm * rows * h
     shared = 4 * t * fs * mm
-    return router + sort + experts + shared + aux
+    return router + sort + experts + shared + aux + _dispatch_saved(run, rows)
+
+
+def _dispatch_saved(run: RunShape, rows: int) -> float:
+    """Expert parallelism (fivefold.parallel.expert): the dispatch's and the combine's row orders
+    (int64 per received row: balanced, as many as sent), and in bf16, where FSDP does not shard the
+    experts (no expert_fsdp), the per-forward bf16 copies of this rank's expert weights."""
+    spec, lay = run.spec, run.layout
+    if lay.ep == 1:
+        return 0.0
+    orders = 2 * 8 * rows
+    expert_fsdp = lay.fsdp * lay.cp // lay.ep if lay.fsdp > 1 else 1
+    casts = run.act_bytes < 4 and expert_fsdp == 1
+    local_weights = spec.experts // lay.ep * 3 * spec.expert_ffn_hidden * spec.hidden
+    return orders + (run.act_bytes * local_weights if casts else 0.0)
 
 
 def micro_batch_saved(run: RunShape, chunk: Chunk) -> float:

@@ -151,8 +151,34 @@ def planned_activations(
     per = [micro_batch_saved(run, c) for c in chunks]
     if layout.pp == 1:
         return per[0]
+    # interleaved chunks: each chunk's micro-batches in flight from the schedule's own table; the
+    # schedules that split the backward free part of a micro-batch at its input-gradient half and
+    # the rest at the weight-gradient half, which is not counted yet
+    if layout.pp_schedule == "interleaved-1f1b" and layout.recompute != "full":
+        return schedule_peak(
+            layout, coords.get("pp", 0), microbatches, {c.stage: b for c, b in zip(chunks, per)}
+        )
     flight = in_flight(layout, coords.get("pp", 0), microbatches)
     return sum(p * f for p, f in zip(per, flight))
+
+
+def schedule_peak(layout: Layout, pp_rank: int, m: int, saved: dict[int, float]) -> float:
+    """The peak of what the rank holds as it runs its schedule's own action table (torch's schedule
+    class, replayed as `fivefold.measure.bubble` does): a chunk's forward saves its micro-batch's
+    tensors, and its backward releases them (where a schedule splits the backward, all at the
+    weight-gradient half: an upper bound)."""
+    from fivefold.measure.bubble import action_table  # torch's table: verify runs with torch
+
+    table, _ = action_table(layout.pp_schedule, layout.pp, m, layout.virtual_stages)
+    split = {(s, j) for s, kind, j in table[pp_rank] if kind == "W"}
+    held = peak = 0.0
+    for s, kind, j in table[pp_rank]:
+        if kind == "F":
+            held += saved[s]
+            peak = max(peak, held)
+        elif kind == "W" or (kind in ("B", "I") and (s, j) not in split):
+            held -= saved[s]
+    return peak
 
 
 def in_flight(layout: Layout, pp_rank: int, m: int) -> list[float]:

@@ -442,6 +442,17 @@ def test_tp_collectives_are_counted_as_the_ledger_counts_them(axes: dict, world:
         assert gathers == planned[("tp", "all_gather")][0] + 2 * model.layers * p.microbatches
 
 
+def test_ddp_buckets_as_torch_rebuilds_them() -> None:
+    """The first bucket closes at 1 MiB, every later one at 25 MiB, each on the gradient that fills it."""
+    from fivefold.plan.dataparallel import ddp_buckets
+
+    mib = 2**20
+    assert ddp_buckets([mib // 4] * 3) == [3 * mib // 4]  # under the first cap: one bucket
+    assert ddp_buckets([mib // 2] * 3) == [mib, mib // 2]
+    assert ddp_buckets([mib] + [5 * mib] * 6) == [mib, 25 * mib, 5 * mib]
+    assert ddp_buckets([]) == []
+
+
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_ep_all_to_alls_are_counted_as_the_ledger_counts_them(recompute: str) -> None:
     """Dispatch and combine both ways, and before each forward dispatch the per-expert row counts:

@@ -50,6 +50,8 @@ PINNED += [
 PINNED += [
     layout_draw.Case(4, "small", "fp32", {"pp": 2, "tp": 2, "sp": True, "microbatches": 2}, 2),
     layout_draw.Case(4, "small", "bf16", {"pp": 2, "fsdp": 2, "zero": 3, "microbatches": 2}, 2),
+    # 3 MB of gradients: DDP's rebuilt buckets, the first capped at 1 MiB, make two all-reduces
+    layout_draw.Case(2, "small", "fp32", {"dp": 2, "zero": 0}, 1),
 ]
 CASES = layout_draw.draw(SEED, 30, WORLDS) + PINNED
 

@@ -255,8 +255,8 @@ def data_parallel_traffic(
 # (a tied embedding and head share the first unit). FSDP gathers a unit's parameters in the
 # compute dtype (padded to a multiple of the shard group) and reduce-scatters its fp32 gradients
 # every micro-batch (once a step in a pipeline), HSDP then all-reduces the reduced shard over dp;
-# `replicate` (tensor-parallel replicas) all-reduces each unit's gradients; DDP all-reduces every
-# gradient in one bucket (a model under 25 MB); plain pipeline replicas all-reduce gradient by
+# `replicate` (tensor-parallel replicas) all-reduces each unit's gradients; DDP all-reduces its
+# buckets (`ddp_buckets`: the first 1 MiB, then 25 MiB each); plain pipeline replicas all-reduce gradient by
 # gradient; ZeRO-1 broadcasts each updated parameter from its owner. Experts sharded over ep are
 # left to fivefold.plan.expert.
 
@@ -319,13 +319,33 @@ def data_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
             for unit in units(run, chunk):
                 size = sum(numel(tp_local_shape(p, shapes[p], spec, lay.tp)) for p in unit)
                 out.add(axis, ALL_REDUCE, 1, size * GRAD_BYTES)
-    else:  # DDP: every gradient in one bucket
-        size = sum(size for chunk in chunks for size in chunk_grads(run, chunk))
-        out.add(axis, ALL_REDUCE, 1, size * GRAD_BYTES)
+    else:  # DDP: its buckets as rebuilt after the first step
+        sizes = [size * GRAD_BYTES for chunk in chunks for size in chunk_grads(run, chunk)]
+        for bucket in ddp_buckets(sizes[::-1]):  # gradients become ready in reverse order
+            out.add(axis, ALL_REDUCE, 1, bucket)
     if lay.zero == 1 and lay.dp > 1:  # ZeroRedundancyOptimizer: every parameter from its owner
         for chunk in chunks:
             for size in chunk_grads(run, chunk):
                 out.add("dp", BROADCAST, 1, size * GRAD_BYTES)
+    return out
+
+
+DDP_FIRST_BUCKET = 2**20  # torch DDP's cap on the first bucket it rebuilds (dist._DEFAULT_FIRST_BUCKET_BYTES)
+DDP_BUCKET = 25 * 2**20  # and on every later one (bucket_cap_mb = 25)
+
+
+def ddp_buckets(sizes: list[int]) -> list[int]:
+    """Bytes of each bucket torch DDP all-reduces, for gradients of `sizes` bytes in the order they
+    become ready: a bucket closes once it holds its cap (1 MiB for the first, 25 MiB after)."""
+    out: list[int] = []
+    current = 0
+    for size in sizes:
+        current += size
+        if current >= (DDP_FIRST_BUCKET if not out else DDP_BUCKET):
+            out.append(current)
+            current = 0
+    if current:
+        out.append(current)
     return out
 
 

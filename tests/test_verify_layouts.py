@@ -65,9 +65,9 @@ def activations_judged(case: layout_draw.Case) -> bool:
     parallelism (its dispatch's row orders and, in bf16 without expert_fsdp, the experts'
     per-forward bf16 weight copies: 0.4-5.5 % on tiny) and interleaved 1F1B (each chunk's
     micro-batches in flight from torch's own action table: 2-5 %)."""
-    lay = case.resolved()
-    counted = ("gpipe", "1f1b", "interleaved-1f1b")
-    return lay.pp == 1 or (lay.pp_schedule in counted and lay.recompute != "full")
+    from fivefold.plan.activations import counted_exactly
+
+    return counted_exactly(case.resolved())
 
 
 def _run_cases(rank: int, world: int, cases: list[layout_draw.Case]) -> list[dict]:
@@ -153,11 +153,12 @@ def test_the_draw_covers_every_axis_and_option() -> None:
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_verify_judgments_pass(case: layout_draw.Case) -> None:
     table = judged(case)
-    failed = [
-        r
-        for r in table
-        if r.ok is False and not (r.name.startswith("saved activations") and not activations_judged(case))
-    ]
+    failed = [r for r in table if r.ok is False]
+    # where the plan does not count the peak yet, verify shows it as an estimate: no false FAIL
+    acts = next(r for r in table if r.name.startswith("saved activations"))
+    assert (acts.ok is None) == (not activations_judged(case)) and ("estimate" in acts.name) == (
+        acts.ok is None
+    )
     assert not failed, "\n".join(
         f"{r.judgment} {r.name}: measured {r.measured}, planned {r.planned}" for r in failed
     )

@@ -135,6 +135,15 @@ def micro_batch_saved(run: RunShape, chunk: Chunk) -> float:
     return total
 
 
+def counted_exactly(layout: Layout) -> bool:
+    """Whether `planned_activations` counts this layout's peak (what `fivefold verify` judges within
+    10%). Not yet: pipelines that split the backward (zero-bubble, ZB-V, DualPipeV: what the
+    input-gradient half frees before the weight-gradient half) and pipelines with full recompute."""
+    if layout.pp == 1:
+        return True
+    return layout.pp_schedule in ("gpipe", "1f1b", "interleaved-1f1b") and layout.recompute != "full"
+
+
 def planned_activations(
     spec: ModelSpec,
     layout: Layout,

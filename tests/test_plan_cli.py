@@ -320,6 +320,28 @@ def test_no_bundled_run_contradicts_itself() -> None:
     assert [r["id"] for r in load_runs(*builtin_paths()) if contradictions(r)] == []
 
 
+def test_a_run_directory_is_planned_with_its_own_cp_core(tmp_path) -> None:
+    """Each of the three context-parallel cores a run ran with is the one its plan prices."""
+    from fivefold.config import Layout, RunConfig, TrainSpec, load_model
+    from fivefold.plan import validation as V
+    from fivefold.plan.runs import run_from_dir
+
+    steps = {}
+    for impl in ("ring", "allgather", "ulysses"):
+        run = tmp_path / impl
+        run.mkdir()
+        lay = Layout(cp=2, dp=1, cp_impl=impl).resolve(2)
+        cfg = RunConfig(model=load_model("small"), train=TrainSpec(seq_len=256, micro_batch=4), layout=lay)
+        (run / "config.toml").write_text(cfg.to_toml())
+        (run / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": i, "step_time_s": 1.0}) + "\n" for i in (1, 2))
+        )
+        (case,) = V.cases([run_from_dir(run)])
+        assert case.inputs.layout.cp_impl == impl
+        steps[impl] = V.predict(case).predicted
+    assert len(set(steps.values())) == 3
+
+
 def test_calibrate_reads_run_directories(capsys, tmp_path) -> None:
     from fivefold.config import Layout, RunConfig, TrainSpec, load_model
 

@@ -308,6 +308,9 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         rc_layers = _int(run, "layout", "recompute_layers", rc_layers)
     if rc_layers and rc != "full":
         raise FivefoldError(f'run {rid}: layout.recompute_layers = {rc_layers} needs recompute = "full"')
+    cp_impl = str(lt.get("cp_impl", "ring")).lower()  # published runs: ring unless stated
+    if cp_impl not in ("ring", "allgather", "ulysses"):
+        raise FivefoldError(f"run {rid}: layout.cp_impl must be ring, allgather or ulysses, got {cp_impl!r}")
     layout = Layout(
         dp=dp,
         fsdp=fsdp,
@@ -315,6 +318,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         pp=pp,
         cp=cp,
         ep=ep,
+        cp_impl=cp_impl,
         zero=zero,
         sp=sp and tp > 1,
         pp_schedule=schedule,
@@ -682,6 +686,7 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
             "global_batch": tr.global_batch or tr.micro_batch * lay.dp * lay.fsdp,
             "pipeline_schedule": lay.pp_schedule,
             "virtual_stages": lay.virtual_stages,
+            "cp_impl": lay.cp_impl,
             "torch_compile": tr.compile,
             "precision": tr.dtype,
             "framework": "fivefold",

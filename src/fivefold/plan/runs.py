@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from fivefold.config import HardwareSpec, Layout, ModelSpec, load_hardware
+from fivefold.config import CP_IMPLS, HardwareSpec, Layout, ModelSpec, load_hardware
 from fivefold.errors import FivefoldError
 from fivefold.plan.spec import TrainShape
 
@@ -309,8 +309,8 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     if rc_layers and rc != "full":
         raise FivefoldError(f'run {rid}: layout.recompute_layers = {rc_layers} needs recompute = "full"')
     cp_impl = str(lt.get("cp_impl", "ring")).lower()  # published runs: ring unless stated
-    if cp_impl not in ("ring", "allgather", "ulysses"):
-        raise FivefoldError(f"run {rid}: layout.cp_impl must be ring, allgather or ulysses, got {cp_impl!r}")
+    if cp_impl not in CP_IMPLS:
+        raise FivefoldError(f"run {rid}: layout.cp_impl must be {', '.join(CP_IMPLS)}, got {cp_impl!r}")
     layout = Layout(
         dp=dp,
         fsdp=fsdp,

@@ -310,7 +310,8 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         raise FivefoldError(f'run {rid}: layout.recompute_layers = {rc_layers} needs recompute = "full"')
     cp_impl = str(lt.get("cp_impl", "ring")).lower()  # published runs: ring unless stated
     if cp_impl not in CP_IMPLS:
-        raise FivefoldError(f"run {rid}: layout.cp_impl must be {', '.join(CP_IMPLS)}, got {cp_impl!r}")
+        valid = ", ".join(CP_IMPLS)
+        raise FivefoldError(f"run {rid}: layout.cp_impl must be one of {valid}, got {cp_impl!r}")
     layout = Layout(
         dp=dp,
         fsdp=fsdp,

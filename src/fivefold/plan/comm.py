@@ -118,15 +118,16 @@ def in_ledger_words(comms: list[Collective], layout: Layout) -> list[Collective]
 
 
 def collective_time(
-    hw: HardwareSpec, op: str, payload: float, n: int, link: str, per_node: int = 1
+    hw: HardwareSpec, op: str, payload: float, n: int, link: str, per_node: int = 1, axis: str = ""
 ) -> tuple[float, float]:
-    """(wire bytes per rank, seconds) for one collective of `payload` bytes over n ranks."""
+    """(wire bytes per rank, seconds) for one collective of `payload` bytes over n ranks; given the
+    `axis` that issues it, the seconds include its host dispatch (`host_dispatch`)."""
     factor, steps = wire_factor(op, n)
     if steps == 0:
         return 0.0, 0.0
     alpha, beta = link_params(hw, link, per_node)
     wire = factor * payload
-    return wire, steps * alpha + wire / beta
+    return wire, steps * alpha + wire / beta + host_dispatch(hw, axis)
 
 
 @lru_cache(maxsize=4096)

@@ -28,7 +28,7 @@ from fivefold.layout_math import (
     replica_axis,
     tp_local_shape,
 )
-from fivefold.plan.comm import collective_time, host_dispatch, ring_nics, worst_link
+from fivefold.plan.comm import collective_time, ring_nics, worst_link
 from fivefold.plan.memory import shard_group
 from fivefold.plan.runshape import Chunk, RunShape, Traffic, fsdp_sync_deferred
 from fivefold.plan.spec import TrainShape
@@ -121,9 +121,7 @@ def data_parallel_traffic(
             return
         k = per_node if link == shard_link else 1
         buckets = pieces or max(1, math.ceil(payload / bucket_bytes(group)))
-        t = buckets * (
-            collective_time(hw, op, payload / buckets, group, link, k)[1] + host_dispatch(hw, axis)
-        )
+        t = buckets * collective_time(hw, op, payload / buckets, group, link, k, axis)[1]
         hidden = window if overlap else 0.0
         exposed = max(t - hidden, t / buckets)
         add(
@@ -180,15 +178,15 @@ def data_parallel_traffic(
             )
         shards = [(pl, grp) for pl, grp in ((dense, n), (experts, n_exp)) if grp > 1 and pl > 0]
         units = max(units, 1)
-        hooks = host_dispatch(hw, shard_axis)  # each unit's gather and reduction, issued by its hooks
+        # each unit's gather and reduction, issued by its hooks (their host dispatch included)
         t_ag = {
             grp: units
-            * (collective_time(hw, ALL_GATHER, p * pl / units, grp, shard_link, per_node)[1] + hooks)
+            * collective_time(hw, ALL_GATHER, p * pl / units, grp, shard_link, per_node, shard_axis)[1]
             for pl, grp in shards
         }
         t_rs = {
             grp: units
-            * (collective_time(hw, REDUCE_SCATTER, g * pl / units, grp, shard_link, per_node)[1] + hooks)
+            * collective_time(hw, REDUCE_SCATTER, g * pl / units, grp, shard_link, per_node, shard_axis)[1]
             for pl, grp in shards
         }
         # torch's pipeline stage syncs FSDP gradients at the last backward of the step only (as

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError
-from fivefold.plan.comm import collective_time, ep_link, host_dispatch, links, ring_nics
+from fivefold.plan.comm import collective_time, ep_link, links, ring_nics
 from fivefold.plan.compute import Rates, layer_time
 from fivefold.plan.memory import stage_counts, stage_params
 from fivefold.plan.result import capacity
@@ -166,10 +166,10 @@ def inference_plan(
         decode += count * max(read / hbm, flops / rates.flops)
         if lay.tp > 1:
             ar_tokens = BYTES * tokens * model.hidden
-            dispatch = host_dispatch(hw, "tp")  # the serving model's tp goes through DTensor too
-            t_pre = 2 * (collective_time(hw, "all-reduce", ar_tokens, lay.tp, tp_link, tp_nics)[1] + dispatch)
+            # the serving model's tp goes through DTensor too: its host dispatch included
+            t_pre = 2 * collective_time(hw, "all-reduce", ar_tokens, lay.tp, tp_link, tp_nics, "tp")[1]
             ar_batch = BYTES * shape.batch * model.hidden
-            t_dec = 2 * (collective_time(hw, "all-reduce", ar_batch, lay.tp, tp_link, tp_nics)[1] + dispatch)
+            t_dec = 2 * collective_time(hw, "all-reduce", ar_batch, lay.tp, tp_link, tp_nics, "tp")[1]
             prefill += count * t_pre
             decode += count * t_dec
             comm["tp"] += count * t_dec

@@ -200,8 +200,7 @@ def _plan(
         unless `exposed` says otherwise)."""
         if n <= 1 or count <= 0:
             return 0.0
-        wire, t = collective_time(hw, op, payload, n, link, per_node)
-        t += host_dispatch(hw, axis)
+        wire, t = collective_time(hw, op, payload, n, link, per_node, axis)
         key = (axis, op)
         c = comms.get(key) or Collective(axis, op, 0.0, 0.0, 0.0, link, 0, n, overlap=overlap)
         c.bytes += payload * count
@@ -226,7 +225,7 @@ def _plan(
         return striped.get(axis, 1) if op in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) else 1
 
     def t_of(op: str, payload: float, group: int, link: str, axis: str = "") -> float:
-        return collective_time(hw, op, payload, group, link, nics(axis, op))[1] + host_dispatch(hw, axis)
+        return collective_time(hw, op, payload, group, link, nics(axis, op), axis)[1]
 
     def stage_costs(which: str) -> tuple[float, float, float, float, list[tuple], tuple[float, float]]:
         """(t_f, t_b, compute, exposed comm) of one micro-batch through a stage, its collectives as

@@ -118,16 +118,12 @@ class ActivationMeter:
     tensor on it is released by the backward (or the graph is dropped).
     """
 
-    def __init__(self, parameters: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self) -> None:
         self.live_bytes = 0
         self.peak_bytes = 0
         self._holders: dict[int, int] = {}  # storage address -> saved tensors holding it
         self._sizes: dict[int, int] = {}
         self._hooks: Any = None
-        # the storages of the model's parameters: a saved alias of one that autograd does not see as
-        # a parameter (a DTensor's `to_local()` view, as expert parallelism hands its experts) holds
-        # no memory of its own
-        self._parameter_storages = {local_tensor(p).untyped_storage().data_ptr() for p in parameters}
 
     def _release(self, key: int) -> None:
         self._holders[key] -= 1
@@ -140,7 +136,7 @@ class ActivationMeter:
             return t
         storage = local_tensor(t).untyped_storage()
         key = storage.data_ptr()
-        if key == 0 or key in self._parameter_storages:  # nothing held, or a parameter's own memory
+        if key == 0:  # empty or meta storage: nothing held
             return t
         if key not in self._holders:
             self._holders[key] = 0

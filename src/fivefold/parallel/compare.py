@@ -183,11 +183,11 @@ def measure_layout(
     bytes of its forward + backward, the state bytes held after it, and the rows its experts got.
     """
     from fivefold.measure.ledger import CommLedger
-    from fivefold.measure.memory import ActivationMeter, device_memory, state_bytes, unique_parameters
+    from fivefold.measure.memory import ActivationMeter, device_memory, state_bytes
 
     runner, optimizers = build_layout(spec, train, layout, runtime_mesh)
     ledger = CommLedger(runtime_mesh)
-    meter = ActivationMeter(unique_parameters(runner.model_parts))
+    meter = ActivationMeter()
     routed = {"before": 0, "after": 0, "once_before": 0, "once_after": 0}
 
     def hook(at: int, phase: str) -> None:

@@ -27,7 +27,7 @@ from fivefold.config import AXES, Layout, ModelSpec, RunConfig, TrainSpec, check
 from fivefold.errors import FivefoldError
 from fivefold.layout_math import numel, param_shapes
 from fivefold.measure.ledger import CommLedger
-from fivefold.measure.memory import ActivationMeter, device_memory, state_bytes, unique_parameters
+from fivefold.measure.memory import ActivationMeter, device_memory, state_bytes
 from fivefold.measure.timeline import write_trace
 from fivefold.model import build_model, materialize
 from fivefold.parallel import runners
@@ -413,7 +413,7 @@ def _train(
             x, y = batches.get(step)  # sampled while the previous step ran
             _sync(device)
             t0 = time.perf_counter()
-            acts = ActivationMeter(unique_parameters(parts)) if _measures_memory(step, tspec) else None
+            acts = ActivationMeter() if _measures_memory(step, tspec) else None
             profiled = torch_profile(run_dir, rank, device.type, step == tspec.profile_step)
             with profiled, _step_ledger(ledger), acts or contextlib.nullcontext():
                 supervise.mark(step, "forward_backward")

@@ -237,6 +237,13 @@ def stage_to_rank(stage: int, pp: int, schedule: str) -> int:
     return stage % pp
 
 
+def end_ranks(layout: Layout) -> tuple[int, int]:
+    """The pp ranks that run the first chunk (the embedding) and the last (the head): one rank under
+    the V-shaped schedules, two otherwise (the pair that sums a tied weight's gradient)."""
+    last = layout.pp * layout.virtual_stages - 1
+    return stage_to_rank(0, layout.pp, layout.pp_schedule), stage_to_rank(last, layout.pp, layout.pp_schedule)
+
+
 def rank_stages(rank: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
     """The chunks pp rank `rank` runs, in increasing stage order."""
     return [s for s in range(pp * virtual_stages) if stage_to_rank(s, pp, schedule) == rank]

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from fivefold.config import Layout, TrainSpec
 from fivefold.errors import FivefoldError
+from fivefold.layout_math import end_ranks
 from fivefold.measure.timeline import Timeline
 from fivefold.model import materialize
 from fivefold.model.moe import set_aux_loss_scale
@@ -181,8 +182,7 @@ class PipelineRunner(RunnerCore):
         """Tied embeddings: the first chunk's embedding and the last chunk's head are copies of one
         weight, kept equal as Megatron does: their gradients summed between the two pp ranks (a
         group of those two per position on the other axes), or locally when one rank holds both."""
-        first = stage_to_rank(0, self.layout.pp, self.layout.pp_schedule)
-        last = stage_to_rank(self.num_stages - 1, self.layout.pp, self.layout.pp_schedule)
+        first, last = end_ranks(self.layout)
         if not tied or first == last:
             return None
         pairs = [[g[first], g[last]] for g in self.mesh.info.dims["pp"].groups]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError
 from fivefold.flops import hardware_flops_per_token, model_flops_per_token
-from fivefold.layout_math import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SEND, stage_to_rank
+from fivefold.layout_math import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SEND, end_ranks
 from fivefold.plan.comm import (
     Collective,
     collective_time,
@@ -430,10 +430,10 @@ def _plan(
             exposed=crit * t_p2p,
             overlap="steady-state compute",
         )
-        if model.tie_embeddings and stage_to_rank(0, layout.pp, layout.pp_schedule) != stage_to_rank(
-            layout.pp * v - 1, layout.pp, layout.pp_schedule
-        ):  # the embedding and its tied head on two pp ranks, which sum the shared weight's gradient
-            # after the schedule (fivefold's pipeline runner, Megatron's embedding group)
+        first, last = end_ranks(layout)
+        if model.tie_embeddings and first != last:  # the embedding and its tied head on two pp ranks,
+            # which sum the shared weight's gradient after the schedule (fivefold's pipeline runner,
+            # Megatron's embedding group)
             shards = layout.fsdp * layout.cp if layout.fsdp > 1 else 1
             tied = model.vocab / layout.tp / shards * model.hidden * shape.grad_bytes
             add("pp", ALL_REDUCE, tied, 2, pp_link, 1)

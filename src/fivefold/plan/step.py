@@ -15,9 +15,9 @@ from fivefold.layout_math import (
     ALL_REDUCE,
     chunk_param_shapes,
     chunk_rows,
+    end_ranks,
     param_shapes,
     replica_axis,
-    stage_to_rank,
     tp_local_shape,
 )
 from fivefold.plan.context import context_traffic
@@ -76,8 +76,7 @@ def tied_traffic(run: RunShape, chunks: list[Chunk], coords: dict[str, int]) -> 
     out = Traffic()
     if not spec.tie_embeddings or lay.pp == 1:
         return out
-    first = stage_to_rank(0, lay.pp, lay.pp_schedule)
-    last = stage_to_rank(lay.pp * lay.virtual_stages - 1, lay.pp, lay.pp_schedule)
+    first, last = end_ranks(lay)
     copies = sum(c.first for c in chunks) + sum(c.last for c in chunks)
     if first == last or not copies:  # one rank holds both (a V-shaped schedule): summed locally
         return out

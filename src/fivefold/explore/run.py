@@ -146,10 +146,9 @@ def planned_step(config: Path) -> list[dict[str, Any]]:
     cfg = RunConfig.from_toml(config)
     lay, train = cfg.layout.resolve(cfg.layout.world), cfg.train.validate()
     accumulation = train.grad_accum(lay.dp * lay.fsdp)
-    if lay.pp > 1:  # a hand-edited config may ask for micro-batches its batch does not split into
-        check_pipeline_batch(lay, train)
     micro_batch, microbatches = train.micro_batch, accumulation
     if lay.pp > 1:  # the pipeline splits each data rank's batch into its schedule's micro-batches
+        check_pipeline_batch(lay, train)  # which a hand-edited config may not split into
         microbatches = lay.microbatches
         micro_batch = train.micro_batch * accumulation // microbatches
     origin = dict.fromkeys(("dp", "fsdp", "cp", "tp", "pp", "ep", "fsdp_cp", "batch"), 0)  # rank 0

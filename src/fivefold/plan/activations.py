@@ -173,20 +173,15 @@ def planned_activations(
 
 def schedule_peak(layout: Layout, pp_rank: int, m: int, saved: dict[int, float]) -> float:
     """The peak of what the rank holds as it runs its schedule's own action table (torch's schedule
-    class, replayed as `fivefold.measure.bubble` does): a chunk's forward saves its micro-batch's
-    tensors, and its backward releases them (where a schedule splits the backward, all at the
-    weight-gradient half: an upper bound)."""
+    class, replayed as `fivefold.measure.bubble` does): a chunk's forward (F) saves its micro-batch's
+    tensors and its whole backward (B) releases them. For schedules that keep the backward whole."""
     from fivefold.measure.bubble import action_table  # torch's table: verify runs with torch
 
     table, _ = action_table(layout.pp_schedule, layout.pp, m, layout.virtual_stages)
-    split = {(s, j) for s, kind, j in table[pp_rank] if kind == "W"}
     held = peak = 0.0
-    for s, kind, j in table[pp_rank]:
-        if kind == "F":
-            held += saved[s]
-            peak = max(peak, held)
-        elif kind == "W" or (kind in ("B", "I") and (s, j) not in split):
-            held -= saved[s]
+    for stage, kind, _ in table[pp_rank]:
+        held += saved[stage] if kind == "F" else -saved[stage]
+        peak = max(peak, held)
     return peak
 
 

@@ -257,6 +257,7 @@ def test_bad_runs_file_names_the_run_and_the_field(capsys, tmp_path) -> None:
         ('recompute = "full"\nrecompute_layers = true', "recompute_layers must be an integer"),
         ('recompute = "full"\nrecompute_layers = 2.5', "recompute_layers must be an integer"),
         ('recompute = "selective"\nrecompute_layers = 2', 'needs recompute = "full"'),
+        ('cp_impl = "zigzag"', "cp_impl must be one of ring, allgather, ulysses"),
     ],
 )
 def test_a_runs_recompute_block_count_is_checked(capsys, tmp_path, layout: str, needle: str) -> None:

@@ -594,3 +594,21 @@ def test_a_cpu_serving_plan_pays_the_tp_dispatch_of_each_decode_all_reduce() -> 
     bare = inference_plan(model, dataclasses.replace(cpu, tp_dispatch_us=0.0), layout, shape)
     added = served.decode_time_per_token_s - bare.decode_time_per_token_s
     assert added == pytest.approx(model.layers * 2 * cpu.tp_dispatch_us * 1e-6)
+
+
+def test_dualpipe_hides_expert_all_to_alls_only_behind_the_paired_compute() -> None:
+    """DualPipe runs one chunk's dispatch and combine under another micro-batch's compute: an
+    all-to-all shorter than that compute is hidden whole, a longer one shows its excess."""
+    model = load_model("deepseek-v3")
+    shape = TrainShape(seq_len=4096, global_batch=1920, micro_batch=1, fp8=True)
+    layout = Layout(pp=16, ep=64, fsdp=128, zero=2, pp_schedule="dualpipev", virtual_stages=2)
+    p = plan(model, load_hardware("h800"), layout.resolve(2048), shape)
+    a2a = next(c for c in p.comm if c.axis == "ep" and c.op == "all_to_all" and c.bytes > 1e9)
+    assert a2a.time_s > p.compute_time_s  # more traffic than compute on this network ...
+    assert a2a.exposed_s >= a2a.time_s - p.compute_time_s  # ... so at least the excess shows
+    fast = dataclasses.replace(load_hardware("h800"), inter_node_gbps=50_000.0)  # no network bound
+    p_fast = plan(model, fast, layout.resolve(2048), shape)
+    a2a_fast = next(c for c in p_fast.comm if c.axis == "ep" and c.op == "all_to_all" and c.bytes > 1e9)
+    assert a2a_fast.time_s < p_fast.compute_time_s
+    # what shows is the small exchange of per-expert row counts before each dispatch, no payload
+    assert a2a_fast.exposed_s < 0.1 * a2a_fast.time_s

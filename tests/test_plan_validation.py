@@ -580,3 +580,21 @@ def test_a_measured_run_without_a_throughput_is_named_not_dropped_silently(tmp_p
     captured = capsys.readouterr()
     assert f"run {silent['id']}: left out, its [measured] table states no throughput" in captured.err
     assert judged["id"] in captured.out and silent["id"] not in captured.out
+
+
+@pytest.mark.parametrize(
+    ("stated", "planned"),
+    [
+        ("DualPipe", "dualpipev"),
+        ("DualPipeV", "dualpipev"),
+        ("ZB-V", "zbv"),
+        ("ZB-H1", "zero-bubble"),
+        ("1F1B", "1f1b"),
+        ("GPipe", "gpipe"),
+        ("interleaved 1F1B", "interleaved-1f1b"),
+    ],
+)
+def test_a_runs_files_schedule_name_is_read_as_the_planner_names_it(stated: str, planned: str) -> None:
+    from fivefold.plan.runs import _schedule
+
+    assert _schedule(stated, 16, 1) == planned

@@ -325,7 +325,12 @@ def _plan(
             payload = shape.act_bytes * tokens * model.experts_per_token * model.hidden / etp
             t2 = 2 * n_moe * t_of(ALL_TO_ALL, payload, layout.ep, exp_link)
             hidden = layout.pp_schedule == "dualpipev" and layout.pp > 1  # overlapped with the paired chunk
-            if not hidden:
+            if hidden:  # a forward chunk's all-to-alls run under another micro-batch's backward and the
+                # backward's under a forward: each hides at most the compute of the chunk it is paired with
+                e2_f, e2_b = max(t2 - b, 0.0), max(t2 - f, 0.0)
+                exp_f += e2_f
+                exp_b += e2_b
+            else:
                 exp_f += t2
                 exp_b += t2
             recs.append(
@@ -336,7 +341,7 @@ def _plan(
                     layout.ep,
                     exp_link,
                     2 * (2 * n_moe + r_moe),
-                    0.0 if hidden else (2 + r_moe / n_moe) * t2,
+                    e2_f + e2_b if hidden else (2 + r_moe / n_moe) * t2,
                     "paired chunk (DualPipe)" if hidden else "none",
                 )
             )

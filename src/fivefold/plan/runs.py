@@ -226,6 +226,8 @@ def _schedule(value: Any, pp: int, v: int) -> str:
     s = "".join(ch for ch in str(value or "1f1b").lower() if ch.isalnum())
     if pp > 1 and (v > 1 or "interleaved" in s):
         return "interleaved-1f1b" if "zero" not in s and "zb" not in s else "zero-bubble"
+    if "dualpipe" in s:  # DualPipe and its V-shaped half: both overlap a chunk's all-to-all with another's
+        return "dualpipev"
     if "zbv" in s or "zerobubblev" in s:
         return "zbv"
     if "zero" in s or s.startswith("zb"):

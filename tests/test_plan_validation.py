@@ -598,3 +598,44 @@ def test_a_runs_files_schedule_name_is_read_as_the_planner_names_it(stated: str,
     from fivefold.plan.runs import _schedule
 
     assert _schedule(stated, 16, 1) == planned
+
+
+@pytest.mark.parametrize(
+    ("source", "framework", "trainer"),
+    [
+        ("NVIDIA/NeMo performance summary", "", "NVIDIA/NeMo"),  # a bundled source, as it is
+        ("Jiang et al. 2024, Megatron-LM baseline", "", "NVIDIA/Megatron-LM"),
+        ("BigScience 2022", "Megatron-DeepSpeed", "NVIDIA/Megatron-LM"),
+        ("Some blog 2025", "torchtitan", "pytorch/torchtitan"),
+        ("NeMo 24.07 recipes", "", "NVIDIA/NeMo"),
+        ("Nemotron report 2024", "", "Nemotron"),  # not the framework's word
+        ("Dubey et al. 2024", "", "Dubey"),  # no trainer named: no trainer facts
+        ("anything", "fivefold", "fivefold"),
+    ],
+)
+def test_the_trainer_is_read_from_what_a_run_names(source: str, framework: str, trainer: str) -> None:
+    from fivefold.plan.runs import trainer_name
+
+    run = {"id": "r", "source": source, "layout": {"framework": framework} if framework else {}}
+    assert trainer_name(run) == trainer
+
+
+def test_an_unknown_hopper_trainer_since_2024_is_planned_with_flash3_class_attention() -> None:
+    from fivefold.plan.runs import build
+
+    def run(gpu: str, source: str, framework: str = "") -> dict:
+        return {
+            "id": "r",
+            "source": source,
+            "hardware": {"gpu": gpu},
+            "model": {"layers": 2, "hidden": 256, "heads": 4, "seq_len": 1024},
+            "layout": {"gpus": 8, "fsdp": 8, **({"framework": framework} if framework else {})},
+        }
+
+    assert build(run("H100 80GB", "Dubey et al. 2024")).shape.attention == "flash3"
+    assert build(run("A100 80GB", "Dubey et al. 2024")).shape.attention == "flash"  # no FA3 on Ampere
+    assert build(run("H100 80GB", "Someone 2023")).shape.attention == "flash"
+    assert build(run("A100 80GB", "Someone 2021")).shape.attention == "materialized"
+    # a trainer whose kernels are known keeps them: torchtitan's SDPA runs FlashAttention-2 on Hopper
+    assert build(run("H100 80GB", "A blog 2025", "torchtitan")).shape.attention == "flash"
+    assert build(run("H100 80GB", "A blog 2025", "MaxText (JAX)")).shape.attention == "flash3"

@@ -157,6 +157,36 @@ def source_of(run: dict[str, Any]) -> str:
     return str(run["source"]).split()[0].rstrip(",")
 
 
+# A runs file from elsewhere names its trainer in its own words ("... Megatron-LM baseline",
+# framework = "torchtitan"): the first of these a source or framework names is the trainer. Megatron
+# before DeepSpeed: Megatron-DeepSpeed runs Megatron's kernels (with DeepSpeed's ZeRO-1 and pipeline).
+TRAINER_WORDS = (
+    (r"dgxc", "NVIDIA/dgxc-benchmarking"),
+    (r"\bnemo\b", "NVIDIA/NeMo"),
+    (r"megatron", "NVIDIA/Megatron-LM"),
+    (r"torchtitan", "pytorch/torchtitan"),
+    (r"llm-foundry|mosaicml|\bcomposer\b", "mosaicml/llm-foundry"),
+    (r"nanotron", "huggingface/nanotron"),
+    (r"deepspeed", "microsoft/DeepSpeed"),
+    (r"flash-attention", "Dao-AILab/flash-attention"),
+)
+# FlashAttention-3 (July 2024) and cuDNN's fused attention in Transformer Engine: Hopper runs from then
+FIRST_FLASH3_YEAR = 2024
+
+
+def trainer_name(run: dict[str, Any]) -> str:
+    """The key of TRAINERS whose facts a run's trainer has: fivefold's own run directories, a bundled
+    source, or a trainer the run's source or framework names; otherwise its source (no known facts)."""
+    framework = str(run.get("layout", {}).get("framework", "")).lower()
+    if framework == "fivefold":
+        return "fivefold"
+    source = source_of(run)
+    if source in TRAINERS:
+        return source
+    text = f"{framework} {run.get('source', '')}".lower()
+    return next((name for pattern, name in TRAINER_WORDS if re.search(pattern, text)), source)
+
+
 def _need(run: dict[str, Any], table: str, key: str) -> Any:
     data = run.get(table, {})
     if key in data:
@@ -356,19 +386,24 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     if (batch // data) % mb:
         mb = 1  # a published micro-batch that does not divide the local batch (a short last one)
     precision = str(lt.get("precision", "")).lower()
-    framework = str(lt.get("framework", "")).lower()
-    trainer = TRAINERS.get("fivefold" if framework == "fivefold" else source_of(run), {})
+    name = trainer_name(run)
+    trainer = TRAINERS.get(name, {})
     gpu_name = str(run.get("hardware", {}).get("gpu", "")).upper()
     hopper_or_newer = any(k in gpu_name for k in ("H100", "H200", "H800", "H20", "B200", "B100"))
-    if source_of(run) == "NVIDIA/Megatron-LM" and hopper_or_newer:
+    if name == "NVIDIA/Megatron-LM" and hopper_or_newer:
         # Megatron-LM's Hopper-era runs go through Transformer Engine like NeMo's and dgxc's (the same
         # Megatron-Core): cuDNN's fused attention, and tp collectives overlapped with the GEMMs
         # (--tp-comm-overlap, which its published H100 scaling runs use)
         trainer = {**trainer, "attention": "flash3", "tp_overlap": True}
     if "jax" in str(lt.get("framework", "")).lower():
-        trainer = {"fused": True, "tp_overlap": False}  # XLA fuses elementwise ops
-    attention = trainer.get("attention", "flash")
+        # XLA fuses elementwise ops; MaxText's GPU attention is cuDNN's fused kernel (cudnn_flash_te)
+        trainer = {"fused": True, "tp_overlap": False, "attention": "flash3"}
     year = published_year(run)
+    if name not in TRAINERS and hopper_or_newer and (year or 0) >= FIRST_FLASH3_YEAR:
+        # a trainer we know nothing of, on Hopper since 2024: the large stacks publishing such runs
+        # (Transformer Engine's, XLA's, in-house ones) run FlashAttention-3 class kernels
+        trainer = {**trainer, "attention": "flash3"}
+    attention = trainer.get("attention", "flash")
     if "attention" not in trainer and year is not None and year <= LAST_MATERIALIZED_YEAR:
         attention = "materialized"  # the kernels of the day kept the s×s scores
     if attention == "flash3" and not hopper_or_newer:
@@ -423,7 +458,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         and (model.layers // pp) % 2 == 0
     ):
         free.append("virtual_stages")  # interleaved, with the chunk count its authors tuned unpublished
-    megatron_like = trainer.get("grad_bytes") == 2 or source_of(run) in ("NVIDIA/Megatron-LM", "Korthikanti")
+    megatron_like = trainer.get("grad_bytes") == 2 or name in ("NVIDIA/Megatron-LM", "Korthikanti")
     if "zero_stage" not in lt and layout.dp > 1 and layout.fsdp == 1 and not megatron_like:
         free.append("zero_stage")  # a distributed optimizer, and whether it also shards gradients
     interleaved = bool(trainer.get("interleaved", True))

@@ -503,8 +503,11 @@ def test_on_a_cpu_no_collective_overlaps_the_compute() -> None:
         Layout(cp=2, dp=1).resolve(2),  # ring attention's K/V sends
     ):
         cpu = plan(model, load_hardware("cpu"), layout, shape)
-        gpu = plan(model, dataclasses.replace(load_hardware("cpu"), comm_overlap=True), layout, shape)
-        assert all(c.exposed_s == pytest.approx(c.time_s) for c in cpu.comm if c.axis != "pp")
+        megatron = dataclasses.replace(shape, tp_backward_overlap=True)  # tp's grad-input beside wgrads
+        cpu_megatron = plan(model, load_hardware("cpu"), layout, megatron)
+        gpu = plan(model, dataclasses.replace(load_hardware("cpu"), comm_overlap=True), layout, megatron)
+        for p in (cpu, cpu_megatron):
+            assert all(c.exposed_s == pytest.approx(c.time_s) for c in p.comm if c.axis != "pp")
         # DDP's one bucket is exposed either way (the last bucket never hides); the others hide on a GPU
         assert cpu.step_time_s > gpu.step_time_s or layout.dp > 1
 
@@ -612,3 +615,22 @@ def test_dualpipe_hides_expert_all_to_alls_only_behind_the_paired_compute() -> N
     assert a2a_fast.time_s < p_fast.compute_time_s
     # what shows is the small exchange of per-expert row counts before each dispatch, no payload
     assert a2a_fast.exposed_s < 0.1 * a2a_fast.time_s
+
+
+def test_dtensor_tensor_parallelism_hides_no_backward_collective_behind_the_weight_gradients() -> None:
+    """Megatron issues a tp matmul's grad-input collective beside its weight-gradient matmul; DTensor
+    (fivefold, torchtitan eager) waits on it at the next op, so on a GPU only Megatron's hides."""
+    model = load_model("llama3-8b")
+    layout = Layout(tp=8, sp=True).resolve(8)
+    shape = TrainShape(seq_len=8192, global_batch=8, micro_batch=1)
+    h100 = load_hardware("h100-80gb")
+    dtensor = plan(model, h100, layout, shape)
+    megatron = plan(model, h100, layout, dataclasses.replace(shape, tp_backward_overlap=True))
+    tp_exposed = {
+        name: sum(c.exposed_s for c in p.comm if c.axis == "tp")
+        for name, p in (("dtensor", dtensor), ("megatron", megatron))
+    }
+    tp_time = sum(c.time_s for c in dtensor.comm if c.axis == "tp")
+    assert tp_exposed["dtensor"] == pytest.approx(tp_time)
+    assert tp_exposed["megatron"] < 0.75 * tp_time
+    assert megatron.step_time_s < dtensor.step_time_s

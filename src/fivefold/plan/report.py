@@ -253,7 +253,8 @@ def _plan(
             # matmul they feed, and the backward ones behind both backward matmuls
             over = shape.tp_overlap
             hidden_f = min(t_pass, wgrad) if over else 0.0
-            hidden_b = min(t_pass, (2 if over else 1) * wgrad) if hw.comm_overlap else 0.0
+            beside_wgrad = over or shape.tp_backward_overlap
+            hidden_b = min(t_pass, (2 if over else 1) * wgrad) if hw.comm_overlap and beside_wgrad else 0.0
             exp_f += t_pass - hidden_f
             exp_b += t_pass - hidden_b
             for op in ops:

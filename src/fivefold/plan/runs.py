@@ -74,7 +74,13 @@ TRAINERS = {
     "NVIDIA/dgxc-benchmarking": {"fused": True, "tp_overlap": True, "attention": "flash3", "grad_bytes": 2},
     # torchtitan splits a pipeline's local batch into pp micro-batches unless told otherwise, and its
     # sequence parallelism is DTensor's (the gathered matmul input kept for the backward)
-    "pytorch/torchtitan": {"fused": False, "tp_overlap": False, "microbatches": "pp", "tp_regather": False},
+    "pytorch/torchtitan": {
+        "fused": False,
+        "tp_overlap": False,
+        "microbatches": "pp",
+        "tp_regather": False,
+        "tp_backward_overlap": False,
+    },
     "mosaicml/llm-foundry": {"fused_loss": True},  # loss_fn = fused_crossentropy by default
     # its xentropy kernel, in-place backward; its own attention kernel since its first release (2022)
     "Dao-AILab/flash-attention": {"fused_loss": True, "attention": "flash"},
@@ -85,7 +91,7 @@ TRAINERS = {
     # nanotron's pipeline engines are all-forward-all-backward and 1F1B: no interleaved chunks
     "huggingface/nanotron": {"interleaved": False},
     # fivefold's own run directories (`framework = "fivefold"`): DTensor's sequence parallelism
-    "fivefold": {"tp_regather": False},
+    "fivefold": {"tp_regather": False, "tp_backward_overlap": False},
 }
 FILL = {  # what an unpublished layout field defaults to (see docs/planner.md, "Unknowns")
     "micro_batch": 1,
@@ -436,6 +442,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         sac="op" if str(lt.get("recompute_policy", "")).lower().startswith("op") else "attention",
         # Megatron's sequence parallelism (and its descendants'), unless the trainer is DTensor's
         tp_regather=bool(trainer.get("tp_regather", True)),
+        tp_backward_overlap=bool(trainer.get("tp_backward_overlap", True)),
     )
     offload_known = not ({"cpu_offload", "offload_optimizer", "offload"} & unknown)
     free = []

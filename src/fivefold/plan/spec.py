@@ -70,6 +70,10 @@ class TrainShape:
     # norms' partial gradients are summed over tp in one call; DTensor (fivefold, torchtitan) keeps
     # the gathered input and sums each norm's gradient on its own. Published Megatron-family runs set it
     tp_regather: bool = False
+    # the input-gradient collective of a tp matmul runs beside its weight-gradient matmul (Megatron's
+    # asynchronous grad-input communication); DTensor's (fivefold's, torchtitan's eager) is waited on
+    # by the next op of the backward. Published Megatron-family runs set it
+    tp_backward_overlap: bool = False
 
     def validate(self) -> TrainShape:
         for name in ("seq_len", "global_batch", "micro_batch"):

@@ -126,3 +126,36 @@ def test_ledger_shows_the_cp_traffic(case: Case) -> None:
             if row["axis"] == "cp" and row["op"] != "broadcast"
         }
         assert got == expected, f"rank {rank}"
+
+
+@pytest.mark.parametrize("key_offset", [0, 6])  # 6: the first three queries see no key of the block
+def test_a_ring_block_through_the_fused_cpu_kernel_equals_the_explicit_softmax(
+    monkeypatch, key_offset
+) -> None:
+    """The ring core runs each K/V block through torch's fused CPU kernel where it can and writes the
+    softmax out elsewhere (GPUs): both give the same block output, log-sum-exp and gradients from the
+    merged output, also where a query sees none of the block's keys (its log-sum-exp ~ -huge, so
+    the merge gives the block no weight)."""
+    from fivefold.parallel import context
+
+    if context._CPU_FLASH is None:
+        pytest.skip("this torch has no fused CPU attention kernel")
+    torch.manual_seed(0)
+    b, h, s, d = 2, 3, 8, 4
+    q, k, v, grad, out_all = (torch.randn(b, h, s, d) for _ in range(5))
+    q_pos, k_pos = torch.arange(s) + 3, torch.arange(s) + key_offset
+    lse_all = torch.randn(b, h, s, 1).abs() + 2.0  # a merged log-sum-exp: finite for every query
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(context, "_fused", lambda _q, fused=fused: fused)
+        out, lse = context._block_forward(q, k, v, q_pos, k_pos, d**-0.5)
+        grads = context._block_backward(grad, q, k, v, out_all, lse_all, q_pos, k_pos, d**-0.5)
+        results[fused] = (out, lse, *grads)
+    sees = (q_pos[:, None] >= k_pos[None, :]).any(dim=1)
+    assert sees.any() and (sees.all() == (key_offset == 0))
+    (out_f, lse_f, *grads_f), (out_p, lse_p, *grads_p) = results[True], results[False]
+    assert torch.allclose(out_f[:, :, sees], out_p[:, :, sees], atol=1e-5)
+    assert torch.allclose(lse_f[:, :, sees], lse_p[:, :, sees], atol=1e-5)
+    assert (lse_f[:, :, ~sees] < -1e20).all() and (lse_p[:, :, ~sees] < -1e20).all()
+    for fused_grad, plain_grad in zip(grads_f, grads_p):
+        assert torch.allclose(fused_grad, plain_grad, atol=1e-5)

@@ -39,6 +39,11 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from fivefold.errors import FivefoldError
 from fivefold.model import cpu_attention
 from fivefold.model.moe import MoE
+from fivefold.torch_internals import cpu_flash_attention_ops
+
+# torch's fused CPU attention kernel, which also returns the log-sum-exp a ring merges blocks by
+# (SDPA's public call does not); torch's own ring attention dispatches only to the CUDA kernels
+_CPU_FLASH = cpu_flash_attention_ops()
 
 # the autograd-aware all-gather (backward: reduce-scatter); torch 2.13 renamed it, keeping the old name
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
@@ -149,6 +154,67 @@ def _block_scores(
     return scores.masked_fill(q_pos[:, None] < k_pos[None, :], _MASKED)
 
 
+def _fused(q: torch.Tensor) -> bool:
+    """Whether a block runs through torch's fused CPU kernel (one pass, no s×s tensors kept)."""
+    return _CPU_FLASH is not None and q.device.type == "cpu"
+
+
+def _block_bias(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """The causal mask of a query shard against one key block, as an additive fp32 bias."""
+    bias = torch.zeros(len(q_pos), len(k_pos), device=q_pos.device)
+    return bias.masked_fill_(q_pos[:, None] < k_pos[None, :], _MASKED)
+
+
+def _block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax(QKᵀ·scale)V, log-sum-exp [..., 1]) of q against one K/V block, in fp32. A query that
+    sees no key of the block gets a log-sum-exp near _MASKED: its merge weight is exp(-huge) = 0."""
+    if _fused(q):
+        with torch.autocast("cpu", enabled=False):
+            out, lse = _CPU_FLASH[0](  # type: ignore[index]
+                q.float(), k.float(), v.float(), 0.0, False, attn_mask=_block_bias(q_pos, k_pos), scale=scale
+            )
+        return out, lse.unsqueeze(-1)
+    scores = _block_scores(q, k, q_pos, k_pos, scale)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.exp(scores - lse) @ v.float(), lse
+
+
+def _block_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 (dQ, dK, dV) of one block's share, from the merged output and log-sum-exp of every
+    block (fp32 grad_out, q, k, v, out): the softmax over all keys restricted to this block's."""
+    if _fused(q):
+        with torch.autocast("cpu", enabled=False):
+            return _CPU_FLASH[1](  # type: ignore[index]
+                grad_out,
+                q,
+                k,
+                v,
+                out,
+                lse.squeeze(-1),
+                0.0,
+                False,
+                attn_mask=_block_bias(q_pos, k_pos),
+                scale=scale,
+            )
+    probs = torch.exp(_block_scores(q, k, q_pos, k_pos, scale) - lse)
+    grad_v = probs.transpose(-2, -1) @ grad_out
+    delta = (grad_out * out).sum(dim=-1, keepdim=True)  # rowsum(dO ∘ O)
+    grad_scores = probs * (grad_out @ v.transpose(-2, -1) - delta)
+    return (grad_scores @ k) * scale, (grad_scores.transpose(-2, -1) @ q) * scale, grad_v
+
+
 class _RingAttention(torch.autograd.Function):
     """Ring attention with a hand-written backward.
 
@@ -177,9 +243,8 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % cp
             nxt = _pass_on(kv, group, cp) if step < cp - 1 else None
             k_pos = shard_positions(seq_len, cp, src).to(q.device)
-            scores = _block_scores(q, _repeat_kv(kv[0], heads), q_pos, k_pos, scale)
-            block_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-            block_out = torch.exp(scores - block_lse) @ _repeat_kv(kv[1], heads).float()
+            k_rep, v_rep = _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads)
+            block_out, block_lse = _block_forward(q, k_rep, v_rep, q_pos, k_pos, scale)
             if out is None:  # the own block: every query sees at least itself, so lse is finite
                 out, lse = block_out, block_lse
             else:
@@ -199,7 +264,6 @@ class _RingAttention(torch.autograd.Function):
         seq_len = q.shape[2] * cp
         q_pos = shard_positions(seq_len, cp, rank).to(q.device)
         grad_out = grad_out.float()
-        delta = (grad_out * out).sum(dim=-1, keepdim=True)  # rowsum(dO ∘ O)
         qf = q.float()
         grad_q = torch.zeros_like(qf)
         kv = torch.stack((k, v)).contiguous()
@@ -209,14 +273,13 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % cp
             k_pos = shard_positions(seq_len, cp, src).to(q.device)
             k_rep, v_rep = _repeat_kv(kv[0], heads).float(), _repeat_kv(kv[1], heads).float()
-            probs = torch.exp(_block_scores(q, _repeat_kv(kv[0], heads), q_pos, k_pos, scale) - lse)
-            grad_v = probs.transpose(-2, -1) @ grad_out
-            grad_scores = probs * (grad_out @ v_rep.transpose(-2, -1) - delta)
-            grad_q += (grad_scores @ k_rep) * scale
-            grad_k = (grad_scores.transpose(-2, -1) @ qf) * scale
+            block_q, grad_k, grad_v = _block_backward(
+                grad_out, qf, k_rep, v_rep, out, lse, q_pos, k_pos, scale
+            )
+            grad_q += block_q
             b, _, s, d = grad_k.shape  # sum the query heads that share a kv head
-            grad_kv[0] += grad_k.view(b, -1, groups, s, d).sum(2)
-            grad_kv[1] += grad_v.view(b, -1, groups, s, d).sum(2)
+            grad_kv[0] += grad_k.reshape(b, -1, groups, s, d).sum(2)
+            grad_kv[1] += grad_v.reshape(b, -1, groups, s, d).sum(2)
             if step < cp - 1:
                 kv = _pass_on(kv, group, cp)
             grad_kv = _pass_on(grad_kv, group, cp)  # after cp hops the buffer is back at its owner

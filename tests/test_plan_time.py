@@ -634,3 +634,22 @@ def test_dtensor_tensor_parallelism_hides_no_backward_collective_behind_the_weig
     assert tp_exposed["dtensor"] == pytest.approx(tp_time)
     assert tp_exposed["megatron"] < 0.75 * tp_time
     assert megatron.step_time_s < dtensor.step_time_s
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("cp_impl", ["ring", "allgather"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_collectives_are_counted_as_the_ledger_counts_them(cp: int, cp_impl: str, recompute: str) -> None:
+    """Ring hops as a send and a receive each, the backward's gradient buffer one hop more (fp32);
+    all-gather's K and V in calls of their own: the layout plan's cp rows are the exact step's."""
+    from fivefold.plan.step import plan_step
+
+    model = load_model("small")
+    layout = Layout(cp=cp, dp=1, cp_impl=cp_impl, recompute=recompute).resolve(cp)
+    shape = TrainShape(seq_len=256, global_batch=8, micro_batch=2, act_bytes=4, param_bytes=4)
+    p = plan(model, load_hardware("cpu"), layout, shape)
+    step = plan_step(model, layout, 2, 256, p.microbatches, "fp32", {"pp": 0, "fsdp_cp": 0})
+    ops = ("send", "recv") if cp_impl == "ring" else ("all_gather", "reduce_scatter")
+    for op in ops:
+        planned = next(c for c in p.comm if c.axis == "cp" and c.op == op)
+        assert (planned.count, int(planned.bytes)) == step.comm[("cp", op)], op

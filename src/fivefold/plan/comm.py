@@ -98,8 +98,9 @@ def host_dispatch(hw: HardwareSpec, axis: str) -> float:
 def in_ledger_words(comms: list[Collective], layout: Layout) -> list[Collective]:
     """The plan's collectives under the names the comm ledger gives them: the data-parallel
     gradients and ZeRO traffic of a layout with context parallelism travel over the flattened
-    data×cp group (`fivefold.layout_math.replica_axis`: "cp", "dp_fsdp_cp", "fsdp_cp"), and a stage's
-    activations and their gradients both ways, as sends and as receives (half each)."""
+    data×cp group (`fivefold.layout_math.replica_axis`: "cp", "dp_fsdp_cp", "fsdp_cp"), a stage's
+    activations and their gradients both ways, as sends and as receives (half each), and each hop of
+    a cp ring as a send and a receive of the same block (the hop's time half on each)."""
     from dataclasses import replace
 
     out: list[Collective] = []
@@ -108,6 +109,11 @@ def in_ledger_words(comms: list[Collective], layout: Layout) -> list[Collective]
             half = {k: getattr(c, k) / 2 for k in ("bytes", "wire_bytes", "time_s", "exposed_s")}
             out.append(replace(c, count=c.count // 2, **half))
             out.append(replace(c, op=RECV, count=c.count - c.count // 2, **half))
+            continue
+        if c.axis == "cp" and c.op == SEND:  # a ring hop: every rank sends a block and receives one
+            half = {k: getattr(c, k) / 2 for k in ("time_s", "exposed_s")}
+            out.append(replace(c, **half))
+            out.append(replace(c, op=RECV, **half))
             continue
         if layout.cp > 1 and c.axis == "fsdp":
             c = replace(c, axis=replica_axis(layout, ("fsdp", "cp")) or c.axis)

@@ -284,33 +284,44 @@ def _plan(
             kv_local = kv_heads_local(model, layout.tp) * model.head_dim
             if layout.cp_impl == "ring":  # K,V blocks pass around the ring behind each block's attention
                 block = 2 * shape.act_bytes * tokens * kv_local
-                step_f = (c - 1) * t_of(SEND, block, 2, cp_link)
-                step_b = 2 * step_f  # K,V and their grads: two sends a ring step, as the ledger counts them
+                # backward: the blocks go round again with their gradient buffer, which takes one
+                # hop more, home (fp32 in fivefold's ring)
+                grad_block = 2 * (4 if shape.ring_grad_fp32 else shape.act_bytes) * tokens * kv_local
+                t_block, t_grad = t_of(SEND, block, 2, cp_link), t_of(SEND, grad_block, 2, cp_link)
+                step_f = (c - 1) * t_block
+                step_b = (c - 1) * t_block + c * t_grad
                 beside = 1.0 if hw.comm_overlap else 0.0  # on a CPU the ring's sends wait for the compute
                 e_f = n * max(step_f - beside * core / n, 0.0)
                 e_b = n * max(step_b - 2 * beside * core / n, 0.0)
                 exp_f += e_f
                 exp_b += e_b
-                recs.append(
-                    (
-                        "cp",
-                        SEND,
-                        block,
-                        c,
-                        cp_link,
-                        (c - 1) * (3 * n + r),
-                        (1 + again) * e_f + e_b,
-                        "attention blocks",
+                if grad_block != block:
+                    hops = {block: (c - 1) * (2 * n + r), grad_block: c * n}
+                else:
+                    hops = {block: (c - 1) * (2 * n + r) + c * n}
+                sent = sum(count * t_of(SEND, size, 2, cp_link) for size, count in hops.items())
+                for size, count in hops.items():
+                    share = count * t_of(SEND, size, 2, cp_link) / sent
+                    recs.append(
+                        (
+                            "cp",
+                            SEND,
+                            size,
+                            c,
+                            cp_link,
+                            count,
+                            share * ((1 + again) * e_f + e_b),
+                            "attention blocks",
+                        )
                     )
-                )
-            elif layout.cp_impl == "allgather":  # K,V gathered forward, their grads reduce-scattered
-                gathered = 2 * shape.act_bytes * shape.seq_len * shape.micro_batch * kv_local
-                t_ag = n * t_of(ALL_GATHER, gathered, c, cp_link, "cp")
-                t_rs = n * t_of(REDUCE_SCATTER, gathered, c, cp_link, "cp")
+            elif layout.cp_impl == "allgather":  # K and V gathered forward, their grads reduce-scattered
+                each = shape.act_bytes * shape.seq_len * shape.micro_batch * kv_local  # K or V, gathered
+                t_ag = 2 * n * t_of(ALL_GATHER, each, c, cp_link, "cp")
+                t_rs = 2 * n * t_of(REDUCE_SCATTER, each, c, cp_link, "cp")
                 exp_f += t_ag
                 exp_b += t_rs
-                recs.append(("cp", ALL_GATHER, gathered, c, cp_link, n + r, (1 + again) * t_ag, "none"))
-                recs.append(("cp", REDUCE_SCATTER, gathered, c, cp_link, n, t_rs, "none"))
+                recs.append(("cp", ALL_GATHER, each, c, cp_link, 2 * (n + r), (1 + again) * t_ag, "none"))
+                recs.append(("cp", REDUCE_SCATTER, each, c, cp_link, 2 * n, t_rs, "none"))
             else:  # Ulysses: q, k, v in and the output back, all-to-all over heads
                 payload = shape.act_bytes * tokens * (model.heads * model.head_dim / layout.tp + kv_local) / 2
                 t4 = 4 * n * t_of(ALL_TO_ALL, payload, c, cp_link)

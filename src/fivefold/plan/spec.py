@@ -74,6 +74,9 @@ class TrainShape:
     # asynchronous grad-input communication); DTensor's (fivefold's, torchtitan's eager) is waited on
     # by the next op of the backward. Published Megatron-family runs set it
     tp_backward_overlap: bool = False
+    # ring context parallelism's gradient buffer for K and V travels in fp32 (fivefold's ring); the
+    # published runs' rings send it in the activations' dtype
+    ring_grad_fp32: bool = True
 
     def validate(self) -> TrainShape:
         for name in ("seq_len", "global_batch", "micro_batch"):

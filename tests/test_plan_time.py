@@ -653,3 +653,20 @@ def test_cp_collectives_are_counted_as_the_ledger_counts_them(cp: int, cp_impl: 
     for op in ops:
         planned = next(c for c in p.comm if c.axis == "cp" and c.op == op)
         assert (planned.count, int(planned.bytes)) == step.comm[("cp", op)], op
+
+
+def test_ddp_buckets_are_planned_as_torch_rebuilds_them() -> None:
+    """fivefold's DDP: the first bucket 1 MiB, then 25 MiB; the exact step has those buckets and the
+    reported loss's 4-byte all-reduce, which the layout plan leaves to the step overhead."""
+    from fivefold.plan.step import plan_step
+
+    model = load_model("small")  # 3 MB of fp32 gradients: two buckets
+    layout = Layout(dp=2, zero=0).resolve(2)
+    shape = TrainShape(seq_len=256, global_batch=16, micro_batch=4, act_bytes=4, param_bytes=4)
+    p = plan(model, load_hardware("cpu"), layout, shape)
+    step = plan_step(model, layout, 4, 256, p.microbatches, "fp32", {"pp": 0, "dp": 0})
+    planned = next(c for c in p.comm if c.axis == "dp" and c.op == "all_reduce")
+    calls, nbytes = step.comm[("dp", "all_reduce")]
+    assert (planned.count, int(planned.bytes)) == (calls - 1, nbytes - 4) == (2, nbytes - 4)
+    published = plan(model, load_hardware("cpu"), layout, dataclasses.replace(shape, torch_ddp_buckets=False))
+    assert next(c for c in published.comm if c.axis == "dp" and c.op == "all_reduce").count == 1

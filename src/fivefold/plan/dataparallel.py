@@ -120,7 +120,12 @@ def data_parallel_traffic(
         if group <= 1 or payload <= 0:
             return
         k = per_node if link == shard_link else 1
-        buckets = pieces or max(1, math.ceil(payload / bucket_bytes(group)))
+        if pieces:
+            buckets = pieces
+        elif shape.torch_ddp_buckets and op == ALL_REDUCE:  # as torch rebuilds them: 1 MiB, then 25 MiB
+            buckets = 1 + max(0, math.ceil((payload - DDP_FIRST_BUCKET) / DDP_BUCKET))
+        else:
+            buckets = max(1, math.ceil(payload / bucket_bytes(group)))
         t = buckets * collective_time(hw, op, payload / buckets, group, link, k, axis)[1]
         hidden = window if overlap else 0.0
         exposed = max(t - hidden, t / buckets)

@@ -91,7 +91,12 @@ TRAINERS = {
     # nanotron's pipeline engines are all-forward-all-backward and 1F1B: no interleaved chunks
     "huggingface/nanotron": {"interleaved": False},
     # fivefold's own run directories (`framework = "fivefold"`): DTensor's sequence parallelism
-    "fivefold": {"tp_regather": False, "tp_backward_overlap": False, "ring_grad_fp32": True},
+    "fivefold": {
+        "tp_regather": False,
+        "tp_backward_overlap": False,
+        "ring_grad_fp32": True,
+        "torch_ddp_buckets": True,
+    },
 }
 FILL = {  # what an unpublished layout field defaults to (see docs/planner.md, "Unknowns")
     "micro_batch": 1,
@@ -444,6 +449,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         tp_regather=bool(trainer.get("tp_regather", True)),
         tp_backward_overlap=bool(trainer.get("tp_backward_overlap", True)),
         ring_grad_fp32=bool(trainer.get("ring_grad_fp32", False)),
+        torch_ddp_buckets=bool(trainer.get("torch_ddp_buckets", False)),
     )
     offload_known = not ({"cpu_offload", "offload_optimizer", "offload"} & unknown)
     free = []

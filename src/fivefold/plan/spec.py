@@ -77,6 +77,10 @@ class TrainShape:
     # ring context parallelism's gradient buffer for K and V travels in fp32 (fivefold's ring); the
     # published runs' rings send it in the activations' dtype
     ring_grad_fp32: bool = True
+    # plain data parallelism's gradient buckets as torch DDP rebuilds them after the first step (the
+    # first 1 MiB, then 25 MiB each: fivefold's runtime); published runs: Megatron's, grown with the
+    # group so that a large ring's latency stays amortised
+    torch_ddp_buckets: bool = True
 
     def validate(self) -> TrainShape:
         for name in ("seq_len", "global_batch", "micro_batch"):

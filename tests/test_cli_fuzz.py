@@ -68,6 +68,16 @@ def inputs(tmp_path_factory, tiny_run, corpus) -> dict[str, str]:
     for name, cfg in bad_hf.items():
         write(name, json.dumps(cfg))
     write("broken.json", "{not json")
+    shape = "hidden = 32\nheads = 4\nvocab = 256\nffn_hidden = 64\n"
+    write("layers_true.toml", "layers = true\n" + shape)  # an int to Python, not to the reader
+    write("eps_nan.toml", "layers = 2\nnorm_eps = nan\n" + shape)  # trained NaN from step 1
+    write("rope_neg.toml", "layers = 2\nrope_theta = -1.0\n" + shape)
+    write("maxseq_neg.toml", "layers = 2\nmax_seq_len = -1\n" + shape)
+    write("experts_neg.toml", "layers = 2\nexperts = -1\n" + shape)
+    write("model_int.toml", "model = 5\n")  # --model: a key where the table belongs
+    write("hf_tie_str.json", json.dumps(dict(hf, tie_word_embeddings=5)))
+    (root / "not_text.json").write_bytes(b"\xff\xfe\x00{")
+    files["not_text_json"] = str(root / "not_text.json")
     # a run directory whose ledger is not JSON, and one whose checkpoint lost a shard
     ledger = root / "bad_ledger"
     shutil.copytree(tiny_run, ledger)
@@ -156,18 +166,28 @@ MUTATIONS: dict[str, dict[str, list[str]]] = {
         "--watchdog": ["-1", "nan"],
         "--device": ["tpu", "cuda0"],
         "--dtype": ["fp16"],
-        "--nproc": ["0", "-2"],
+        "--nproc": ["0", "-2", "65"],
         "--data": ["{root}/nothing-here"],
         "--tokenizer": ["{root}/none.json"],
         "--model": ["no-such-model", "{root}/missing.toml", "{badmodel_toml}", "{broken_json}"]
         + ["{hf_heads0_json}", "{hf_heads_str_json}", "{hf_rope_json}", "{hf_deepseek_json}"]
-        + ["{hf_list_json}", "{hf_nolayers_json}"],
+        + ["{hf_list_json}", "{hf_nolayers_json}", "{layers_true_toml}", "{eps_nan_toml}"]
+        + ["{rope_neg_toml}", "{maxseq_neg_toml}", "{model_int_toml}", "{not_text_json}"],
+        # a batch no machine holds: refused before it is sampled, not killed for memory
+        "--micro-batch": ["0", "-2", "99999999"],
+        "--pp-split": ["2,2"],  # a split for 2 stages without --pp 2
         "--config": ["{broken_toml}", "{unknown_toml}", "{model5_toml}", "{order5_toml}", "{data5_toml}"]
         + ["{evalb0_toml}", "{lrstr_toml}", "{train5_toml}", "{extra_toml}", "{root}/missing.toml"],
         "--run-dir": ["{occupied}", "{run}"],
         "--resume": ["--run-dir={root}/fresh-nothing", "--run-dir={no_shard}", "--run-dir={damaged}"],
     },
-    "demo": {"--steps": ["0", "-1"], "--seed": ["-5"], "--run-dir": ["{occupied}", "{run}"], **_ARGPARSE},
+    "demo": {
+        "--steps": ["0", "-1"],
+        "--seed": ["-5"],
+        "--run-dir": ["{occupied}", "{run}"],
+        "--nproc": ["0", "-1"],
+        **_ARGPARSE,
+    },
     "verify": {
         **_COUNTS,
         **_LAYOUT,
@@ -175,18 +195,23 @@ MUTATIONS: dict[str, dict[str, list[str]]] = {
         "--lr": ["-1", "nan", "0"],
         "--grad-clip": ["-1", "nan"],
         "--nproc": ["1", "0", "65"],
-        "--ledger-step": ["5"],
+        "--ledger-step": ["5", "-5"],
         "--accumulation": ["-1"],
         "--dtype": ["fp16"],
-        "--model": ["no-such-model", "{hf_heads0_json}", "{hf_rope_json}"],
+        "--micro-batch": ["0", "-2", "99999999"],
+        "--model": ["no-such-model", "{hf_heads0_json}", "{hf_rope_json}", "{layers_true_toml}"]
+        + ["{not_text_json}"],
     },
     "plan": {
         "--gpus": ["0", "-8", "7", "999999999999"],
         "--gpus-per-node": ["0", "-1"],
         "--seq-len": ["0", "-1"],
         "--global-batch": ["0", "-4", "3"],
-        "--model": ["no-such-model", "{hf_heads0_json}", "{hf_deepseek_json}", "{badmodel_toml}"],
-        "--hardware": ["no-such-gpu", "{root}/missing.toml", "{broken_toml}"],
+        "--model": ["no-such-model", "{hf_heads0_json}", "{hf_deepseek_json}", "{badmodel_toml}"]
+        + ["{experts_neg_toml}", "{hf_tie_str_json}", "{not_text_json}", "{model_int_toml}"],
+        "--hardware": ["no-such-gpu", "{root}/missing.toml", "{broken_toml}", "{model_int_toml}"],
+        "--context": ["0", "-1"],
+        "--pp-split": ["16,16"],
         "--tp": ["0", "3", "-1"],
         "--pp": ["0", "99"],
         "--top": ["-1"],
@@ -220,6 +245,9 @@ MUTATIONS: dict[str, dict[str, list[str]]] = {
         "--max-new-tokens": ["-1", "-5"],
         "--temperature": ["-1", "nan", "inf"],
         "--top-k": ["-1"],
+        "--seed": ["-1", "99999999999999999999999"],
+        "--init-seed": ["-1"],
+        "--nproc": ["65"],
         "--prompt-ids": ["a,b", "999999", ""],
         "--device": ["tpu"],
         "--checkpoint": ["77"],
@@ -301,6 +329,15 @@ NAMED = [
     ("verify", ["--seq-len", "100000"], "max_seq_len"),
     ("plan", ["--gpus-per-node", "0"], "--gpus-per-node"),
     ("explore", ["--seq-len", "0"], "--seq-len"),
+    ("train", ["--micro-batch", "99999999"], "lower --micro-batch"),
+    ("train", ["--pp-split", "2,2"], "pp × virtual_stages"),
+    ("plan", ["--pp-split", "16,16"], "pp × virtual_stages"),
+    ("plan", ["--mode", "inference", "--context", "0"], "--context must be a positive integer"),
+    ("plan", ["--model", "{layers_true_toml}"], "layers must be int"),
+    ("plan", ["--model", "{maxseq_neg_toml}"], "max_seq_len must be positive"),
+    ("plan", ["--model", "{not_text_json}"], "cannot read"),
+    ("demo", ["--nproc", "0"], "--nproc must be 1, 2, 4 or 8"),
+    ("generate", ["--seed", "99999999999999999999999"], "--seed must be in 0..2^63-1"),
     # a pipeline's micro-batch count that the per-rank batch (2) does not divide: refused before launch
     ("train", ["--nproc", "2", "--pp", "2", "--microbatches", "4"], "valid microbatches: 2"),
 ]

@@ -140,6 +140,12 @@ def test_resolved_config_round_trips(tmp_path):
         ("[trian]\nsteps = 2\n", "unknown table"),
         ("[model]\nlayers = 2\nhidden = 64\nheads = 6\nkv_heads = 4\nvocab = 256\n", "multiple of kv_heads"),
         ("[model]\nlayers = 2\nhidden = 64\n", "missing"),
+        ("[model]\nlayers = 2\nhidden = 64\n", "required: layers, hidden, heads, vocab"),
+        # `true` is an int to Python and "no" a truthy string: neither is what the file means
+        ("[model]\nlayers = true\nhidden = 64\nheads = 4\nvocab = 256\n", "layers must be int"),
+        ('[layout]\nsp = "no way"\n', "sp must be bool"),
+        ("[model]\nlayers = 2\nhidden = 64\nheads = 4\nvocab = 256\nnorm_eps = nan\n", "norm_eps must be"),
+        ("[model]\nlayers = 2\nhidden = 64\nheads = 4\nvocab = 256\nexperts = -2\n", "experts must be 0"),
     ],
 )
 def test_invalid_run_configs_name_the_constraint(tmp_path, toml, message):

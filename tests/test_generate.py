@@ -61,6 +61,15 @@ def test_sampling_options() -> None:
     assert all(tok in row for tok, row in zip(out[0].tolist(), top3.tolist()))
 
 
+def test_a_temperature_too_small_for_the_dtype_is_greedy() -> None:
+    from fivefold.model.generate import _pick
+
+    logits = torch.tensor([[0.5, 3.0, -1.0], [2.0, 1.0, 0.0]])
+    for temperature in (1e-320, 1e-45, 1e-30):  # 0 in fp32, a subnormal, a tiny normal
+        picked = _pick(logits, False, temperature, 0, torch.Generator().manual_seed(0))
+        assert picked.tolist() == [1, 0], temperature
+
+
 def test_stops_at_end_of_sequence() -> None:
     _, model = _model("tiny")
     prompt = torch.tensor([[5, 6, 7]])

@@ -204,3 +204,17 @@ def test_mesh_fills_the_world_with_dp_like_plan(capsys):
     assert main(["mesh", "--gpus", "16", "--tp", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["layout"]["dp"] == 8 and data["layout"]["tp"] == 2
+
+
+def test_a_node_larger_than_the_world_draws_only_the_world(capsys, tmp_path):
+    """Columns for 10^11 GPUs per node, 8 of them used, once took minutes and gigabytes."""
+    from fivefold.cli import main
+
+    svg = tmp_path / "m.svg"
+    assert (
+        main(["mesh", "--gpus", "8", "--tp", "2", "--gpus-per-node", "99999999999", "--svg", str(svg)]) == 0
+    )
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "gpu0" in line)
+    assert len(header) < 100 and "gpu7" in header and "gpu8" not in header
+    assert svg.stat().st_size < 10_000

@@ -251,6 +251,17 @@ def test_bad_runs_file_names_the_run_and_the_field(capsys, tmp_path) -> None:
     assert "not found" in capsys.readouterr().err
 
 
+def test_cross_validate_needs_two_sources(capsys, tmp_path) -> None:
+    # leaving the one source out leaves nothing to fit on (a median of no runs, once a traceback)
+    runs = tmp_path / "runs.toml"
+    runs.write_text(BAD_RUN.replace("vocab = 32000", "vocab = 32000\nseq_len = 4096"))
+    assert main(["plan", "--validate", str(runs)]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--cross-validate", str(runs)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "at least 2 sources" in err[0] and "--validate" in err[0]
+
+
 @pytest.mark.parametrize(
     "layout, needle",
     [

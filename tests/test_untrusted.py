@@ -198,3 +198,94 @@ def test_a_users_files_are_not_overwritten_by_a_new_run(tmp_path, capsys, corpus
         argv = ["train", "--model", "tiny", "--steps", "1", "--data", corpus, "--device", "cpu"]
         _one_line_exit_2(capsys, argv + ["--nproc", nproc, "--run-dir", str(mine)], "would overwrite")
     assert (mine / name).read_text() == "# my own notes\n"
+
+
+# a run directory's other files, damaged or edited by hand: `report` reads them all
+DAMAGED_FILES = [
+    ("metrics.jsonl", b"\xff\xfe not text\n", "cannot read"),
+    ("metrics.jsonl", b"[1, 2]\n", "numeric step and loss"),
+    ("metrics.jsonl", b'{"step": 1, "loss": {"a": 1}}\n', "numeric step and loss"),
+    ("metrics.jsonl", b'{"step": 1, "loss": null}\n', "numeric step and loss"),
+    ("ledger.json", b"[1, 2]", "by_axis"),
+    ("ledger.json", b'{"by_axis": {"tp": "x"}}', "numeric count and bytes"),
+    ("trace.json", b'{"traceEvents": 5}', "list of trace events"),
+    ("trace.json", b'[{"cat": "pipeline", "ph": "X", "args": 5}]', "pipeline event 0"),
+]
+
+
+@pytest.mark.parametrize(("name", "data", "words"), DAMAGED_FILES)
+def test_report_on_damaged_run_files_is_one_line(run_dir, tmp_path, capsys, name, data, words):
+    from fivefold.measure.timeline import CATEGORY
+
+    run = tmp_path / "copy"
+    shutil.copytree(run_dir, run)
+    (run / name).write_bytes(data.replace(b'"pipeline"', json.dumps(CATEGORY).encode()))
+    _one_line_exit_2(capsys, ["report", str(run), "--out", str(tmp_path / "r.svg")], words)
+    assert not (tmp_path / "r.svg").exists()
+
+
+def test_report_on_a_directory_where_metrics_belong(run_dir, tmp_path, capsys):
+    run = tmp_path / "copy"
+    shutil.copytree(run_dir, run)
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").mkdir()
+    _one_line_exit_2(capsys, ["report", str(run), "--out", str(tmp_path / "r.svg")], "cannot read")
+
+
+@pytest.mark.parametrize(
+    ("damage", "words"),
+    [
+        ("metrics_not_text", "cannot read"),
+        ("metrics_dir", "is not a file"),
+        ("loss_png_dir", "is not a file"),  # found before the steps run, not when the plot is drawn
+        ("no_config", "is missing"),  # else the default model is built and its checkpoint blamed
+        ("config_without_model", "has no [model] table"),
+    ],
+)
+def test_resume_refuses_a_damaged_run_directory_before_training(
+    run_dir, tmp_path, capsys, monkeypatch, damage, words
+):
+    import fivefold.train.loop
+
+    run = tmp_path / "copy"
+    shutil.copytree(run_dir, run)
+    if damage == "metrics_not_text":
+        (run / "metrics.jsonl").write_bytes(b"\xff\xfe\x00")
+    elif damage in ("metrics_dir", "loss_png_dir"):
+        name = "metrics.jsonl" if damage == "metrics_dir" else "loss.png"
+        if (run / name).exists():
+            (run / name).unlink()
+        (run / name).mkdir()
+    elif damage == "no_config":
+        (run / "config.toml").unlink()
+    else:
+        text = (run / "config.toml").read_text()
+        (run / "config.toml").write_text(text[text.index("[train]") :])
+    before = {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.is_file()}
+    started = []
+    real = fivefold.train.loop.build_runner
+    monkeypatch.setattr(
+        fivefold.train.loop, "build_runner", lambda *a, **k: started.append(1) or real(*a, **k)
+    )
+    argv = ["train", "--run-dir", str(run), "--resume", "--steps", "2", "--no-progress"]
+    _one_line_exit_2(capsys, argv, words)
+    assert not started
+    assert before == {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "words"),
+    [
+        ("hidden = 32", "hidden = 64", "does not describe this checkpoint"),
+        ("vocab = 256", "vocab = 1000000000000", "weights take"),  # refused, not allocated
+    ],
+)
+def test_generate_from_a_hand_edited_config(run_dir, tmp_path, capsys, old, new, words):
+    run = tmp_path / "copy"
+    shutil.copytree(run_dir, run)
+    text = (run / "config.toml").read_text()
+    assert old in text
+    (run / "config.toml").write_text(text.replace(old, new, 1))
+    _one_line_exit_2(
+        capsys, ["generate", "--from", str(run), "--prompt", "x", "--max-new-tokens", "2"], words
+    )

@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
+    if args.nproc < 1:  # else taken for one process, as if 1 had been given
+        raise FivefoldError(f"--nproc must be 1, 2, 4 or 8 (CPU ranks), got {args.nproc}")
     if "OMP_NUM_THREADS" not in os.environ and not torch.cuda.is_available():
         # a model this small gains little from a second thread, and threads that spin-wait for each
         # other slow down tenfold on a machine whose cores are busy with anything else

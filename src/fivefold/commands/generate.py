@@ -78,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
             f"--temperature must be a finite number >= 0 and --top-k >= 0 (0: all), "
             f"got {args.temperature} and {args.top_k}"
         )
+    for flag, seed in (("--seed", args.seed), ("--init-seed", args.init_seed)):
+        if not 0 <= seed < 2**63:  # what torch's generators take, as train and verify say
+            raise FivefoldError(f"{flag} must be in 0..2^63-1, got {seed}")
     from fivefold.parallel.serve import resolve_degrees
 
     dp = None if args.dp in (None, -1) else args.dp  # fill: nproc / (tp·pp)
@@ -237,8 +240,31 @@ def _random_model(name: str, seed: int, dtype: str | None, device: Any) -> tuple
     from fivefold.model.hf import DTYPES
     from fivefold.train.tokenizer import ByteTokenizer
 
-    model = materialize(build_model(load_model(name)), device, seed).to(DTYPES[dtype or "fp32"]).eval()
+    spec = load_model(name)
+    check_weights_fit(spec, dtype, device)
+    model = materialize(build_model(spec), device, seed).to(DTYPES[dtype or "fp32"]).eval()
     return model, ByteTokenizer() if model.spec.vocab >= 256 else None, None
+
+
+def check_weights_fit(spec: Any, dtype: str | None, device: Any) -> None:
+    """Refuse, before allocating, weights larger than the memory they would be made in: a hand-edited
+    vocab or width would otherwise end in the allocator's traceback or the out-of-memory kill."""
+    import os
+
+    import torch
+
+    from fivefold.layout_math import numel, param_shapes
+
+    need = sum(numel(shape) for shape in param_shapes(spec).values()) * (2 if dtype == "bf16" else 4)
+    if torch.device(device).type == "cuda":
+        have, where = torch.cuda.get_device_properties(torch.device(device)).total_memory, "the GPU's"
+    else:
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's"
+    if need > have:
+        raise FivefoldError(
+            f"model {spec.name}'s weights take {need / 1e9:,.1f} GB, more than {where} "
+            f"{have / 1e9:.1f} GB; serve it over ranks (--nproc with --tp/--pp) on a bigger machine"
+        )
 
 
 def load_for_generation(
@@ -277,13 +303,14 @@ def load_run(run_dir: Path, checkpoint: str = "latest", dtype: str | None = None
 
     config = RunConfig.from_toml(run_dir / "config.toml")
     path = find_checkpoint(run_dir, checkpoint)
-    model = empty_model(config.model, DTYPES[dtype or "fp32"], device)
-    weights = model.state_dict()
     try:
         stored = read_metadata(path).state_dict_metadata
     except Exception as exc:  # a missing or unreadable .metadata: DCP raises several kinds
         reason = (str(exc).strip().splitlines() or [""])[0][:200]
         raise FivefoldError(f"checkpoint {path} is unreadable ({type(exc).__name__}: {reason})") from None
+    check_weights_fit(config.model, dtype, device)  # config.toml may have been edited since
+    model = empty_model(config.model, DTYPES[dtype or "fp32"], device)
+    weights = model.state_dict()
     if config.model.tie_embeddings and "model.lm_head.weight" not in stored:
         weights.pop("lm_head.weight", None)  # the same tensor as the embedding
     missing = sorted(k for k in weights if f"model.{k}" not in stored)
@@ -292,6 +319,14 @@ def load_run(run_dir: Path, checkpoint: str = "latest", dtype: str | None = None
             f"checkpoint {path} does not hold the weights of the model in {run_dir / 'config.toml'}; "
             f"missing e.g. {', '.join(missing[:3])}"
         )
+    for name, tensor in weights.items():  # a hand-edited config.toml, not a damaged checkpoint
+        size = tuple(getattr(stored[f"model.{name}"], "size", ()))
+        if size and size != tuple(tensor.shape):
+            raise FivefoldError(
+                f"checkpoint {path} holds {name} of shape {list(size)}, but the model in "
+                f"{run_dir / 'config.toml'} has {list(tensor.shape)}: that config.toml does not describe "
+                "this checkpoint"
+            )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         try:

@@ -161,17 +161,18 @@ def render_grid(info, axis: str, color: bool = False, ranks: range | None = None
     index = _group_index(info, axis)
     d = info.dims[axis]
     g = info.gpus_per_node
+    columns = min(g, info.world)  # a node bigger than the world draws no empty columns (nor hangs)
     nodes = range(ranks.start // g, (ranks.stop - 1) // g + 1)
     head = f"{axis} groups ({d.size} ranks each, {len(d.groups)} groups); cell = rank:group"
     if len(ranks) < info.world:
         head += f"; ranks {ranks.start}-{ranks.stop - 1} of {info.world} (--ranks A-B shows others)"
     shown = [r for n in nodes for r in range(n * g, min((n + 1) * g, info.world))]
-    width = max([len(f"{r}:{index[r]}") for r in shown] + [len(f"gpu{g - 1}")])
+    width = max([len(f"{r}:{index[r]}") for r in shown] + [len(f"gpu{columns - 1}")])
     label = len(f"node {nodes[-1]}") + 2
-    lines = [head, " " * label + " ".join(f"gpu{i}".rjust(width) for i in range(g))]
+    lines = [head, " " * label + " ".join(f"gpu{i}".rjust(width) for i in range(columns))]
     for node in nodes:
         cells = []
-        for local in range(g):
+        for local in range(columns):
             rank = node * g + local
             if rank >= info.world or rank not in ranks:
                 cells.append(" " * width)
@@ -189,7 +190,8 @@ def render_svg(info, axis: str) -> str:
     index = _group_index(info, axis)
     d = info.dims[axis]
     cell, gap, left, top = 56, 6, 70, 46
-    width = left + info.gpus_per_node * (cell + gap) + 10
+    columns = min(info.gpus_per_node, info.world)  # as in render_grid
+    width = left + columns * (cell + gap) + 10
     height = top + info.nodes * (cell + gap) + 10
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
@@ -201,10 +203,10 @@ def render_svg(info, axis: str) -> str:
         y = top + node * (cell + gap)
         out.append(f'<text x="10" y="{y + cell // 2 + 4}">node {node}</text>')
         out.append(
-            f'<rect x="{left - 3}" y="{y - 3}" width="{info.gpus_per_node * (cell + gap)}" '
+            f'<rect x="{left - 3}" y="{y - 3}" width="{columns * (cell + gap)}" '
             f'height="{cell + 6}" fill="none" stroke="#999"/>'
         )
-        for local in range(info.gpus_per_node):
+        for local in range(columns):
             rank = node * info.gpus_per_node + local
             if rank >= info.world:
                 continue

@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             raise FivefoldError(f"--{flag} is required (unless --validate, --cross-validate or --calibrate)")
     model = load_model(args.model)
     check_gpus(args.gpus)
-    for flag in ("gpus_per_node", "seq_len", "global_batch", "micro_batch"):
+    for flag in ("gpus_per_node", "seq_len", "global_batch", "micro_batch", "context"):
         value = getattr(args, flag, None)
         if value is not None and value <= 0:
             raise FivefoldError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")

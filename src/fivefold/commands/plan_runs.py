@@ -59,6 +59,13 @@ def run_runs(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr)
     if not cases:
         raise FivefoldError("no run with a model shape and a published throughput to compare")
+    sources = {c.source for c in cases}
+    if cross and len(sources) < 2:  # leaving the one source out would leave nothing to fit on
+        raise FivefoldError(
+            f"--cross-validate leaves one source out at a time and fits on the rest, so it needs runs "
+            f"from at least 2 sources; these runs have {len(sources)} ({', '.join(sorted(sources))}); "
+            "use --validate for them"
+        )
     if not cross and paths:  # someone's own runs: predicted as the planner ships, nothing refitted
         title = "as shipped (preset knobs; the constant is the bundled runs' median MFU)"
         if given is not None:  # e.g. the file `--calibrate` wrote: does it predict the other runs?

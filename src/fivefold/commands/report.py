@@ -62,13 +62,14 @@ def run(args: argparse.Namespace) -> int:
     if out.suffix not in (".svg", ".png"):
         raise FivefoldError(f"--out must end in .svg or .png, got {out.name}")
     metrics = _read_metrics(run_dir / "metrics.jsonl")
-    ledger = _read_json(run_dir / "ledger.json")
+    ledger = _check_ledger(_read_json(run_dir / "ledger.json"), run_dir / "ledger.json")
     from fivefold.measure.timeline import idle_fraction, load_pipeline_events
 
     try:
         events = load_pipeline_events(run_dir / "trace.json")
-    except (json.JSONDecodeError, OSError) as exc:
+    except (ValueError, OSError) as exc:  # not JSON, not text, not a list of events
         raise FivefoldError(f"cannot read {run_dir / 'trace.json'}: {exc}") from None
+    events = _check_events(events, run_dir / "trace.json")
     step = _pick_step(events, args.step)
     timeline = [e for e in events if e["args"].get("step") == step]
     print(summary(run_dir, metrics, ledger, timeline, idle_fraction(events, step) if timeline else None))
@@ -90,22 +91,71 @@ def run(args: argparse.Namespace) -> int:
 # ---- reading
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not text
+        raise FivefoldError(f"cannot read {path}: {exc}") from None
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _read_metrics(path: Path) -> list[dict]:
+    """Every step's record; each must carry a numeric step and loss, which the summary and plot use."""
     if not path.exists():
         return []
     try:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        records = [json.loads(line) for line in _read_text(path).splitlines() if line.strip()]
     except json.JSONDecodeError as exc:
         raise FivefoldError(f"malformed {path}: {exc}") from None
+    for n, rec in enumerate(records, start=1):
+        if not isinstance(rec, dict) or not _real(rec.get("step")) or not _real(rec.get("loss")):
+            raise FivefoldError(f"malformed {path}: record {n} is not an object with a numeric step and loss")
+        if rec.get("held_out_loss") is not None and not _real(rec["held_out_loss"]):
+            raise FivefoldError(f"malformed {path}: record {n}: held_out_loss is not a number")
+    return records
 
 
 def _read_json(path: Path) -> Any:
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text())
+        return json.loads(_read_text(path))
     except json.JSONDecodeError as exc:
         raise FivefoldError(f"malformed {path}: {exc}") from None
+
+
+def _check_ledger(ledger: Any, path: Path) -> Any:
+    """The ledger as the summary reads it: per axis a numeric count and bytes."""
+    if ledger is None:
+        return None
+    by_axis = ledger.get("by_axis") if isinstance(ledger, dict) else None
+    if not isinstance(ledger, dict) or not isinstance(by_axis, dict | None):
+        raise FivefoldError(f"malformed {path}: expected an object with a 'by_axis' table")
+    for axis, row in (by_axis or {}).items():
+        if not (isinstance(row, dict) and _real(row.get("count")) and _real(row.get("bytes"))):
+            raise FivefoldError(f"malformed {path}: by_axis {axis!r} needs a numeric count and bytes")
+    return ledger
+
+
+def _check_events(events: list, path: Path) -> list[dict]:
+    """Pipeline events as the timeline draws them: name, rank, start and length, and their kind."""
+    for i, e in enumerate(events):
+        args = e.get("args")
+        if not (
+            isinstance(e.get("name"), str)
+            and all(_real(e.get(key)) for key in ("pid", "ts", "dur"))
+            and isinstance(args, dict)
+            and isinstance(args.get("kind"), str)
+            and _real(args.get("step"))
+        ):
+            raise FivefoldError(
+                f"malformed {path}: pipeline event {i} needs a name, numeric pid, ts and dur, and args "
+                "with a kind and a numeric step"
+            )
+    return events
 
 
 def _pick_step(events: list[dict], wanted: int | None) -> int | None:

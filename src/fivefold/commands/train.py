@@ -32,6 +32,7 @@ from fivefold.config import (
 )
 from fivefold.errors import FivefoldError
 from fivefold.parallel.compile import check_compile
+from fivefold.parallel.spawn import MAX_LOCAL_RANKS
 from fivefold.train import supervise
 from fivefold.train.launch import TrainJob, launch, run_job
 from fivefold.train.loop import preflight, runtime_layout
@@ -189,13 +190,20 @@ def _launched() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.nproc < 1:
-        raise FivefoldError(f"--nproc must be >= 1, got {args.nproc}")
+    if not 1 <= args.nproc <= MAX_LOCAL_RANKS:  # each is a process: a typo must not start thousands
+        raise FivefoldError(f"--nproc must be in 1..{MAX_LOCAL_RANKS} local ranks, got {args.nproc}")
     cfg = build_run_config(args)
     if args.resume is not None and not args.run_dir:
         raise FivefoldError("--resume needs the --run-dir of the run to continue")
     if args.resume is not None and args.config is None and args.model is None:
         saved = Path(args.run_dir) / "config.toml"
+        # without the run's own model the default one would be built, and its checkpoint blamed
+        if not saved.exists() or (saved.is_file() and _config_file(str(saved))[0] is None):
+            what = "has no [model] table" if saved.exists() else "is missing"
+            raise FivefoldError(
+                f"--resume: {saved} {what}, and resuming builds the run's model from it; "
+                "give the run's --model (or --config)"
+            )
         if saved.exists():  # continue with the run's own settings; flags still override
             args.config = str(saved)
             # any layout flag means "this layout now": the saved one is not merged into it

@@ -89,8 +89,12 @@ class Row:
 
 def run(args: argparse.Namespace) -> int:
     spec = load_model(args.model)
-    if args.nproc < 2 or args.nproc > 64:
-        raise FivefoldError(f"--nproc must be in 2..64 for a multi-rank comparison, got {args.nproc}")
+    from fivefold.parallel.spawn import MAX_LOCAL_RANKS
+
+    if args.nproc < 2 or args.nproc > MAX_LOCAL_RANKS:
+        raise FivefoldError(
+            f"--nproc must be in 2..{MAX_LOCAL_RANKS} for a multi-rank comparison, got {args.nproc}"
+        )
     if args.steps < 1:
         raise FivefoldError(f"--steps must be positive, got {args.steps}")
     base = layout_from_args(args)
@@ -116,6 +120,14 @@ def run(args: argparse.Namespace) -> int:
     accumulation = args.accumulation or (layout.microbatches if layout.pp > 1 else 1)
     rows = train.micro_batch * layout.dp * layout.fsdp * accumulation
     train = dataclasses.replace(train, global_batch=rows)
+    from fivefold.train.loop import check_batch_fits, check_model_state_fits
+
+    check_model_state_fits(spec, train, args.nproc)  # out of memory in the ranks is no message
+    check_batch_fits(spec, train, layout, args.nproc)
+    if args.ledger_step < -1:
+        raise FivefoldError(
+            f"--ledger-step must be a step index >= 0 (or -1: the last), got {args.ledger_step}"
+        )
     ledger_step = args.ledger_step if args.ledger_step >= 0 else args.steps - 1
     if ledger_step >= args.steps:
         raise FivefoldError(f"--ledger-step must be below --steps {args.steps}, got {ledger_step}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,6 +21,9 @@ def _from_dict(cls: type[T], data: dict[str, Any], what: str) -> T:
         raise FivefoldError(
             f"unknown key(s) {', '.join(unknown)} in {what}; valid keys: {suggest(sorted(known), 40)}"
         )
+    required = [n for n, f in known.items() if f.default is MISSING and f.default_factory is MISSING]
+    if missing := [n for n in required if n not in data]:
+        raise FivefoldError(f"{what}: missing key(s) {', '.join(missing)}; required: {', '.join(required)}")
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         kwargs[name] = _coerce(value, known[name], what)
@@ -33,18 +36,25 @@ def _from_dict(cls: type[T], data: dict[str, Any], what: str) -> T:
 def _coerce(value: Any, f: dataclasses.Field, what: str) -> Any:
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     try:
-        if kind.startswith(("int", "float")) and isinstance(value, str):
-            raise ValueError  # a number written as a string is a mistake, not a number
+        if value is None and "None" not in kind:
+            raise ValueError  # JSON's null (TOML has none) where a value must be
+        if kind.startswith(("int", "float")) and isinstance(value, str | bool):
+            raise ValueError  # a number written as a string, or `true` (an int to Python), is a mistake
         if kind.startswith("str") and value is not None and not isinstance(value, str):
             raise FivefoldError(f"{what}: {f.name} must be a string, got {value!r}")
-        if kind.startswith("int") and not isinstance(value, bool) and value is not None:
+        if kind.startswith("int") and value is not None:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
             return int(value)
         if kind.startswith("float") and value is not None:
             return float(value)
-        if kind.startswith("bool") and isinstance(value, str):
-            return value.lower() in ("1", "true", "yes", "on")
+        if kind.startswith("bool") and not isinstance(value, bool):
+            # "no" or 5 would otherwise read as a truth value nobody wrote
+            words = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
+            words |= {"on": True, "off": False}
+            if not isinstance(value, str) or value.lower() not in words:
+                raise ValueError
+            return words[value.lower()]
     except (TypeError, ValueError):
         raise FivefoldError(f"{what}: {f.name} must be {kind}, got {value!r}") from None
     return value

@@ -55,8 +55,8 @@ def _model_spec_from_hf(cfg: dict[str, Any], name: str) -> ModelSpec:
                 cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4))
             ),
             norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
+            tie_embeddings=cfg.get("tie_word_embeddings") or False,  # "false" is parsed, not truthy
+            attention_bias=cfg.get("attention_bias") or False,
         )
     except KeyError as exc:
         raise FivefoldError(f"HF config {name}: missing key {exc}") from None
@@ -122,6 +122,6 @@ def _qwen3_moe_spec(cfg: dict[str, Any], name: str) -> dict[str, Any]:
         experts_per_token=cfg["num_experts_per_tok"],
         expert_ffn_hidden=cfg["moe_intermediate_size"],
         moe_layers=layers - len(dense),
-        router_norm_topk=bool(cfg.get("norm_topk_prob", False)),  # HF's default
+        router_norm_topk=cfg.get("norm_topk_prob") or False,  # HF's default
         aux_loss_coef=cfg.get("router_aux_loss_coef", 0.001),
     )

@@ -214,6 +214,15 @@ class Layout:
             raise FivefoldError(f"--pp-schedule {lay.pp_schedule} uses exactly 2 virtual stages per rank")
         if lay.pp_schedule in ("zbv", "dualpipev") and lay.pp > 1:
             lay.virtual_stages = 2
+        if not isinstance(lay.pp_split, str):
+            raise FivefoldError(f"--pp-split takes layer counts like 2,2; got {lay.pp_split!r}")
+        given = [x for x in lay.pp_split.replace(" ", "").split(",") if x]
+        if given and len(given) != lay.pp * lay.virtual_stages:  # else a split for other stages is ignored
+            raise FivefoldError(
+                f"--pp-split {lay.pp_split} names {len(given)} chunks but pp × virtual_stages = "
+                f"{lay.pp} × {lay.virtual_stages} = {lay.pp * lay.virtual_stages}; give that many layer "
+                "counts, or the --pp (and --virtual-stages) this split is for"
+            )
         if lay.microbatches < 0:
             raise FivefoldError(f"--microbatches must be >= 1 (or 0: the default), got {lay.microbatches}")
         if lay.microbatches == 0:

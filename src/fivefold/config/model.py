@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from fivefold.errors import FivefoldError, divisors, suggest
 
 MAX_LAYERS = 10_000  # published models have a few hundred at most
+NON_NEGATIVE_COUNTS = (
+    "experts",
+    "experts_per_token",
+    "expert_ffn_hidden",
+    "shared_experts",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rope_original_max_len",
+)
+POSITIVE_REALS = ("rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "norm_eps")
+NON_NEGATIVE_REALS = ("init_std", "aux_loss_coef", "router_bias_rate")
 
 
 @dataclass
@@ -67,6 +81,22 @@ class ModelSpec:
 
     # ---- validation
     def validate(self) -> ModelSpec:
+        if self.max_seq_len <= 0:
+            raise FivefoldError(f"model {self.name}: max_seq_len must be positive, got {self.max_seq_len}")
+        for name in NON_NEGATIVE_COUNTS:  # a negative count would slip past the `if experts:` tests below
+            if getattr(self, name) < 0:
+                raise FivefoldError(f"model {self.name}: {name} must be 0 or more, got {getattr(self, name)}")
+        # a NaN or negative here trains or samples NaN from the first step on
+        for name in POSITIVE_REALS:
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise FivefoldError(
+                    f"model {self.name}: {name} must be a positive finite number, got {value}"
+                )
+        for name in NON_NEGATIVE_REALS:
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise FivefoldError(f"model {self.name}: {name} must be a finite number >= 0, got {value}")
         for name in ("layers", "hidden", "heads", "vocab", "ffn_hidden", "kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise FivefoldError(f"model {self.name}: {name} must be positive, got {getattr(self, name)}")

@@ -39,10 +39,14 @@ def load_model(name_or_path: str) -> ModelSpec:
             cfg = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise FivefoldError(f"malformed JSON in {path}: {exc}") from None
+        except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not text
+            raise FivefoldError(f"cannot read {path}: {exc}") from None
         return model_spec_from_hf(cfg, name=path.parent.name or "hf").validate()
     if path.suffix == ".toml" or path.exists():
         data = read_toml(path)
         data = data.get("model", data)
+        if not isinstance(data, dict):  # `model = 5`: a key where the [model] table belongs
+            raise FivefoldError(f"model file {path}: model must be a [model] table, got {data!r}")
         data.setdefault("name", path.stem)
         return _from_dict(ModelSpec, data, f"model file {path}").validate()
     raise FivefoldError(
@@ -60,6 +64,8 @@ def load_hardware(name_or_path: str) -> HardwareSpec:
     if path.suffix == ".toml" or path.exists():
         data = read_toml(path)
         data = data.get("hardware", data)
+        if not isinstance(data, dict):
+            raise FivefoldError(f"hardware file {path}: hardware must be a [hardware] table, got {data!r}")
         data.setdefault("name", path.stem)
         return _from_dict(HardwareSpec, data, f"hardware file {path}").validate()
     raise FivefoldError(

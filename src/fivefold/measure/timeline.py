@@ -240,4 +240,6 @@ def load_pipeline_events(path: str | Path) -> list[dict[str, Any]]:
         return []
     data = json.loads(p.read_text())
     events = data.get("traceEvents", []) if isinstance(data, dict) else data
-    return [e for e in events if e.get("cat") == CATEGORY and e.get("ph") == "X"]
+    if not isinstance(events, list):  # the file is read back from a run directory: anything may be there
+        raise ValueError("expected a list of trace events")
+    return [e for e in events if isinstance(e, dict) and e.get("cat") == CATEGORY and e.get("ph") == "X"]

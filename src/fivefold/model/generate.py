@@ -185,9 +185,12 @@ def _pick(
     logits: torch.Tensor, greedy: bool, temperature: float, top_k: int, generator: torch.Generator | None
 ) -> torch.Tensor:
     """logits [b, V] -> one token id per row."""
-    if greedy or temperature <= 0:
+    # a temperature the logits' dtype rounds to 0 is the greedy limit (dividing by it gives NaN)
+    if greedy or temperature < torch.finfo(logits.dtype).tiny:
         return logits.argmax(dim=-1)
-    logits = logits / temperature
+    # shifted to a maximum of 0 first (softmax does not change): a tiny temperature then makes the
+    # rest -inf, not the largest +inf, whose softmax is NaN
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

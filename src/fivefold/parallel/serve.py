@@ -35,6 +35,7 @@ import torch.distributed as dist
 from fivefold.config import Layout, ModelSpec, load_model
 from fivefold.errors import FivefoldError, suggest
 from fivefold.model.generate import Sampler, decode
+from fivefold.parallel.spawn import MAX_LOCAL_RANKS
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,8 @@ def resolve_degrees(nproc: int, tp: int, pp: int, dp: int | None) -> tuple[int, 
     for name, value in (("--nproc", nproc), ("--tp", tp), ("--pp", pp), ("--dp", dp or 1)):
         if value < 1:
             raise FivefoldError(f"{name} must be a positive integer, got {value}")
+    if nproc > MAX_LOCAL_RANKS:  # each is a process: a typo must not start thousands
+        raise FivefoldError(f"--nproc must be in 1..{MAX_LOCAL_RANKS} local ranks, got {nproc}")
     if dp is None:
         if nproc % (tp * pp):
             raise FivefoldError(

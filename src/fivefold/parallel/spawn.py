@@ -29,6 +29,8 @@ _QUIET = (
 
 
 LOOPBACK = "127.0.0.1"
+# local ranks one command starts: more than any node has GPUs; far more gloo ranks than cores only thrash
+MAX_LOCAL_RANKS = 64
 
 
 def threads_per_rank(local_ranks: int) -> int:

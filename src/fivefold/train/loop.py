@@ -128,6 +128,7 @@ def preflight(cfg: RunConfig, run_dir: Path, resume: str | None, world: int) -> 
         raise FivefoldError("device cuda was asked for but no CUDA GPU is visible; use --device cpu")
     check_data_source(tspec.data)
     check_model_state_fits(spec, tspec, world)
+    check_batch_fits(spec, tspec, layout, world)
     tokenizer = load_tokenizer(tspec.tokenizer)
     if tokenizer.vocab_size > spec.vocab:
         raise FivefoldError(
@@ -163,6 +164,26 @@ def check_model_state_fits(spec: ModelSpec, tspec: TrainSpec, world: int) -> Non
             f"state take {STATE_BYTES_PER_PARAM} bytes each, {need / 1e9:,.1f} GB even spread over the "
             f"{world} rank(s), more than {where}; train a smaller model, or size a layout for it first "
             "with `fivefold plan --search`"
+        )
+
+
+def check_batch_fits(spec: ModelSpec, tspec: TrainSpec, layout: Layout, world: int) -> None:
+    """Refuse, before any rank allocates, a batch whose token windows (int64, a data rank's whole share
+    of the step, sampled at once) and one micro-batch's fp32 logits alone exceed this machine's memory:
+    `--micro-batch 99999999` would otherwise end in the kernel's out-of-memory kill, not a message."""
+    data_ranks = layout.dp * layout.fsdp
+    rows = (tspec.global_batch or tspec.micro_batch * data_ranks) // data_ranks
+    windows = rows * (tspec.seq_len + 1) * 8
+    logits = tspec.micro_batch * tspec.seq_len * spec.vocab * 4 // (layout.tp * layout.cp)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if "RANK" in os.environ else world
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if (windows + logits) * local > have:
+        raise FivefoldError(
+            f"--micro-batch {tspec.micro_batch} × --seq-len {tspec.seq_len} (global batch "
+            f"{rows * data_ranks}): a rank's token windows and one micro-batch's logits alone take "
+            f"{(windows + logits) / 1e9:,.1f} GB, {(windows + logits) * local / 1e9:,.1f} GB over the "
+            f"{local} rank(s) here, more than this machine's {have / 1e9:.1f} GB; lower --micro-batch, "
+            "--global-batch or --seq-len"
         )
 
 
@@ -204,9 +225,10 @@ RUN_FILES = (
 
 def check_run_dir(run_dir: Path, resume: str | None) -> None:
     """A new run goes into an empty place: never over another run or files someone else wrote."""
-    if resume is not None:
-        return
     run_dir = Path(run_dir)
+    if resume is not None:
+        _check_resumable(run_dir)
+        return
     if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
         raise FivefoldError(
             f"{run_dir} already holds a run; pass --resume to continue it or pick another --run-dir"
@@ -216,6 +238,22 @@ def check_run_dir(run_dir: Path, resume: str | None) -> None:
             f"{run_dir} already has {', '.join(present)}, which a new run would overwrite; "
             "pick another --run-dir or move those files"
         )
+
+
+def _check_resumable(run_dir: Path) -> None:
+    """The files a resumed run rewrites at its end are files it can write, and the metrics it keeps
+    are text: found now, not after the steps have run."""
+    for name in RUN_FILES:
+        if name != "checkpoints" and (run_dir / name).exists() and not (run_dir / name).is_file():
+            raise FivefoldError(
+                f"{run_dir / name} is not a file; a resumed run rewrites it: move it away to resume"
+            )
+    metrics = run_dir / "metrics.jsonl"
+    try:
+        if metrics.exists():
+            metrics.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FivefoldError(f"cannot read {metrics}, which a resumed run continues: {exc}") from None
 
 
 def _setup_run_dir(run_dir: Path, cfg: RunConfig, resume: str | None, rank: int) -> None:

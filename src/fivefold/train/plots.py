@@ -28,12 +28,13 @@ def plot_loss_curve(metrics_path: Path, out_path: Path, vocab: int | None = None
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    records = read_metrics(metrics_path)
+    # a line edited by hand, or written by something else, is left out rather than stop the plot
+    records = [r for r in read_metrics(metrics_path) if _numeric(r, "step") and _numeric(r, "loss")]
     if not records:
         return None
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.2, label="train")
-    held = [r for r in records if r.get("held_out_loss") is not None]
+    held = [r for r in records if _numeric(r, "held_out_loss")]
     if held:
         ax.plot([r["step"] for r in held], [r["held_out_loss"] for r in held], "o-", ms=4, label="held-out")
     if vocab:
@@ -46,3 +47,8 @@ def plot_loss_curve(metrics_path: Path, out_path: Path, vocab: int | None = None
     fig.savefig(out_path)
     plt.close(fig)
     return out_path
+
+
+def _numeric(record: object, key: str) -> bool:
+    value = record.get(key) if isinstance(record, dict) else None
+    return isinstance(value, int | float) and not isinstance(value, bool)

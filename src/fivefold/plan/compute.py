@@ -119,6 +119,7 @@ def layer_time(
     rates: Rates,
     moe: bool,
     fused: bool = True,
+    causal_skip: bool = True,
 ) -> LayerTime:
     h, hd, tp = model.hidden, model.head_dim, layout.tp
     tokens = micro_batch * seq_len / layout.cp
@@ -146,7 +147,8 @@ def layer_time(
     core_flops = 2.0 * tokens * seq_len * heads_local * (qk_dim + v_dim)
     attn_rate = rates.attn_flops * head_dim_factor((qk_dim + v_dim) / 2)
     if arch.flash:
-        core_flops *= 0.5  # causal blocks above the diagonal are skipped
+        if causal_skip:
+            core_flops *= 0.5  # causal blocks above the diagonal are skipped
         core = core_flops / attn_rate
         core_bwd = 2.5 * core
         core_stream = 0.0

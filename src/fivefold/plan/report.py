@@ -102,11 +102,24 @@ def layer_times(
 ) -> dict[bool, LayerTime]:
     """Dense (False) and MoE (True) layer times, cached in `memo` across layouts."""
     out = {}
+    # fivefold's ring and all-gather cores score every key block under a position mask, the
+    # blocks above the diagonal too; Ulysses' causal kernel and published rings skip them
+    skip = layout.cp == 1 or layout.cp_impl == "ulysses" or shape.cp_causal_skip
     for moe in (False, True) if model.is_moe else (False,):
-        key = ("time", layout.tp, layout.cp, layout.sp, layout.ep, shape.micro_batch, shape.act_bytes, moe)
+        key = (
+            "time",
+            layout.tp,
+            layout.cp,
+            layout.sp,
+            layout.ep,
+            shape.micro_batch,
+            shape.act_bytes,
+            moe,
+            skip,
+        )
         if key not in memo:
             memo[key] = layer_time(
-                model, arch, layout, shape.micro_batch, shape.seq_len, rates, moe, shape.fused
+                model, arch, layout, shape.micro_batch, shape.seq_len, rates, moe, shape.fused, skip
             )
         out[moe] = memo[key]
     return out

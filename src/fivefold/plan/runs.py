@@ -96,6 +96,7 @@ TRAINERS = {
         "tp_backward_overlap": False,
         "ring_grad_fp32": True,
         "torch_ddp_buckets": True,
+        "cp_causal_skip": False,
     },
 }
 FILL = {  # what an unpublished layout field defaults to (see docs/planner.md, "Unknowns")
@@ -450,6 +451,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         tp_backward_overlap=bool(trainer.get("tp_backward_overlap", True)),
         ring_grad_fp32=bool(trainer.get("ring_grad_fp32", False)),
         torch_ddp_buckets=bool(trainer.get("torch_ddp_buckets", False)),
+        cp_causal_skip=bool(trainer.get("cp_causal_skip", True)),
     )
     offload_known = not ({"cpu_offload", "offload_optimizer", "offload"} & unknown)
     free = []

@@ -81,6 +81,9 @@ class TrainShape:
     # first 1 MiB, then 25 MiB each: fivefold's runtime); published runs: Megatron's, grown with the
     # group so that a large ring's latency stays amortised
     torch_ddp_buckets: bool = True
+    # context parallelism's attention skips the key blocks above the causal diagonal (published
+    # rings, load-balanced); fivefold's ring and all-gather cores compute them under a mask
+    cp_causal_skip: bool = False
 
     def validate(self) -> TrainShape:
         for name in ("seq_len", "global_batch", "micro_batch"):

@@ -269,6 +269,14 @@ def test_cross_validate_needs_two_sources(capsys, tmp_path) -> None:
         ('recompute = "full"\nrecompute_layers = 2.5', "recompute_layers must be an integer"),
         ('recompute = "selective"\nrecompute_layers = 2', 'needs recompute = "full"'),
         ('cp_impl = "zigzag"', "cp_impl must be one of ring, allgather, ulysses"),
+        ('pipeline_schedule = "zigzag"', "names no schedule fivefold knows"),
+        ("pipeline_schedule = 3", "pipeline_schedule must be a name"),
+        ('recompute = "sometimes"', "recompute must be one of none, selective, full, custom"),
+        ("virtual_stages = 0", "virtual_stages must be positive"),
+        ('sequence_parallel = "yes"', "sequence_parallel must be true or false"),
+        ('zero_stage = "one"', "zero_stage must be 0, 1, 2 or 3"),
+        ("zero_stage = 4", "zero_stage must be 0, 1, 2 or 3"),
+        ('cp = "two"', "layout.cp must be an integer"),
     ],
 )
 def test_a_runs_recompute_block_count_is_checked(capsys, tmp_path, layout: str, needle: str) -> None:
@@ -597,3 +605,57 @@ def test_a_hardware_file_with_impossible_numbers_is_one_line(
     assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--hardware", str(hw)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0]
+
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (
+            lambda t: t.replace("[run.measured]", "[run.measured]\ntflops_basis = 'weird'"),
+            "tflops_basis must be",
+        ),
+        (
+            lambda t: t.replace('id = "bad-run"', 'id = "bad-run"\nunknown = "layers"'),
+            "unknown must be a list",
+        ),
+        (lambda t: t + t, "given twice"),
+        (
+            lambda t: t.replace('[run.hardware]\ngpu = "H100 80GB"\n', 'hardware = "a100"\n'),
+            "hardware must be a table",
+        ),
+        (
+            lambda t: t.replace('gpu = "H100 80GB"', 'gpu = "H100"\ngpu_memory_gb = "80GB"'),
+            "must be a number",
+        ),
+        (lambda t: "run = [1, 2]\n", "is not a table"),
+        (lambda t: t.replace('source = "', 'source = "  "\nx = "'), "source must be a non-empty string"),
+    ],
+)
+def test_a_malformed_runs_file_is_one_line(capsys, tmp_path, edit, needle: str) -> None:
+    """Whatever is wrong in a runs file ends in one line naming it, exit 2, never a traceback."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text(edit(BAD_RUN.replace("vocab = 32000", "vocab = 32000\nseq_len = 2048")))
+    assert main(["plan", "--validate", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+
+
+def test_a_runs_file_that_is_not_text_is_one_line(capsys, tmp_path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b'[[run]]\nid = "\xff\xfe"\n')
+    assert main(["plan", "--validate", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "UTF-8" in err[0]
+
+
+@pytest.mark.parametrize("split", ["0,32", "32,0"])
+def test_a_pipeline_end_without_blocks_is_planned(capsys, split: str) -> None:
+    """`--pp-split` lets the first or last chunk hold only the embedding or the head."""
+    code = main(["plan", "--model", "llama3-8b", "--gpus", "2", "--pp", "2", "--pp-split", split, "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["step_time_s"] > 0
+    from fivefold.config import Layout
+    from fivefold.plan.activations import counted_exactly
+
+    assert not counted_exactly(Layout(pp=2, pp_split=split))  # verify shows it as an estimate
+    assert counted_exactly(Layout(pp=2, pp_split="16,16"))

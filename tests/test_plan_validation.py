@@ -600,12 +600,19 @@ def test_a_measured_run_without_a_throughput_is_named_not_dropped_silently(tmp_p
         ("1F1B", "1f1b"),
         ("GPipe", "gpipe"),
         ("interleaved 1F1B", "interleaved-1f1b"),
+        ("AFAB", "gpipe"),
+        ("PipeDream-Flush (1F1B)", "1f1b"),
     ],
 )
 def test_a_runs_files_schedule_name_is_read_as_the_planner_names_it(stated: str, planned: str) -> None:
     from fivefold.plan.runs import _schedule
 
     assert _schedule(stated, 16, 1) == planned
+    if planned in ("dualpipev", "zbv"):  # two chunks a rank, as a run directory states them
+        assert _schedule(stated, 16, 2) == planned
+    for run_dir_name in ("1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev", "gpipe"):
+        v = 2 if run_dir_name in ("interleaved-1f1b", "zbv", "dualpipev") else 1
+        assert _schedule(run_dir_name, 4, v) == run_dir_name
 
 
 @pytest.mark.parametrize(

@@ -321,7 +321,7 @@ def _memory(per_rank: list[dict], plans: list[Any], acts: list[float], judged: b
         Row(
             "memory",
             f"saved activations, peak (worst: rank {worst_rank})"
-            + ("" if judged else " (an estimate for this schedule: not judged)"),
+            + ("" if judged else " (an estimate for this layout: not judged)"),
             f"{per_rank[worst_rank]['activations']:,}",
             f"{int(acts[worst_rank]):,}",
             diffs[worst_rank],

@@ -125,9 +125,10 @@ def micro_batch_saved(run: RunShape, chunk: Chunk) -> float:
     again = set(run.again([chunk]))
     total = sum(layer_saved(run, spec.is_moe_layer(i), i in again) for i in chunk.layers)
     bf16_weights = run.act_bytes == 2 and not run.autocast
-    total += 4 * t * spec.head_dim  # the rotary table: t·d/2 complex64 rotations
+    if chunk.layers:  # a first or last chunk may hold no block (`--pp-split 0,4`): no attention
+        total += 4 * t * spec.head_dim  # the rotary table: t·d/2 complex64 rotations
     if chunk.first:  # token ids, the first block's input (with bf16 weights its norm's fp32 copy)
-        total += 8 * t + (0 if bf16_weights else n * h * run.stream_bytes)
+        total += 8 * t + (0 if bf16_weights or not chunk.layers else n * h * run.stream_bytes)
     if chunk.last:  # final norm, the head's input (and autocast's weight copy), fp32 log-softmax
         total += 4 * n + 4 * n * h + (2 * n * h if bf16_weights else 0)
         total += _linear_inputs(run, t, h, 1) + _weights(run, spec.vocab * h / lay.tp)
@@ -138,10 +139,17 @@ def micro_batch_saved(run: RunShape, chunk: Chunk) -> float:
 def counted_exactly(layout: Layout) -> bool:
     """Whether `planned_activations` counts this layout's peak (what `fivefold verify` judges within
     10%). Not yet: pipelines that split the backward (zero-bubble, ZB-V, DualPipeV: what the
-    input-gradient half frees before the weight-gradient half) and pipelines with full recompute."""
+    input-gradient half frees before the weight-gradient half), pipelines with full recompute, and
+    a first or last stage without blocks (`--pp-split 0,4`), whose few saved bytes are the token ids:
+    views of the whole local batch, which the meter counts by storage, not per micro-batch."""
     if layout.pp == 1:
         return True
-    return layout.pp_schedule in ("gpipe", "1f1b", "interleaved-1f1b") and layout.recompute != "full"
+    empty_end = bool(layout.pp_split) and "0" in (s.strip() for s in layout.pp_split.split(","))
+    return (
+        layout.pp_schedule in ("gpipe", "1f1b", "interleaved-1f1b")
+        and layout.recompute != "full"
+        and not empty_end
+    )
 
 
 def planned_activations(

@@ -405,7 +405,10 @@ def _stage_memory(
         gather += 2 * shape.param_bytes * biggest
     buffers = logits + gather + working
     detail = {
-        "activations_per_layer": max(act(moe, "full") if r == c else per_layer[moe] for c, r, moe in kinds),
+        # a first or last stage may hold no layer at all (`--pp-split 0,32`): only the embedding or head
+        "activations_per_layer": max(
+            (act(moe, "full") if r == c else per_layer[moe] for c, r, moe in kinds), default=0.0
+        ),
         "in_flight_microbatches": flight,
         "layers_on_stage": n_dense + n_moe,
         "logits": logits,

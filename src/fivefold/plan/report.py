@@ -245,10 +245,11 @@ def _plan(
         (axis, op, payload, group, link, calls, exposed seconds, overlap), and one layer's (fwd, bwd)."""
         n_dense, n_moe = stage_counts(model, layout.pp, which, layout)
         n = n_dense + n_moe
+        per = max(n, 1)  # per-layer shares; a first or last stage may hold no layer (`--pp-split 0,32`)
         # full recompute runs the forward of its blocks (and their collectives) twice
         r_dense, r_moe = recomputed_counts(model, layout, which)
         r = r_dense + r_moe
-        again = r / n  # the share of the stage's per-layer forward collectives run again
+        again = r / per  # the share of the stage's per-layer forward collectives run again
         mix = [(n_dense, lt[False])] + ([(n_moe, lt[True])] if n_moe else [])
         f = _forward(lt, n_dense, n_moe)
         f_again = _forward(lt, r_dense, r_moe)
@@ -304,8 +305,8 @@ def _plan(
                 step_f = (c - 1) * t_block
                 step_b = (c - 1) * t_block + c * t_grad
                 beside = 1.0 if hw.comm_overlap else 0.0  # on a CPU the ring's sends wait for the compute
-                e_f = n * max(step_f - beside * core / n, 0.0)
-                e_b = n * max(step_b - 2 * beside * core / n, 0.0)
+                e_f = n * max(step_f - beside * core / per, 0.0)
+                e_b = n * max(step_b - 2 * beside * core / per, 0.0)
                 exp_f += e_f
                 exp_b += e_b
                 if grad_block != block:
@@ -387,7 +388,7 @@ def _plan(
             )
         # per layer: one forward pass, its backward, and (full recompute) the forward's collectives again
         exp_rc = exp_f * again
-        layer_f, layer_b = (f + exp_f) / n, (b + exp_b + exp_rc) / n
+        layer_f, layer_b = (f + exp_f) / per, (b + exp_b + exp_rc) / per
         if layout.tp > 1:  # the vocab-parallel embedding's output and the head's input
             emb, head = holds_embedding(which), holds_head(which)
             if layout.sp:  # scattered to / gathered from the sequence shards: embedding RS forward and
@@ -429,7 +430,7 @@ def _plan(
         compute = f + b + recompute + hf + hb
         t_f = f + hf + exp_f
         t_b = b + recompute + hb + exp_b + exp_rc  # recomputed forward collectives run in the backward
-        layer_b += recompute / n
+        layer_b += recompute / per
         return t_f, t_b, compute, exp_f + exp_b + exp_rc, recs, (layer_f, layer_b)
 
     # every distinct rank of the pipeline: the slowest sets the pace, the bubble is the others' fill

@@ -136,16 +136,30 @@ def load_runs(*paths: str | Path) -> list[dict[str, Any]]:
         if not p.is_file():
             raise FivefoldError(f"runs file {p}: not found")
         try:
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
             raise FivefoldError(f"runs file {p}: not valid TOML ({exc})") from None
+        except (UnicodeDecodeError, OSError) as exc:
+            raise FivefoldError(
+                f"runs file {p}: cannot be read as UTF-8 text ({exc.__class__.__name__})"
+            ) from None
         if not isinstance(data.get("run"), list) or not data["run"]:
             raise FivefoldError(f"runs file {p}: no [[run]] tables (format fivefold-reference-runs)")
         for i, run in enumerate(data["run"]):
+            if not isinstance(run, dict):
+                raise FivefoldError(f"runs file {p}: run #{i + 1} is not a table ([[run]]), got {run!r}")
+            name = run.get("id", f"#{i + 1}")
             for key in ("id", "source", "model", "layout", "measured"):
                 if key not in run:
-                    name = run.get("id", f"#{i + 1}")
                     raise FivefoldError(f"runs file {p}: run {name} has no {key!r}")
+            for key in ("id", "source"):
+                if not isinstance(run[key], str) or not run[key].strip():
+                    raise FivefoldError(f"runs file {p}: run {name}: {key} must be a non-empty string")
+            for key in ("model", "layout", "measured", "hardware"):
+                if key in run and not isinstance(run[key], dict):
+                    raise FivefoldError(f"runs file {p}: run {name}: {key} must be a table ([run.{key}])")
+            if any(r["id"] == run["id"] for r in runs):
+                raise FivefoldError(f"runs file {p}: run id {run['id']!r} is given twice; ids must be unique")
             runs.append({**run, "_file": str(p)})
     return runs
 
@@ -222,6 +236,8 @@ def hardware(run: dict[str, Any]) -> HardwareSpec:
     """The run's GPU: the matching preset with the run's published numbers laid over it, or, for a GPU
     without a preset, a spec from the run alone (the planner's default knobs)."""
     table = run.get("hardware", {})
+    if not isinstance(table, dict):
+        raise FivefoldError(f"run {run['id']}: hardware must be a table ([run.hardware]), got {table!r}")
     gpu = str(table.get("gpu", ""))
     preset = next((p for k, p in GPU_PRESETS.items() if k in gpu.upper()), None)
     changes: dict[str, Any] = {}
@@ -235,7 +251,15 @@ def hardware(run: dict[str, Any]) -> HardwareSpec:
         ("power_limit_w", "power_limit_w", float),
     ):
         if key in table:
-            changes[field_name] = kind(table[key])
+            value = table[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                raise FivefoldError(f"run {run['id']}: hardware.{key} must be a number, got {value!r}")
+            try:
+                changes[field_name] = kind(value)
+            except ValueError:
+                raise FivefoldError(
+                    f"run {run['id']}: hardware.{key} must be a number, got {value!r}"
+                ) from None
     if "gpu_memory_gb" not in changes and preset is not None:
         sized = re.search(r"(\d+)\s*GB", gpu.upper())  # "V100 16GB", "A100-SXM4-40GB", "H100 96GB"
         if sized and 8 <= int(sized.group(1)) <= 512:  # one device's memory, not a node's
@@ -264,17 +288,42 @@ def family(hw: HardwareSpec) -> str:
     return "other"
 
 
+# what a runs file may call its pipeline schedule (letters and digits only, lower case): any name
+# holding one of these words
+SCHEDULE_WORDS = (
+    "1f1b",
+    "interleav",
+    "gpipe",
+    "afab",
+    "allforwardallbackward",
+    "fthenb",
+    "pipedream",
+    "zerobubble",
+    "zb",
+    "dualpipe",
+)
+# a run's recompute: Megatron's three policies, or MaxText's named ("custom") ones between them
+RECOMPUTE_WORDS = ("none", "selective", "full", "custom")
+
+
 def _schedule(value: Any, pp: int, v: int) -> str:
+    if value is not None and not isinstance(value, str):
+        raise FivefoldError(f'must be a name like "1F1B" or "interleaved-1F1B", got {value!r}')
     s = "".join(ch for ch in str(value or "1f1b").lower() if ch.isalnum())
-    if pp > 1 and (v > 1 or "interleaved" in s):
-        return "interleaved-1f1b" if "zero" not in s and "zb" not in s else "zero-bubble"
+    if not any(word in s for word in SCHEDULE_WORDS):
+        raise FivefoldError(
+            f"{value!r} names no schedule fivefold knows: give one of 1F1B, interleaved-1F1B, GPipe "
+            "(all-forward-all-backward), ZB-H1 (zero bubble), ZB-V, DualPipe"
+        )
     if "dualpipe" in s:  # DualPipe and its V-shaped half: both overlap a chunk's all-to-all with another's
         return "dualpipev"
-    if "zbv" in s or "zerobubblev" in s:
+    if "zbv" in s or "zerobubblev" in s:  # two chunks a rank in a V, whatever v the run states
         return "zbv"
+    if pp > 1 and (v > 1 or "interleaved" in s):
+        return "interleaved-1f1b" if "zero" not in s and "zb" not in s else "zero-bubble"
     if "zero" in s or s.startswith("zb"):
         return "zero-bubble"
-    return "gpipe" if "gpipe" in s else "1f1b"
+    return "gpipe" if any(w in s for w in ("gpipe", "afab", "allforwardallbackward", "fthenb")) else "1f1b"
 
 
 @dataclass
@@ -317,16 +366,26 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     except FivefoldError as exc:
         raise FivefoldError(f"run {rid}: {exc}") from None
     gpus = _int(run, "layout", "gpus", _need(run, "layout", "gpus"))
-    pp = int(lt.get("pp", 1))
-    v = int(lt.get("virtual_stages", 1) or 1) if pp > 1 else 1
-    schedule = _schedule(lt.get("pipeline_schedule"), pp, v)
+
+    def axis(key: str, default: int) -> int:
+        return _int(run, "layout", key, lt[key]) if key in lt else default
+
+    pp = axis("pp", 1)
+    v = axis("virtual_stages", 1)  # checked whatever pp is
+    v = v if pp > 1 else 1
+    try:
+        schedule = _schedule(lt.get("pipeline_schedule"), pp, v)
+    except FivefoldError as exc:
+        raise FivefoldError(f"run {rid}: layout.pipeline_schedule {exc}") from None
     if schedule == "interleaved-1f1b" and v < 2:
         v = 2  # an interleaved schedule without a published chunk count: torch's and Megatron's least
-    ep, cp, tp = int(lt.get("ep", 1)), int(lt.get("cp", 1)), int(lt.get("tp", 1))
-    fsdp = int(lt.get("fsdp", 1))
-    dp = int(lt.get("dp", -1 if "fsdp" not in lt else 1))
+    ep, cp, tp = axis("ep", 1), axis("cp", 1), axis("tp", 1)
+    fsdp = axis("fsdp", 1)
+    dp = axis("dp", -1 if "fsdp" not in lt else 1)
     if "zero_stage" in lt:
-        zero = int(lt["zero_stage"])
+        zero = lt["zero_stage"]
+        if isinstance(zero, bool) or zero not in (0, 1, 2, 3):
+            raise FivefoldError(f"run {rid}: layout.zero_stage must be 0, 1, 2 or 3, got {zero!r}")
     else:  # unpublished: FSDP shards everything, Megatron/NeMo use the distributed optimizer
         zero = 3 if fsdp > 1 else (1 if dp != 1 else 0)
         if zero == 3 and pp > 1:  # with a pipeline FSDP keeps the weights gathered across the
@@ -340,9 +399,19 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     if zero >= 2 and fsdp == 1 and dp > 1:  # ZeRO-2/3 over the data ranks is fsdp in fivefold's words
         dp, fsdp = 1, dp
     sp = lt.get("sequence_parallel")
-    sp = bool(sp) if sp is not None else tp > 1  # Megatron/NeMo/torchtitan turn SP on with TP
-    unknown = {str(k).lower() for k in run.get("unknown", [])}
+    if sp is not None and not isinstance(sp, bool):
+        raise FivefoldError(f"run {rid}: layout.sequence_parallel must be true or false, got {sp!r}")
+    sp = sp if sp is not None else tp > 1  # Megatron/NeMo/torchtitan turn SP on with TP
+    listed = run.get("unknown", [])
+    if not isinstance(listed, list) or not all(isinstance(k, str) for k in listed):
+        raise FivefoldError(f'run {rid}: unknown must be a list of field names, like ["micro_batch"]')
+    unknown = {k.lower() for k in listed}
     rc = str(lt.get("recompute", "none")).lower()
+    if rc not in RECOMPUTE_WORDS:
+        raise FivefoldError(
+            f"run {rid}: layout.recompute must be one of {', '.join(RECOMPUTE_WORDS)}, "
+            f"got {lt['recompute']!r}"
+        )
     # unpublished, or a policy outside the three (MaxText's "custom" remat): the planner picks
     recompute_known = "recompute" in lt and "recompute" not in unknown and rc in ("none", "selective", "full")
     rc = rc if recompute_known else "none"
@@ -525,6 +594,11 @@ def throughput(run: dict[str, Any]) -> Throughput | None:
     """The most definition-free throughput the run publishes: tokens/s, then step time, then
     TFLOP/s, then MFU (the last two depend on a FLOP convention and a peak)."""
     meas, gpus = measured_numbers(run), run.get("layout", {}).get("gpus")
+    if meas.get("tflops_basis", "model") not in ("model", "hardware"):
+        basis = meas["tflops_basis"]
+        raise FivefoldError(
+            f'run {run["id"]}: measured.tflops_basis must be "model" or "hardware", got {basis!r}'
+        )
     for key in ("mfu", "hfu"):
         if meas.get(key, 0) > 1:
             raise FivefoldError(

@@ -236,7 +236,7 @@ MUTATIONS: dict[str, dict[str, list[str]]] = {
         "--hardware": ["no-such-gpu"],
         "--run": ["{bad_ledger}", "{root}/no-run"],
         "--out": ["{root}", "{under_file}", "/proc/fivefold.html"],
-        "--lab-also": ["h200", "h200:0", "nope:8"],
+        "--lab-also": ["h200", "h200:0", "nope:8", "h200:99999999999", "h200:64:0"],
         "--tp": ["3", "0"],
         **_ARGPARSE,
     },

@@ -136,5 +136,8 @@ def _cluster(text: str, load_hardware):  # noqa: ANN001 - the loader is passed t
         raise FivefoldError(
             f"--lab-also {text!r}: expected HW:GPUS or HW:GPUS:GPUS_PER_NODE with positive integers"
         )
+    check_gpus(int(parts[1]), f"--lab-also {text!r}: GPUS")  # the lab searches layouts of that world
     hw = load_hardware(parts[0])
-    return hw, int(parts[1]), int(parts[2]) if len(parts) == 3 else hw.gpus_per_node
+    per_node = int(parts[2]) if len(parts) == 3 else hw.gpus_per_node
+    check_gpus(per_node, f"--lab-also {text!r}: GPUS_PER_NODE")
+    return hw, int(parts[1]), per_node

@@ -14,7 +14,11 @@ unit's hooks (copy-in, copy-out, buffer bookkeeping), and on a CPU the host doin
 that computes. The last measurements time the forward and backward of four MLP blocks made
 tensor-parallel (column then row) and FSDP-sharded (a unit per block) over the ranks, less the same
 MLP whole on one rank and the bare time of the collectives each issued (counted by torch's
-CommDebugMode), and print the rest per collective as `tp_dispatch_us` and `fsdp_dispatch_us`.
+CommDebugMode), and print the rest per collective as `tp_dispatch_us` and `fsdp_dispatch_us`. A
+context-parallel core (Ulysses' all-to-alls, the all-gather core's gathers) issues its collectives
+through torch's functional collectives with their autograd wrapping: the forward and backward of one
+`all_to_all_single_autograd`, less two bare all-to-alls of the same size, per collective, is
+`cp_dispatch_us`.
 Run: .venv/bin/python benchmarks/bench_gloo_links.py [--ranks 2] [--large-mb 16]
 """
 
@@ -78,6 +82,7 @@ def _mlp(hidden: int, blocks: int) -> torch.nn.Sequential:
 def _issued_step(ranks: int, repeats: int, hidden: int = 64, tokens: int = 64, blocks: int = 4) -> dict:
     """Seconds of the forward and backward of the MLP whole on one rank, tensor-parallel (column then
     row, per block) and under FSDP (a unit per block), with each form's collectives counted by op."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.debug import CommDebugMode
@@ -94,6 +99,14 @@ def _issued_step(ranks: int, repeats: int, hidden: int = 64, tokens: int = 64, b
     fully_shard(sharded, mesh=mesh)
     x = torch.randn(tokens, hidden, requires_grad=True)  # its gradient is a tensor-parallel all-reduce
     out = {}
+    group = mesh.get_group()
+    y = torch.randn(ranks * tokens, hidden, requires_grad=True)
+
+    def cp_step() -> None:  # one all-to-all forward, its gradient's backward
+        all_to_all_single_autograd(y, None, None, group).sum().backward()
+
+    out["cp_step"] = _timed(cp_step, repeats)
+    out["cp_calls"] = {"all_to_all": 2}
     for name, module in (("whole", whole), ("tp", tensor_parallel), ("fsdp", sharded)):
 
         def step(module: torch.nn.Module = module) -> None:
@@ -129,6 +142,10 @@ def _rank(rank: int, ranks: int, port: int, sizes: tuple[int, int], repeats: int
                 seconds = _timed(lambda op=op, x=x: _call(op, x, ranks), repeats)
                 if rank == 0:
                     out[(op, elements)] = seconds
+        x = torch.randn(64 * 64 * ranks)  # the cp step's all-to-all, bare
+        seconds = _timed(lambda: dist.all_to_all_single(torch.empty_like(x), x), repeats)
+        if rank == 0:
+            out[("all_to_all", sizes[0])] = seconds
     finally:
         dist.destroy_process_group()
     # Every result is handed over and the groups destroyed, yet since the tp and FSDP steps were added
@@ -164,12 +181,13 @@ def fit(times: dict[tuple[str, int], float], ranks: int, small: int, large: int)
 
 
 def dispatch(times: dict, small: int, form: str) -> float:
-    """Host seconds each collective of a tensor-parallel or FSDP step (`form`) adds to the bare
-    collectives: the step, less the MLP whole and the bare time of the collectives it issued, per
-    collective."""
+    """Host seconds each collective of a tensor-parallel, FSDP or context-parallel step (`form`) adds to
+    the bare collectives: the step, less the MLP whole (not for cp: no compute) and the bare time of
+    the collectives it issued, per collective."""
     calls = times[f"{form}_calls"]
     bare = sum(n * times[(op, small)] for op, n in calls.items())
-    return max(0.0, (times[f"{form}_step"] - times["whole_step"] - bare) / max(sum(calls.values()), 1))
+    compute = 0.0 if form == "cp" else times["whole_step"]
+    return max(0.0, (times[f"{form}_step"] - compute - bare) / max(sum(calls.values()), 1))
 
 
 def main() -> None:
@@ -191,7 +209,7 @@ def main() -> None:
     gbps = rate / 1e9 / DEFAULT_LINK_EFFICIENCY
     print(f"intra_node_gbps = {gbps:.2f}  # at link_efficiency {DEFAULT_LINK_EFFICIENCY}")
     print(f"# MLP step whole on one rank {times['whole_step'] * 1e3:.2f} ms")
-    for form in ("tp", "fsdp"):
+    for form in ("tp", "fsdp", "cp"):
         calls = ", ".join(f"{n} {op}" for op, n in sorted(times[f"{form}_calls"].items()))
         print(f"# {form} step {times[f'{form}_step'] * 1e3:.2f} ms ({calls})")
         print(f"{form}_dispatch_us = {dispatch(times, small, form) * 1e6:.0f}")

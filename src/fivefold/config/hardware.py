@@ -25,10 +25,13 @@ class HardwareSpec:
     inter_node_latency_us: float = 10.0
     # host time of each collective beyond its wire time, where the runtime issues it from Python:
     # a tensor-parallel one through DTensor (sharding propagation, redistribution, autograd
-    # wrapping), an FSDP one through its per-unit hooks (copy-in and copy-out, buffer bookkeeping).
-    # A GPU's host runs ahead of its kernels and hides it (0); a CPU's host is the compute
+    # wrapping), an FSDP one through its per-unit hooks (copy-in and copy-out, buffer bookkeeping), a
+    # context-parallel core's (Ulysses' all-to-alls, the all-gather core's) through torch's functional
+    # collectives and their autograd wrapping (the ring's send/recv pairs are bare). A GPU's host
+    # runs ahead of its kernels and hides it (0); a CPU's host is the compute
     tp_dispatch_us: float = 0.0
     fsdp_dispatch_us: float = 0.0
+    cp_dispatch_us: float = 0.0
     # a matmul whose smallest dimension is this runs at half the large-GEMM rate: a GPU's tiles and
     # waves fill worse as a dimension shrinks; 0: every shape at the full rate (a CPU's vector units)
     gemm_half_dim: float = DEFAULT_GEMM_HALF_DIM
@@ -80,6 +83,7 @@ NON_NEGATIVE = (
     "tp_dispatch_us",
     "gemm_half_dim",
     "fsdp_dispatch_us",
+    "cp_dispatch_us",
     "tdp_w",
     "power_limit_w",
     "fp8_speedup",

@@ -86,13 +86,16 @@ def link_params(hw: HardwareSpec, link: str, per_node: int = 1) -> tuple[float, 
     return latency * 1e-6, bw * 1e9 * eff
 
 
-def host_dispatch(hw: HardwareSpec, axis: str) -> float:
+def host_dispatch(hw: HardwareSpec, axis: str, op: str = "") -> float:
     """Host seconds one collective of `axis` costs beyond its wire time: the runtime issues tp's
-    through DTensor and FSDP's through its per-unit hooks (`tp_dispatch_us`, `fsdp_dispatch_us`), work
-    a CPU does in series with the compute and a GPU's host does ahead of the kernels (0 there)."""
+    through DTensor, FSDP's through its per-unit hooks and a cp core's through the functional
+    collectives (`tp_dispatch_us`, `fsdp_dispatch_us`, `cp_dispatch_us`), work a CPU does in series
+    with the compute and a GPU's host does ahead of the kernels (0 there)."""
     if axis.startswith("fsdp"):  # FSDP's own group, over fsdp or fsdp×cp
         return hw.fsdp_dispatch_us * 1e-6
-    return hw.tp_dispatch_us * 1e-6 if axis == "tp" else 0.0
+    if axis == "cp" and op not in (ALL_TO_ALL, ALL_GATHER, REDUCE_SCATTER):
+        return 0.0  # the ring's bare send/recv pairs; DDP's all-reduce over a cp-only data group
+    return {"tp": hw.tp_dispatch_us, "cp": hw.cp_dispatch_us}.get(axis, 0.0) * 1e-6
 
 
 def in_ledger_words(comms: list[Collective], layout: Layout) -> list[Collective]:
@@ -133,7 +136,7 @@ def collective_time(
         return 0.0, 0.0
     alpha, beta = link_params(hw, link, per_node)
     wire = factor * payload
-    return wire, steps * alpha + wire / beta + host_dispatch(hw, axis)
+    return wire, steps * alpha + wire / beta + host_dispatch(hw, axis, op)
 
 
 @lru_cache(maxsize=4096)

@@ -338,7 +338,7 @@ def _plan(
                 recs.append(("cp", REDUCE_SCATTER, each, c, cp_link, 2 * n, t_rs, "none"))
             else:  # Ulysses: q, k, v in and the output back, all-to-all over heads
                 payload = shape.act_bytes * tokens * (model.heads * model.head_dim / layout.tp + kv_local) / 2
-                t4 = 4 * n * t_of(ALL_TO_ALL, payload, c, cp_link)
+                t4 = 4 * n * t_of(ALL_TO_ALL, payload, c, cp_link, "cp")
                 exp_f += t4
                 exp_b += t4
                 recs.append(
@@ -535,12 +535,12 @@ def _plan(
         notes.append(f"interleaved 1F1B wants micro-batches ({m}) divisible by pp ({layout.pp})")
     if (model.layers % (layout.pp * v)) != 0:
         notes.append(f"{model.layers} layers do not split evenly into pp×virtual = {layout.pp * v} chunks")
-    dispatched = sorted({c.axis for c in comm_list if host_dispatch(hw, c.axis) > 0})
+    dispatched = sorted({c.axis for c in comm_list if host_dispatch(hw, c.axis, c.op) > 0}, key=order.index)
     if dispatched:
-        each = ", ".join(f"{a} {host_dispatch(hw, a) * 1e3:.2f} ms" for a in dispatched)
+        each = ", ".join(f"{a} {host_dispatch(hw, a, ALL_GATHER) * 1e3:.2f} ms" for a in dispatched)
         notes.append(
-            f"each collective's time includes its host dispatch ({each}: DTensor or FSDP's hooks, "
-            "which this device's host runs in series with the compute)"
+            f"each collective's time includes its host dispatch ({each}: DTensor, FSDP's hooks or the "
+            "cp core's functional collectives, which this device's host runs in series with the compute)"
         )
     return Plan(
         model=model,

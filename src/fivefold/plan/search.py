@@ -270,7 +270,8 @@ def search(
         data = base.dp * base.fsdp
         if shape.global_batch % data:
             continue
-        try:  # what `train` refuses (check_trainable), never proposed; independent of recompute and batch
+        try:  # what `train` refuses (check_trainable), never proposed; the recompute chosen below is
+            # checked again
             check_plan_inputs(model, base, shape)
             check_trainable(model, base, shape.seq_len)
         except FivefoldError:
@@ -302,6 +303,11 @@ def search(
             considered += len(tried)
             if chosen is None:
                 continue
+            if chosen.recompute != base.recompute:  # the recompute it needs may be one train refuses
+                try:  # (DualPipeV with full recompute)
+                    check_trainable(model, chosen, shape.seq_len)
+                except FivefoldError:
+                    continue
             fitting += 1
             bound = step_lower_bound(model, arch, hw, chosen, sh, m, memo)
             mem = tried[(chosen.recompute, chosen.recompute_layers)]

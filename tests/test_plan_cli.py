@@ -659,3 +659,31 @@ def test_a_pipeline_end_without_blocks_is_planned(capsys, split: str) -> None:
 
     assert not counted_exactly(Layout(pp=2, pp_split=split))  # verify shows it as an estimate
     assert counted_exactly(Layout(pp=2, pp_split="16,16"))
+
+
+def test_trainer_flag_plans_with_that_trainers_facts(capsys) -> None:
+    """`--trainer` plans another implementation with the facts its published runs are planned with:
+    Megatron on Hopper overlaps tp with the GEMMs and runs cuDNN attention; fivefold's runtime (the
+    default) issues DTensor's collectives and its masked cp cores. The flags typed still win."""
+    from fivefold.commands.plan import trainer_shape
+    from fivefold.config import load_hardware
+    from fivefold.plan.runs import TRAINERS, shape_facts
+
+    h100, a100 = load_hardware("h100-80gb"), load_hardware("a100-80gb")
+    assert trainer_shape("fivefold", h100) == ({}, "flash")
+    facts, attention = trainer_shape("megatron", h100)
+    assert attention == "flash3" and facts["tp_overlap"] and facts["tp_backward_overlap"]
+    assert trainer_shape("megatron", a100)[1] == "flash"  # no FA3-class kernels on Ampere
+    assert trainer_shape("torchtitan", h100)[0] == shape_facts(TRAINERS["pytorch/torchtitan"])
+    layout = ["--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--fsdp", "8", "--zero", "2", "--sp"]
+    layout += ["--seq-len", "8192", "--global-batch", "64"]
+    step = {}
+    for trainer in ("fivefold", "torchtitan", "megatron"):
+        assert main(["plan", *layout, "--trainer", trainer, "--json"]) == 0
+        step[trainer] = json.loads(capsys.readouterr().out)["step_time_s"]
+    assert step["megatron"] < step["fivefold"] < step["torchtitan"]  # Megatron hides tp; titan is eager
+    assert main(["plan", *layout, "--trainer", "megatron", "--attention", "flash", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step_time_s"] > step["megatron"]
+    with pytest.raises(SystemExit) as refused:  # argparse's one line, naming the choices
+        main(["plan", *layout, "--trainer", "nobody"])
+    assert refused.value.code == 2 and "choose from" in capsys.readouterr().err

@@ -6,6 +6,22 @@ import argparse
 
 from fivefold.commands import defaults
 from fivefold.config import add_layout_arguments, check_gpus, check_pins
+from fivefold.plan.runs import TRAINER_FLAGS
+
+
+def trainer_shape(flag: str, hw) -> tuple[dict, str]:  # noqa: ANN001 - HardwareSpec, imported lazily
+    """(TrainShape fields, attention kernel) of `--trainer`: fivefold's runtime as TrainShape's defaults
+    say it, or another trainer's facts as the published runs of it are planned (fivefold.plan.runs)."""
+    if flag == "fivefold":
+        return {}, "flash"
+    from fivefold.plan.runs import family, shape_facts, trainer_facts
+
+    hopper = family(hw) == "hopper" or hw.name.lower().startswith(("b100", "b200"))
+    trainer = trainer_facts(TRAINER_FLAGS[flag], hopper)
+    attention = str(trainer.get("attention", "flash"))
+    if attention == "flash3" and not hopper:
+        attention = "flash"  # FlashAttention-3 class kernels (cuDNN's fused attention): Hopper and newer
+    return shape_facts(trainer), attention
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,11 +58,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="rank every valid layout that fits; layout flags given stay fixed, the rest is searched",
     )
     parser.add_argument(
+        "--trainer",
+        choices=tuple(TRAINER_FLAGS),
+        default="fivefold",
+        help="whose implementation to plan: fivefold's runtime (default) or another trainer's facts "
+        "(kernels, tp overlap, sequence-parallel re-gathers, gradient dtype, cp cores; docs/planner.md)",
+    )
+    parser.add_argument(
         "--attention",
         choices=("flash", "flash3", "materialized"),
-        default="flash",
-        help="attention kernel: flash (FlashAttention-2 class, default), flash3 (Hopper: FA3, cuDNN) "
-        "or materialized s×s scores (2021-22 Megatron kernels)",
+        default=None,
+        help="attention kernel: flash (FlashAttention-2 class, the default for fivefold), flash3 "
+        "(Hopper: FA3, cuDNN) or materialized s×s scores (2021-22 Megatron kernels); default: the "
+        "trainer's",
     )
     parser.add_argument("--fp8", action="store_true", help="matmuls in fp8 (Transformer Engine, float8)")
     runs = parser.add_argument_group("validation against published runs")
@@ -91,8 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--grad-dtype",
         choices=("fp32", "bf16"),
-        default="fp32",
-        help="gradient accumulation dtype (fp32: Megatron/FSDP2; bf16: the ZeRO paper's fp16)",
+        default=None,
+        help="gradient accumulation dtype (fp32: Megatron/FSDP2; bf16: the ZeRO paper's fp16); default: "
+        "the trainer's (fp32, bf16 for NeMo)",
     )
     parser.add_argument(
         "--no-overlap-grad-reduce",
@@ -157,17 +182,20 @@ def run(args: argparse.Namespace) -> int:
         raise FivefoldError(
             "--fp8 runs the matmuls in fp8 beside 16-bit activations; use it with --dtype bf16"
         )
+    facts, attention = trainer_shape(args.trainer, hw)
+    if args.grad_dtype is not None:
+        facts["grad_bytes"] = 4 if args.grad_dtype == "fp32" else 2
     shape = TrainShape(
         seq_len=args.seq_len,
         global_batch=args.global_batch,
         micro_batch=args.micro_batch or 1,
-        grad_bytes=4 if args.grad_dtype == "fp32" else 2,
         act_bytes=DTYPE_BYTES[args.dtype],
         param_bytes=DTYPE_BYTES[args.dtype],
         block=args.block,
         overlap_grad_reduce=not args.no_overlap_grad_reduce,
-        attention=args.attention,
+        attention=args.attention or attention,
         fp8=args.fp8,
+        **facts,
     ).validate()
     if args.search:
         from fivefold.plan.search import PINNABLE
@@ -232,6 +260,17 @@ def _given_pins(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k, None) for k in PINNABLE if getattr(args, k, None) is not None}
 
 
+def _shape_flags(args: argparse.Namespace) -> str:
+    """The flags besides the layout that change a plan, as typed (for a command to run again)."""
+    out = ""
+    typed = (("gpus_per_node", None), ("trainer", "fivefold"), ("attention", None), ("block", "auto"))
+    for flag, default in (*typed, ("dtype", "bf16"), ("grad_dtype", None)):
+        if getattr(args, flag, default) != default:
+            out += f" --{flag.replace('_', '-')} {getattr(args, flag)}"
+    out += " --fp8" if getattr(args, "fp8", False) else ""
+    return out + (" --no-overlap-grad-reduce" if getattr(args, "no_overlap_grad_reduce", False) else "")
+
+
 def _does_not_fit(p, args: argparse.Namespace, pinned) -> str:  # noqa: ANN001 - Plan, SearchResult
     """The first lines of a plan that does not fit: by how much, and the nearest layout that does
     (searched: the typed flags kept where possible, else the best of the free search)."""
@@ -249,7 +288,7 @@ def _does_not_fit(p, args: argparse.Namespace, pinned) -> str:  # noqa: ANN001 -
         lines.append(
             f"nearest that fits ({kept}, MFU {best.mfu:.1%}): fivefold plan --model {args.model} "
             f"--hardware {args.hardware} --gpus {p.gpus} --seq-len {p.shape.seq_len} "
-            f"--global-batch {p.shape.global_batch} {layout_flags(best.layout)}{micro}"
+            f"--global-batch {p.shape.global_batch} {layout_flags(best.layout)}{micro}{_shape_flags(args)}"
         )
     else:
         lines.append(f"no layout of {p.model.name} fits {p.gpus} × {p.hardware.name}: add GPUs")

@@ -99,6 +99,50 @@ TRAINERS = {
         "cp_causal_skip": False,
     },
 }
+# `fivefold plan --trainer NAME`: the trainer whose facts a plan takes (fivefold's own by default)
+TRAINER_FLAGS = {
+    "fivefold": "fivefold",
+    "megatron": "NVIDIA/Megatron-LM",
+    "nemo": "NVIDIA/NeMo",
+    "torchtitan": "pytorch/torchtitan",
+    "deepspeed": "microsoft/DeepSpeed",
+    "nanotron": "huggingface/nanotron",
+    "llm-foundry": "mosaicml/llm-foundry",
+}
+
+
+def trainer_facts(name: str, hopper_or_newer: bool) -> dict[str, Any]:
+    """A trainer's facts (TRAINERS[name]) with what its Hopper-era runs add: Megatron-LM through
+    Transformer Engine (cuDNN's fused attention, tp collectives overlapped with the GEMMs)."""
+    trainer = TRAINERS.get(name, {})
+    if name == "NVIDIA/Megatron-LM" and hopper_or_newer:
+        # Megatron-LM's Hopper-era runs go through Transformer Engine like NeMo's and dgxc's (the same
+        # Megatron-Core): cuDNN's fused attention, and tp collectives overlapped with the GEMMs
+        # (--tp-comm-overlap, which its published H100 scaling runs use)
+        trainer = {**trainer, "attention": "flash3", "tp_overlap": True}
+    return trainer
+
+
+def shape_facts(trainer: dict[str, Any]) -> dict[str, Any]:
+    """The TrainShape fields a trainer's facts set, with the defaults of a trainer we know nothing of
+    (Megatron's behaviour); fivefold's own entry gives its runtime's."""
+    return {
+        "fused": bool(trainer.get("fused", True)),
+        "grad_bytes": int(trainer.get("grad_bytes", 4)),
+        "tp_overlap": bool(trainer.get("tp_overlap", False)),
+        "fused_loss": bool(trainer.get("fused_loss", False)),
+        "fp32_shard": bool(trainer.get("fp32_shard", True)),
+        "live_params": float(trainer.get("live_params", 0.0)),
+        "reuse_distance": float(trainer.get("reuse_distance", 0.0)),
+        # Megatron's sequence parallelism (and its descendants'), unless the trainer is DTensor's
+        "tp_regather": bool(trainer.get("tp_regather", True)),
+        "tp_backward_overlap": bool(trainer.get("tp_backward_overlap", True)),
+        "ring_grad_fp32": bool(trainer.get("ring_grad_fp32", False)),
+        "torch_ddp_buckets": bool(trainer.get("torch_ddp_buckets", False)),
+        "cp_causal_skip": bool(trainer.get("cp_causal_skip", True)),
+    }
+
+
 FILL = {  # what an unpublished layout field defaults to (see docs/planner.md, "Unknowns")
     "micro_batch": 1,
     "vocab": 32000,
@@ -468,14 +512,9 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         mb = 1  # a published micro-batch that does not divide the local batch (a short last one)
     precision = str(lt.get("precision", "")).lower()
     name = trainer_name(run)
-    trainer = TRAINERS.get(name, {})
     gpu_name = str(run.get("hardware", {}).get("gpu", "")).upper()
     hopper_or_newer = any(k in gpu_name for k in ("H100", "H200", "H800", "H20", "B200", "B100"))
-    if name == "NVIDIA/Megatron-LM" and hopper_or_newer:
-        # Megatron-LM's Hopper-era runs go through Transformer Engine like NeMo's and dgxc's (the same
-        # Megatron-Core): cuDNN's fused attention, and tp collectives overlapped with the GEMMs
-        # (--tp-comm-overlap, which its published H100 scaling runs use)
-        trainer = {**trainer, "attention": "flash3", "tp_overlap": True}
+    trainer = trainer_facts(name, hopper_or_newer)
     if "jax" in str(lt.get("framework", "")).lower():
         # XLA fuses elementwise ops; MaxText's GPU attention is cuDNN's fused kernel (cudnn_flash_te)
         trainer = {"fused": True, "tp_overlap": False, "attention": "flash3"}
@@ -492,6 +531,9 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     arch = str(mt.get("arch", "")).lower()
     gated = any(w in arch for w in ("swiglu", "geglu", "swi-glu"))
     plain = any(w in arch for w in ("gelu", "relu", "mpt")) or arch.startswith("gpt")
+    facts = shape_facts(trainer)
+    facts["fused"] = bool(lt.get("torch_compile", facts["fused"]))
+    facts["tp_overlap"] = bool(lt.get("async_tp", facts["tp_overlap"]))
     shape = TrainShape(
         block="llama" if gated else ("gpt" if plain else "auto"),
         seq_len=seq,
@@ -503,24 +545,12 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         # mixed precision ("bf16", "amp_fp8", ...) 16-bit ones
         act_bytes=STATE_DTYPE_BYTES.get(precision, 2),
         param_bytes=STATE_DTYPE_BYTES.get(precision, 2),
-        fused=bool(lt.get("torch_compile", trainer.get("fused", True))),
-        grad_bytes=int(trainer.get("grad_bytes", 4)),
         optimizer_bytes=optimizer_bytes(run),
         expert_tp=True,  # published MoE runs (Megatron and the like) split the experts over tp too
-        tp_overlap=bool(lt.get("async_tp", trainer.get("tp_overlap", False))),
-        fused_loss=bool(trainer.get("fused_loss", False)),
-        fp32_shard=bool(trainer.get("fp32_shard", True)),
-        live_params=float(trainer.get("live_params", 0.0)),
-        reuse_distance=float(trainer.get("reuse_distance", 0.0)),
         offload_optimizer=_offload(lt.get("cpu_offload", lt.get("offload_optimizer", False))),
         params_kept=params_kept,
         sac="op" if str(lt.get("recompute_policy", "")).lower().startswith("op") else "attention",
-        # Megatron's sequence parallelism (and its descendants'), unless the trainer is DTensor's
-        tp_regather=bool(trainer.get("tp_regather", True)),
-        tp_backward_overlap=bool(trainer.get("tp_backward_overlap", True)),
-        ring_grad_fp32=bool(trainer.get("ring_grad_fp32", False)),
-        torch_ddp_buckets=bool(trainer.get("torch_ddp_buckets", False)),
-        cp_causal_skip=bool(trainer.get("cp_causal_skip", True)),
+        **facts,
     )
     offload_known = not ({"cpu_offload", "offload_optimizer", "offload"} & unknown)
     free = []

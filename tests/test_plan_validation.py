@@ -654,3 +654,22 @@ def test_an_unknown_hopper_trainer_since_2024_is_planned_with_flash3_class_atten
     # a trainer whose kernels are known keeps them: torchtitan's SDPA runs FlashAttention-2 on Hopper
     assert build(run("H100 80GB", "A blog 2025", "torchtitan")).shape.attention == "flash"
     assert build(run("H100 80GB", "A blog 2025", "MaxText (JAX)")).shape.attention == "flash3"
+
+
+def test_nanotrons_sharded_optimizer_reduces_after_the_backward() -> None:
+    """nanotron with ZeRO-1 and fp32 accumulation builds no DDP: its gradient reduce-scatter and the
+    shards' gather wait for the backward and the step; with ZeRO-0 its DDP overlaps them."""
+    from fivefold.plan.runs import build
+
+    def run(zero: int, source: str = "huggingface/nanotron docs") -> dict:
+        return {
+            "id": "r",
+            "source": source,
+            "hardware": {"gpu": "H100 80GB"},
+            "model": {"layers": 4, "hidden": 1024, "heads": 8, "seq_len": 2048},
+            "layout": {"gpus": 16, "dp": 16, "zero_stage": zero},
+        }
+
+    assert not build(run(1)).shape.overlap_grad_reduce
+    assert build(run(0)).shape.overlap_grad_reduce
+    assert build(run(1, "NVIDIA/Megatron-LM")).shape.overlap_grad_reduce

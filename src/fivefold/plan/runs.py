@@ -88,8 +88,11 @@ TRAINERS = {
     # stage3_max_live_parameters (1e9 by default), not whole blocks, and releases those next used
     # more than stage3_max_reuse_distance (1e9) parameters later
     "microsoft/DeepSpeed": {"fp32_shard": False, "live_params": 1e9, "reuse_distance": 1e9},
-    # nanotron's pipeline engines are all-forward-all-backward and 1F1B: no interleaved chunks
-    "huggingface/nanotron": {"interleaved": False},
+    # nanotron's pipeline engines are all-forward-all-backward and 1F1B: no interleaved chunks. With
+    # its sharded optimizer and fp32 gradient accumulation (what its benchmark sweep sets) it builds
+    # no DDP: the gradients are reduce-scattered after the backward, and the updated shards gathered
+    # after the step, neither beside compute (trainer.py's make_ddp, sync_gradients_across_dp)
+    "huggingface/nanotron": {"interleaved": False, "sharded_overlap": False},
     # fivefold's own run directories (`framework = "fivefold"`): DTensor's sequence parallelism
     "fivefold": {
         "tp_regather": False,
@@ -532,6 +535,8 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     gated = any(w in arch for w in ("swiglu", "geglu", "swi-glu"))
     plain = any(w in arch for w in ("gelu", "relu", "mpt")) or arch.startswith("gpt")
     facts = shape_facts(trainer)
+    if zero >= 1 and not trainer.get("sharded_overlap", True):
+        facts["overlap_grad_reduce"] = False
     facts["fused"] = bool(lt.get("torch_compile", facts["fused"]))
     facts["tp_overlap"] = bool(lt.get("async_tp", facts["tp_overlap"]))
     shape = TrainShape(

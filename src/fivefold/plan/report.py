@@ -309,10 +309,9 @@ def _plan(
                 e_b = n * max(step_b - 2 * beside * core / per, 0.0)
                 exp_f += e_f
                 exp_b += e_b
-                if grad_block != block:
-                    hops = {block: (c - 1) * (2 * n + r), grad_block: c * n}
-                else:
-                    hops = {block: (c - 1) * (2 * n + r) + c * n}
+                hops: dict[float, float] = {}  # hops by bytes: one entry where both are the same size
+                for size, count in ((block, (c - 1) * (2 * n + r)), (grad_block, c * n)):
+                    hops[size] = hops.get(size, 0) + count
                 sent = sum(count * t_of(SEND, size, 2, cp_link) for size, count in hops.items())
                 for size, count in hops.items():
                     share = count * t_of(SEND, size, 2, cp_link) / sent

@@ -222,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
                 "drop --microbatches or change --global-batch/--micro-batch"
             )
     p = plan(model, hw, layout, shape, gpn)
+    if args.trainer != "fivefold":
+        p.notes.append(f"planned with the facts of {TRAINER_FLAGS[args.trainer]} (--trainer {args.trainer})")
     defaults.say_assumed(assumed)
     if args.json:
         print(json.dumps(p.to_json()))

@@ -692,3 +692,5 @@ def test_fivefolds_masked_cp_cores_are_planned_with_the_whole_square() -> None:
     for impl in ("ring", "allgather"):
         assert compute(impl, False) > 1.3 * compute(impl, True)
     assert compute("ulysses", False) == compute("ulysses", True)
+    # the same causal FLOPs as a skipping ring, and Ulysses' layout copies of q, k, v and the output
+    assert compute("ulysses", True) > compute("ring", True)

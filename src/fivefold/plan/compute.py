@@ -191,8 +191,13 @@ def layer_time(
     if not fused:  # eager PyTorch: every norm, activation and rotary op is its own kernel
         stream *= EAGER_TRAFFIC
     elementwise = rates.stream(stream) + core_stream
-    fwd = gemm_fwd + core + elementwise
-    bwd = 2 * gemm_fwd + core_bwd + 2 * elementwise
+    reorder = 0.0
+    if layout.cp > 1 and layout.cp_impl == "ulysses":
+        # Ulysses' all-to-alls change layout: q, k, v and the output are each copied about three times
+        # a pass (the contiguous send buffer, the received layout, the sequence order), read and written
+        reorder = rates.stream(3 * 2 * BYTES * tokens * (2 * q_local + 2 * kv_local))
+    fwd = gemm_fwd + core + elementwise + reorder
+    bwd = 2 * gemm_fwd + core_bwd + 2 * elementwise + reorder
     ffn = model.expert_ffn_hidden * model.experts_per_token if moe else model.ffn_hidden
     mlp_mats = 3 if (arch.gated_mlp or moe) else 2
     skipped = (kv_local + q_local + ffn / tp) / (2 * q_local + 2 * kv_local + mlp_mats * ffn / tp)

@@ -116,6 +116,7 @@ def layer_times(
             shape.act_bytes,
             moe,
             skip,
+            layout.cp_impl if layout.cp > 1 else "",  # Ulysses' layout copies
         )
         if key not in memo:
             memo[key] = layer_time(

@@ -687,3 +687,16 @@ def test_trainer_flag_plans_with_that_trainers_facts(capsys) -> None:
     with pytest.raises(SystemExit) as refused:  # argparse's one line, naming the choices
         main(["plan", *layout, "--trainer", "nobody"])
     assert refused.value.code == 2 and "choose from" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stated", ["full (uniform)", "Full", "selective, attention only"])
+def test_a_runs_recompute_is_read_by_its_first_word(capsys, tmp_path, stated: str) -> None:
+    runs = tmp_path / "runs.toml"
+    runs.write_text(
+        BAD_RUN.replace("vocab = 32000", "vocab = 32000\nseq_len = 2048").replace(
+            "tp = 1", f'tp = 1\nrecompute = "{stated}"'
+        )
+    )
+    assert main(["plan", "--validate", str(runs)]) == 0
+    out = capsys.readouterr().out
+    assert "bad-run" in out

@@ -601,6 +601,8 @@ def test_a_measured_run_without_a_throughput_is_named_not_dropped_silently(tmp_p
         ("GPipe", "gpipe"),
         ("interleaved 1F1B", "interleaved-1f1b"),
         ("AFAB", "gpipe"),
+        ("1F1B with VPP", "interleaved-1f1b"),
+        ("LoopedBFS", "interleaved-1f1b"),
         ("PipeDream-Flush (1F1B)", "1f1b"),
     ],
 )

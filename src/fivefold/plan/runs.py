@@ -348,7 +348,12 @@ SCHEDULE_WORDS = (
     "zerobubble",
     "zb",
     "dualpipe",
+    "vpp",  # Megatron's virtual pipeline, torchtitan's looped breadth-first: chunks a rank
+    "virtual",
+    "bfs",
+    "breadthfirst",
 )
+CHUNKED_WORDS = ("interleav", "vpp", "virtual", "bfs", "breadthfirst")
 # a run's recompute: Megatron's three policies, or MaxText's named ("custom") ones between them
 RECOMPUTE_WORDS = ("none", "selective", "full", "custom")
 
@@ -366,7 +371,7 @@ def _schedule(value: Any, pp: int, v: int) -> str:
         return "dualpipev"
     if "zbv" in s or "zerobubblev" in s:  # two chunks a rank in a V, whatever v the run states
         return "zbv"
-    if pp > 1 and (v > 1 or "interleaved" in s):
+    if pp > 1 and (v > 1 or any(word in s for word in CHUNKED_WORDS)):
         return "interleaved-1f1b" if "zero" not in s and "zb" not in s else "zero-bubble"
     if "zero" in s or s.startswith("zb"):
         return "zero-bubble"
@@ -453,7 +458,8 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     if not isinstance(listed, list) or not all(isinstance(k, str) for k in listed):
         raise FivefoldError(f'run {rid}: unknown must be a list of field names, like ["micro_batch"]')
     unknown = {k.lower() for k in listed}
-    rc = str(lt.get("recompute", "none")).lower()
+    # the policy's word, whatever follows it ("full (uniform)", "selective, attention only")
+    rc = re.split(r"[^a-z]", str(lt.get("recompute", "none")).lower().strip() + " ")[0]
     if rc not in RECOMPUTE_WORDS:
         raise FivefoldError(
             f"run {rid}: layout.recompute must be one of {', '.join(RECOMPUTE_WORDS)}, "

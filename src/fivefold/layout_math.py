@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 from fivefold.config import Layout, ModelSpec
+from fivefold.config.layout import split_fields
 from fivefold.errors import FivefoldError
 
 # ---- the op vocabulary (what the ledger records, what the planner predicts)
@@ -120,7 +121,7 @@ def stage_costs(spec: ModelSpec, seq_len: int) -> StageCosts:
 def parse_split(text: str, layers: int, chunks: int) -> list[int]:
     """`--pp-split 3,5,5,3`: layers per chunk, in stage order."""
     try:
-        counts = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+        counts = [int(x) for x in split_fields(text)]
     except ValueError:
         raise FivefoldError(f"--pp-split takes layer counts like 2,2; got {text!r}") from None
     if len(counts) != chunks:

@@ -104,6 +104,12 @@ def check_pins(pins: dict[str, int | None], world: int) -> None:
         )
 
 
+def split_fields(text: str) -> list[str]:
+    """The comma-separated fields of a `--pp-split` (spaces and empty fields dropped): the layout's
+    count check, `fivefold.layout_math.parse_split` and the activation plan read them alike."""
+    return [x for x in text.replace(" ", "").split(",") if x]
+
+
 @dataclass
 class Layout:
     """How the world is split. `-1` on dp or fsdp takes whatever the other axes leave."""
@@ -216,7 +222,7 @@ class Layout:
             lay.virtual_stages = 2
         if not isinstance(lay.pp_split, str):
             raise FivefoldError(f"--pp-split takes layer counts like 2,2; got {lay.pp_split!r}")
-        given = [x for x in lay.pp_split.replace(" ", "").split(",") if x]
+        given = split_fields(lay.pp_split)
         if given and len(given) != lay.pp * lay.virtual_stages:  # else a split for other stages is ignored
             raise FivefoldError(
                 f"--pp-split {lay.pp_split} names {len(given)} chunks but pp × virtual_stages = "

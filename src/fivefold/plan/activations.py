@@ -23,6 +23,7 @@ the per-forward bf16 copies of this rank's expert weights (`_dispatch_saved`).
 from __future__ import annotations
 
 from fivefold.config import Layout, ModelSpec
+from fivefold.config.layout import split_fields
 from fivefold.plan.runshape import Chunk, RunShape
 
 
@@ -144,7 +145,7 @@ def counted_exactly(layout: Layout) -> bool:
     views of the whole local batch, which the meter counts by storage, not per micro-batch."""
     if layout.pp == 1:
         return True
-    empty_end = bool(layout.pp_split) and "0" in (s.strip() for s in layout.pp_split.split(","))
+    empty_end = any(int(count) == 0 for count in split_fields(layout.pp_split))
     return (
         layout.pp_schedule in ("gpipe", "1f1b", "interleaved-1f1b")
         and layout.recompute != "full"

@@ -313,9 +313,10 @@ def _plan(
                 hops: dict[float, float] = {}  # hops by bytes: one entry where both are the same size
                 for size, count in ((block, (c - 1) * (2 * n + r)), (grad_block, c * n)):
                     hops[size] = hops.get(size, 0) + count
-                sent = sum(count * t_of(SEND, size, 2, cp_link) for size, count in hops.items())
+                hop_time = {block: t_block, grad_block: t_grad}
+                sent = sum(count * hop_time[size] for size, count in hops.items())
                 for size, count in hops.items():
-                    share = count * t_of(SEND, size, 2, cp_link) / sent
+                    share = count * hop_time[size] / sent
                     recs.append(
                         (
                             "cp",

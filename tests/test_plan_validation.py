@@ -661,6 +661,7 @@ def test_an_unknown_hopper_trainer_since_2024_is_planned_with_flash3_class_atten
 def test_nanotrons_sharded_optimizer_reduces_after_the_backward() -> None:
     """nanotron with ZeRO-1 and fp32 accumulation builds no DDP: its gradient reduce-scatter and the
     shards' gather wait for the backward and the step; with ZeRO-0 its DDP overlaps them."""
+    from fivefold.plan import plan
     from fivefold.plan.runs import build
 
     def run(zero: int, source: str = "huggingface/nanotron docs") -> dict:
@@ -672,6 +673,15 @@ def test_nanotrons_sharded_optimizer_reduces_after_the_backward() -> None:
             "layout": {"gpus": 16, "dp": 16, "zero_stage": zero},
         }
 
-    assert not build(run(1)).shape.overlap_grad_reduce
-    assert build(run(0)).shape.overlap_grad_reduce
-    assert build(run(1, "NVIDIA/Megatron-LM")).shape.overlap_grad_reduce
+    def data_parallel(zero: int, source: str = "huggingface/nanotron docs") -> list:
+        inputs = build(run(zero, source))
+        p = plan(inputs.model, inputs.hw, inputs.layout, inputs.shape)
+        return [c for c in p.comm if c.axis == "dp"]
+
+    # the trainer fact travels as plan and CLI (`--trainer nanotron`) read it
+    assert (
+        not build(run(1)).shape.sharded_overlap and build(run(1, "NVIDIA/Megatron-LM")).shape.sharded_overlap
+    )
+    assert all(c.exposed_s == pytest.approx(c.time_s) for c in data_parallel(1))  # after the backward
+    assert all(c.exposed_s < c.time_s for c in data_parallel(0))  # DDP: beside the backward
+    assert all(c.exposed_s < c.time_s for c in data_parallel(1, "NVIDIA/Megatron-LM"))

@@ -14,14 +14,11 @@ def trainer_shape(flag: str, hw) -> tuple[dict, str]:  # noqa: ANN001 - Hardware
     say it, or another trainer's facts as the published runs of it are planned (fivefold.plan.runs)."""
     if flag == "fivefold":
         return {}, "flash"
-    from fivefold.plan.runs import family, shape_facts, trainer_facts
+    from fivefold.plan.runs import family, kernel_on, shape_facts, trainer_facts
 
     hopper = family(hw) == "hopper" or hw.name.lower().startswith(("b100", "b200"))
     trainer = trainer_facts(TRAINER_FLAGS[flag], hopper)
-    attention = str(trainer.get("attention", "flash"))
-    if attention == "flash3" and not hopper:
-        attention = "flash"  # FlashAttention-3 class kernels (cuDNN's fused attention): Hopper and newer
-    return shape_facts(trainer), attention
+    return shape_facts(trainer), kernel_on(str(trainer.get("attention", "flash")), hopper)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

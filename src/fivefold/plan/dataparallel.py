@@ -101,9 +101,9 @@ def data_parallel_traffic(
 
     FSDP gathers and reduces its `units` (the stage's blocks, embedding and head) one collective each,
     so each pass over the stage pays the ring's latency `units` times."""
-    overlap = shape.overlap_grad_reduce and hw.comm_overlap
-    g, p = shape.grad_bytes, shape.param_bytes
     z = layout.zero
+    overlap = shape.overlap_grad_reduce and hw.comm_overlap and (z == 0 or shape.sharded_overlap)
+    g, p = shape.grad_bytes, shape.param_bytes
     n = shard_group(layout)
     ep = layout.ep
     sharded_axes = ("fsdp", "cp") if layout.fsdp > 1 else ("dp", "cp")

@@ -126,6 +126,12 @@ def trainer_facts(name: str, hopper_or_newer: bool) -> dict[str, Any]:
     return trainer
 
 
+def kernel_on(attention: str, hopper_or_newer: bool) -> str:
+    """The attention kernel a trainer runs on this GPU: FlashAttention-3 class kernels (cuDNN's fused
+    attention) exist on Hopper and newer only; before, the same trainer runs FlashAttention-2 class."""
+    return "flash" if attention == "flash3" and not hopper_or_newer else attention
+
+
 def shape_facts(trainer: dict[str, Any]) -> dict[str, Any]:
     """The TrainShape fields a trainer's facts set, with the defaults of a trainer we know nothing of
     (Megatron's behaviour); fivefold's own entry gives its runtime's."""
@@ -143,6 +149,7 @@ def shape_facts(trainer: dict[str, Any]) -> dict[str, Any]:
         "ring_grad_fp32": bool(trainer.get("ring_grad_fp32", False)),
         "torch_ddp_buckets": bool(trainer.get("torch_ddp_buckets", False)),
         "cp_causal_skip": bool(trainer.get("cp_causal_skip", True)),
+        "sharded_overlap": bool(trainer.get("sharded_overlap", True)),
     }
 
 
@@ -535,14 +542,11 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     attention = trainer.get("attention", "flash")
     if "attention" not in trainer and year is not None and year <= LAST_MATERIALIZED_YEAR:
         attention = "materialized"  # the kernels of the day kept the s×s scores
-    if attention == "flash3" and not hopper_or_newer:
-        attention = "flash"  # FlashAttention-3 class kernels (cuDNN's fused attention): Hopper and newer
+    attention = kernel_on(attention, hopper_or_newer)
     arch = str(mt.get("arch", "")).lower()
     gated = any(w in arch for w in ("swiglu", "geglu", "swi-glu"))
     plain = any(w in arch for w in ("gelu", "relu", "mpt")) or arch.startswith("gpt")
     facts = shape_facts(trainer)
-    if zero >= 1 and not trainer.get("sharded_overlap", True):
-        facts["overlap_grad_reduce"] = False
     facts["fused"] = bool(lt.get("torch_compile", facts["fused"]))
     facts["tp_overlap"] = bool(lt.get("async_tp", facts["tp_overlap"]))
     shape = TrainShape(

@@ -84,6 +84,9 @@ class TrainShape:
     # context parallelism's attention skips the key blocks above the causal diagonal (published
     # rings, load-balanced); fivefold's ring and all-gather cores compute them under a mask
     cp_causal_skip: bool = False
+    # with a sharded optimizer (ZeRO >= 1) the gradient reduction and the updated shards' gather still
+    # run beside compute; nanotron's builds no DDP then and reduces after the backward (published runs)
+    sharded_overlap: bool = True
 
     def validate(self) -> TrainShape:
         for name in ("seq_len", "global_batch", "micro_batch"):

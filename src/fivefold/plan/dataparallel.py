@@ -39,13 +39,14 @@ GRAD_BYTES = 4  # fp32 gradients and master weights, whatever the compute dtype
 # it runs that much slower. A fifth of the overlapped time is charged to the step, from that share,
 # not fitted (leave-one-source-out: 12.7% -> 12.3% mean error over the bundled runs).
 OVERLAP_DRAG = 0.2
-DDP_BUCKET_BYTES = 25e6  # torch DDP's bucket_cap_mb
+DDP_FIRST_BUCKET = 2**20  # torch DDP's cap on the first bucket it rebuilds (dist._DEFAULT_FIRST_BUCKET_BYTES)
+DDP_BUCKET = 25 * 2**20  # and on every later one (bucket_cap_mb = 25, in MiB)
 
 
 def bucket_bytes(group: int) -> float:
-    """Gradient bucket size over a data-parallel group: torch DDP's 25 MB, grown with the group as
+    """Gradient bucket size over a data-parallel group: torch DDP's 25 MiB, grown with the group as
     Megatron does (a million elements per rank) so that a large ring's latency stays amortised."""
-    return max(DDP_BUCKET_BYTES, 4e6 * group)
+    return max(DDP_BUCKET, 4e6 * group)
 
 
 def sub_module_gathers(
@@ -331,10 +332,6 @@ def data_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
             for size in chunk_grads(run, chunk):
                 out.add("dp", BROADCAST, 1, size * GRAD_BYTES)
     return out
-
-
-DDP_FIRST_BUCKET = 2**20  # torch DDP's cap on the first bucket it rebuilds (dist._DEFAULT_FIRST_BUCKET_BYTES)
-DDP_BUCKET = 25 * 2**20  # and on every later one (bucket_cap_mb = 25)
 
 
 def ddp_buckets(sizes: list[int]) -> list[int]:

@@ -667,7 +667,7 @@ def test_trainer_flag_plans_with_that_trainers_facts(capsys) -> None:
     default) issues DTensor's collectives and its masked cp cores. The flags typed still win."""
     from fivefold.commands.plan import trainer_shape
     from fivefold.config import load_hardware
-    from fivefold.plan.runs import TRAINERS, shape_facts
+    from fivefold.plan.trainers import TRAINERS, shape_facts
 
     h100, a100 = load_hardware("h100-80gb"), load_hardware("a100-80gb")
     assert trainer_shape("fivefold", h100) == ({}, "flash")

@@ -6,15 +6,16 @@ import argparse
 
 from fivefold.commands import defaults
 from fivefold.config import add_layout_arguments, check_gpus, check_pins
-from fivefold.plan.runs import TRAINER_FLAGS
+from fivefold.plan.trainers import TRAINER_FLAGS
 
 
 def trainer_shape(flag: str, hw) -> tuple[dict, str]:  # noqa: ANN001 - HardwareSpec, imported lazily
     """(TrainShape fields, attention kernel) of `--trainer`: fivefold's runtime as TrainShape's defaults
-    say it, or another trainer's facts as the published runs of it are planned (fivefold.plan.runs)."""
+    say it, or another trainer's facts as the published runs of it are planned (fivefold.plan.trainers)."""
     if flag == "fivefold":
         return {}, "flash"
-    from fivefold.plan.runs import family, kernel_on, shape_facts, trainer_facts
+    from fivefold.plan.runs import family
+    from fivefold.plan.trainers import kernel_on, shape_facts, trainer_facts
 
     hopper = family(hw) == "hopper" or hw.name.lower().startswith(("b100", "b200"))
     trainer = trainer_facts(TRAINER_FLAGS[flag], hopper)

@@ -22,6 +22,7 @@ from typing import Any
 from fivefold.config import CP_IMPLS, HardwareSpec, Layout, ModelSpec, load_hardware
 from fivefold.errors import FivefoldError
 from fivefold.plan.spec import TrainShape
+from fivefold.plan.trainers import TRAINERS, named_trainer, published_trainer, shape_facts
 
 BUILTIN = ("published_runs.toml", "public_runs_2.toml")  # the bundled reference sets
 GPU_PRESETS = {  # a substring of the run's GPU name -> preset; the more specific names first
@@ -64,95 +65,6 @@ GPU_PRESETS = {  # a substring of the run's GPU name -> preset; the more specifi
     "TRILLIUM": "tpu-v6e",
     "CPU": "cpu",
 }
-# What the trainer behind a source does when a run does not say (facts about the frameworks):
-# NeMo / Megatron-core with Transformer Engine fuses its elementwise kernels and, in its performance
-# recipes, overlaps the tp collectives with the matmuls, on Hopper runs cuDNN's fused attention, and
-# reduces gradients in bf16 (Megatron-core's grad_reduce_in_fp32 defaults to off); torchtitan runs
-# eager PyTorch unless torch.compile is stated. Others: fused kernels, no tp overlap.
-TRAINERS = {
-    "NVIDIA/NeMo": {"fused": True, "tp_overlap": True, "attention": "flash3", "grad_bytes": 2},
-    "NVIDIA/dgxc-benchmarking": {"fused": True, "tp_overlap": True, "attention": "flash3", "grad_bytes": 2},
-    # torchtitan splits a pipeline's local batch into pp micro-batches unless told otherwise, and its
-    # sequence parallelism is DTensor's (the gathered matmul input kept for the backward)
-    "pytorch/torchtitan": {
-        "fused": False,
-        "tp_overlap": False,
-        "microbatches": "pp",
-        "tp_regather": False,
-        "tp_backward_overlap": False,
-    },
-    "mosaicml/llm-foundry": {"fused_loss": True},  # loss_fn = fused_crossentropy by default
-    # its xentropy kernel, in-place backward; its own attention kernel since its first release (2022)
-    "Dao-AILab/flash-attention": {"fused_loss": True, "attention": "flash"},
-    # ZeRO-3 keeps fp16 shards beside the fp32 master and gathers sub-modules up to
-    # stage3_max_live_parameters (1e9 by default), not whole blocks, and releases those next used
-    # more than stage3_max_reuse_distance (1e9) parameters later
-    "microsoft/DeepSpeed": {"fp32_shard": False, "live_params": 1e9, "reuse_distance": 1e9},
-    # nanotron's pipeline engines are all-forward-all-backward and 1F1B: no interleaved chunks. With
-    # its sharded optimizer and fp32 gradient accumulation (what its benchmark sweep sets) it builds
-    # no DDP: the gradients are reduce-scattered after the backward, and the updated shards gathered
-    # after the step, neither beside compute (trainer.py's make_ddp, sync_gradients_across_dp)
-    "huggingface/nanotron": {"interleaved": False, "sharded_overlap": False},
-    # fivefold's own run directories (`framework = "fivefold"`): DTensor's sequence parallelism
-    "fivefold": {
-        "tp_regather": False,
-        "tp_backward_overlap": False,
-        "ring_grad_fp32": True,
-        "torch_ddp_buckets": True,
-        "cp_causal_skip": False,
-    },
-}
-# `fivefold plan --trainer NAME`: the trainer whose facts a plan takes (fivefold's own by default)
-TRAINER_FLAGS = {
-    "fivefold": "fivefold",
-    "megatron": "NVIDIA/Megatron-LM",
-    "nemo": "NVIDIA/NeMo",
-    "torchtitan": "pytorch/torchtitan",
-    "deepspeed": "microsoft/DeepSpeed",
-    "nanotron": "huggingface/nanotron",
-    "llm-foundry": "mosaicml/llm-foundry",
-}
-
-
-def trainer_facts(name: str, hopper_or_newer: bool) -> dict[str, Any]:
-    """A trainer's facts (TRAINERS[name]) with what its Hopper-era runs add: Megatron-LM through
-    Transformer Engine (cuDNN's fused attention, tp collectives overlapped with the GEMMs)."""
-    trainer = TRAINERS.get(name, {})
-    if name == "NVIDIA/Megatron-LM" and hopper_or_newer:
-        # Megatron-LM's Hopper-era runs go through Transformer Engine like NeMo's and dgxc's (the same
-        # Megatron-Core): cuDNN's fused attention, and tp collectives overlapped with the GEMMs
-        # (--tp-comm-overlap, which its published H100 scaling runs use)
-        trainer = {**trainer, "attention": "flash3", "tp_overlap": True}
-    return trainer
-
-
-def kernel_on(attention: str, hopper_or_newer: bool) -> str:
-    """The attention kernel a trainer runs on this GPU: FlashAttention-3 class kernels (cuDNN's fused
-    attention) exist on Hopper and newer only; before, the same trainer runs FlashAttention-2 class."""
-    return "flash" if attention == "flash3" and not hopper_or_newer else attention
-
-
-def shape_facts(trainer: dict[str, Any]) -> dict[str, Any]:
-    """The TrainShape fields a trainer's facts set, with the defaults of a trainer we know nothing of
-    (Megatron's behaviour); fivefold's own entry gives its runtime's."""
-    return {
-        "fused": bool(trainer.get("fused", True)),
-        "grad_bytes": int(trainer.get("grad_bytes", 4)),
-        "tp_overlap": bool(trainer.get("tp_overlap", False)),
-        "fused_loss": bool(trainer.get("fused_loss", False)),
-        "fp32_shard": bool(trainer.get("fp32_shard", True)),
-        "live_params": float(trainer.get("live_params", 0.0)),
-        "reuse_distance": float(trainer.get("reuse_distance", 0.0)),
-        # Megatron's sequence parallelism (and its descendants'), unless the trainer is DTensor's
-        "tp_regather": bool(trainer.get("tp_regather", True)),
-        "tp_backward_overlap": bool(trainer.get("tp_backward_overlap", True)),
-        "ring_grad_fp32": bool(trainer.get("ring_grad_fp32", False)),
-        "torch_ddp_buckets": bool(trainer.get("torch_ddp_buckets", False)),
-        "cp_causal_skip": bool(trainer.get("cp_causal_skip", True)),
-        "sharded_overlap": bool(trainer.get("sharded_overlap", True)),
-    }
-
-
 FILL = {  # what an unpublished layout field defaults to (see docs/planner.md, "Unknowns")
     "micro_batch": 1,
     "vocab": 32000,
@@ -218,12 +130,6 @@ def load_runs(*paths: str | Path) -> list[dict[str, Any]]:
     return runs
 
 
-# FlashAttention appeared in mid-2022 and reached Megatron (--use-flash-attn) and DeepSpeed in 2023:
-# runs published up to 2022 (Megatron SC21, Korthikanti et al., BLOOM, Megatron-DeepSpeed's ZeRO-3
-# scaling) ran attention kernels that materialise the scores, unless the run or its trainer says
-LAST_MATERIALIZED_YEAR = 2022
-
-
 def published_year(run: dict[str, Any]) -> int | None:
     """The year a run was published, read from its `source` ("Korthikanti et al. 2022",
     "README @50a4b5fa (2021-04-08)", "2022-07-26-deepspeed-azure.md", "llama3_h100_202412_..."): the
@@ -237,23 +143,6 @@ def source_of(run: dict[str, Any]) -> str:
     return str(run["source"]).split()[0].rstrip(",")
 
 
-# A runs file from elsewhere names its trainer in its own words ("... Megatron-LM baseline",
-# framework = "torchtitan"): the first of these a source or framework names is the trainer. Megatron
-# before DeepSpeed: Megatron-DeepSpeed runs Megatron's kernels (with DeepSpeed's ZeRO-1 and pipeline).
-TRAINER_WORDS = (
-    (r"dgxc", "NVIDIA/dgxc-benchmarking"),
-    (r"\bnemo\b", "NVIDIA/NeMo"),
-    (r"megatron", "NVIDIA/Megatron-LM"),
-    (r"torchtitan", "pytorch/torchtitan"),
-    (r"llm-foundry|mosaicml|\bcomposer\b", "mosaicml/llm-foundry"),
-    (r"nanotron", "huggingface/nanotron"),
-    (r"deepspeed", "microsoft/DeepSpeed"),
-    (r"flash-attention", "Dao-AILab/flash-attention"),
-)
-# FlashAttention-3 (July 2024) and cuDNN's fused attention in Transformer Engine: Hopper runs from then
-FIRST_FLASH3_YEAR = 2024
-
-
 def trainer_name(run: dict[str, Any]) -> str:
     """The key of TRAINERS whose facts a run's trainer has: fivefold's own run directories, a bundled
     source, or a trainer the run's source or framework names; otherwise its source (no known facts)."""
@@ -263,8 +152,7 @@ def trainer_name(run: dict[str, Any]) -> str:
     source = source_of(run)
     if source in TRAINERS:
         return source
-    text = f"{framework} {run.get('source', '')}".lower()
-    return next((name for pattern, name in TRAINER_WORDS if re.search(pattern, text)), source)
+    return named_trainer(f"{framework} {run.get('source', '')}") or source
 
 
 def _need(run: dict[str, Any], table: str, key: str) -> Any:
@@ -528,21 +416,8 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         mb = 1  # a published micro-batch that does not divide the local batch (a short last one)
     precision = str(lt.get("precision", "")).lower()
     name = trainer_name(run)
-    gpu_name = str(run.get("hardware", {}).get("gpu", "")).upper()
-    hopper_or_newer = any(k in gpu_name for k in ("H100", "H200", "H800", "H20", "B200", "B100"))
-    trainer = trainer_facts(name, hopper_or_newer)
-    if "jax" in str(lt.get("framework", "")).lower():
-        # XLA fuses elementwise ops; MaxText's GPU attention is cuDNN's fused kernel (cudnn_flash_te)
-        trainer = {"fused": True, "tp_overlap": False, "attention": "flash3"}
-    year = published_year(run)
-    if name not in TRAINERS and hopper_or_newer and (year or 0) >= FIRST_FLASH3_YEAR:
-        # a trainer we know nothing of, on Hopper since 2024: the large stacks publishing such runs
-        # (Transformer Engine's, XLA's, in-house ones) run FlashAttention-3 class kernels
-        trainer = {**trainer, "attention": "flash3"}
-    attention = trainer.get("attention", "flash")
-    if "attention" not in trainer and year is not None and year <= LAST_MATERIALIZED_YEAR:
-        attention = "materialized"  # the kernels of the day kept the s×s scores
-    attention = kernel_on(attention, hopper_or_newer)
+    gpu_name = str(run.get("hardware", {}).get("gpu", ""))
+    trainer, attention = published_trainer(name, gpu_name, str(lt.get("framework", "")), published_year(run))
     arch = str(mt.get("arch", "")).lower()
     gated = any(w in arch for w in ("swiglu", "geglu", "swi-glu"))
     plain = any(w in arch for w in ("gelu", "relu", "mpt")) or arch.startswith("gpt")

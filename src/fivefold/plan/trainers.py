@@ -1,0 +1,147 @@
+"""What the trainers behind published runs do when a run does not say: facts about the frameworks
+(their kernels, overlaps, bucket and gather policies), read in their code and documentation, and the
+TrainShape fields they set. The runs reader (`fivefold.plan.runs`) and `fivefold plan --trainer` read
+the same table."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+# What the trainer behind a source does when a run does not say (facts about the frameworks):
+# NeMo / Megatron-core with Transformer Engine fuses its elementwise kernels and, in its performance
+# recipes, overlaps the tp collectives with the matmuls, on Hopper runs cuDNN's fused attention, and
+# reduces gradients in bf16 (Megatron-core's grad_reduce_in_fp32 defaults to off); torchtitan runs
+# eager PyTorch unless torch.compile is stated. Others: fused kernels, no tp overlap.
+TRAINERS = {
+    "NVIDIA/NeMo": {"fused": True, "tp_overlap": True, "attention": "flash3", "grad_bytes": 2},
+    "NVIDIA/dgxc-benchmarking": {"fused": True, "tp_overlap": True, "attention": "flash3", "grad_bytes": 2},
+    # torchtitan splits a pipeline's local batch into pp micro-batches unless told otherwise, and its
+    # sequence parallelism is DTensor's (the gathered matmul input kept for the backward)
+    "pytorch/torchtitan": {
+        "fused": False,
+        "tp_overlap": False,
+        "microbatches": "pp",
+        "tp_regather": False,
+        "tp_backward_overlap": False,
+    },
+    "mosaicml/llm-foundry": {"fused_loss": True},  # loss_fn = fused_crossentropy by default
+    # its xentropy kernel, in-place backward; its own attention kernel since its first release (2022)
+    "Dao-AILab/flash-attention": {"fused_loss": True, "attention": "flash"},
+    # ZeRO-3 keeps fp16 shards beside the fp32 master and gathers sub-modules up to
+    # stage3_max_live_parameters (1e9 by default), not whole blocks, and releases those next used
+    # more than stage3_max_reuse_distance (1e9) parameters later
+    "microsoft/DeepSpeed": {"fp32_shard": False, "live_params": 1e9, "reuse_distance": 1e9},
+    # nanotron's pipeline engines are all-forward-all-backward and 1F1B: no interleaved chunks. With
+    # its sharded optimizer and fp32 gradient accumulation (what its benchmark sweep sets) it builds
+    # no DDP: the gradients are reduce-scattered after the backward, and the updated shards gathered
+    # after the step, neither beside compute (trainer.py's make_ddp, sync_gradients_across_dp)
+    "huggingface/nanotron": {"interleaved": False, "sharded_overlap": False},
+    # fivefold's own run directories (`framework = "fivefold"`): DTensor's sequence parallelism
+    "fivefold": {
+        "tp_regather": False,
+        "tp_backward_overlap": False,
+        "ring_grad_fp32": True,
+        "torch_ddp_buckets": True,
+        "cp_causal_skip": False,
+    },
+}
+# `fivefold plan --trainer NAME`: the trainer whose facts a plan takes (fivefold's own by default)
+TRAINER_FLAGS = {
+    "fivefold": "fivefold",
+    "megatron": "NVIDIA/Megatron-LM",
+    "nemo": "NVIDIA/NeMo",
+    "torchtitan": "pytorch/torchtitan",
+    "deepspeed": "microsoft/DeepSpeed",
+    "nanotron": "huggingface/nanotron",
+    "llm-foundry": "mosaicml/llm-foundry",
+}
+
+
+def trainer_facts(name: str, hopper_or_newer: bool) -> dict[str, Any]:
+    """A trainer's facts (TRAINERS[name]) with what its Hopper-era runs add: Megatron-LM through
+    Transformer Engine (cuDNN's fused attention, tp collectives overlapped with the GEMMs)."""
+    trainer = TRAINERS.get(name, {})
+    if name == "NVIDIA/Megatron-LM" and hopper_or_newer:
+        # Megatron-LM's Hopper-era runs go through Transformer Engine like NeMo's and dgxc's (the same
+        # Megatron-Core): cuDNN's fused attention, and tp collectives overlapped with the GEMMs
+        # (--tp-comm-overlap, which its published H100 scaling runs use)
+        trainer = {**trainer, "attention": "flash3", "tp_overlap": True}
+    return trainer
+
+
+def kernel_on(attention: str, hopper_or_newer: bool) -> str:
+    """The attention kernel a trainer runs on this GPU: FlashAttention-3 class kernels (cuDNN's fused
+    attention) exist on Hopper and newer only; before, the same trainer runs FlashAttention-2 class."""
+    return "flash" if attention == "flash3" and not hopper_or_newer else attention
+
+
+def shape_facts(trainer: dict[str, Any]) -> dict[str, Any]:
+    """The TrainShape fields a trainer's facts set, with the defaults of a trainer we know nothing of
+    (Megatron's behaviour); fivefold's own entry gives its runtime's."""
+    return {
+        "fused": bool(trainer.get("fused", True)),
+        "grad_bytes": int(trainer.get("grad_bytes", 4)),
+        "tp_overlap": bool(trainer.get("tp_overlap", False)),
+        "fused_loss": bool(trainer.get("fused_loss", False)),
+        "fp32_shard": bool(trainer.get("fp32_shard", True)),
+        "live_params": float(trainer.get("live_params", 0.0)),
+        "reuse_distance": float(trainer.get("reuse_distance", 0.0)),
+        # Megatron's sequence parallelism (and its descendants'), unless the trainer is DTensor's
+        "tp_regather": bool(trainer.get("tp_regather", True)),
+        "tp_backward_overlap": bool(trainer.get("tp_backward_overlap", True)),
+        "ring_grad_fp32": bool(trainer.get("ring_grad_fp32", False)),
+        "torch_ddp_buckets": bool(trainer.get("torch_ddp_buckets", False)),
+        "cp_causal_skip": bool(trainer.get("cp_causal_skip", True)),
+        "sharded_overlap": bool(trainer.get("sharded_overlap", True)),
+    }
+
+
+# FlashAttention appeared in mid-2022 and reached Megatron (--use-flash-attn) and DeepSpeed in 2023:
+# runs published up to 2022 (Megatron SC21, Korthikanti et al., BLOOM, Megatron-DeepSpeed's ZeRO-3
+# scaling) ran attention kernels that materialise the scores, unless the run or its trainer says
+LAST_MATERIALIZED_YEAR = 2022
+
+
+# A runs file from elsewhere names its trainer in its own words ("... Megatron-LM baseline",
+# framework = "torchtitan"): the first of these a source or framework names is the trainer. Megatron
+# before DeepSpeed: Megatron-DeepSpeed runs Megatron's kernels (with DeepSpeed's ZeRO-1 and pipeline).
+TRAINER_WORDS = (
+    (r"dgxc", "NVIDIA/dgxc-benchmarking"),
+    (r"\bnemo\b", "NVIDIA/NeMo"),
+    (r"megatron", "NVIDIA/Megatron-LM"),
+    (r"torchtitan", "pytorch/torchtitan"),
+    (r"llm-foundry|mosaicml|\bcomposer\b", "mosaicml/llm-foundry"),
+    (r"nanotron", "huggingface/nanotron"),
+    (r"deepspeed", "microsoft/DeepSpeed"),
+    (r"flash-attention", "Dao-AILab/flash-attention"),
+)
+# FlashAttention-3 (July 2024) and cuDNN's fused attention in Transformer Engine: Hopper runs from then
+FIRST_FLASH3_YEAR = 2024
+
+
+def named_trainer(text: str) -> str | None:
+    """The trainer a source or framework names in its own words (TRAINER_WORDS), or None."""
+    low = text.lower()
+    return next((name for pattern, name in TRAINER_WORDS if re.search(pattern, low)), None)
+
+
+HOPPER_OR_NEWER = ("H100", "H200", "H800", "H20", "B200", "B100")
+
+
+def published_trainer(name: str, gpu: str, framework: str, year: int | None) -> tuple[dict[str, Any], str]:
+    """(facts, attention kernel) of trainer `name` (a TRAINERS key, or a source with no known facts)
+    on the GPU a run names, in the framework it names, in the year it was published."""
+    hopper_or_newer = any(k in gpu.upper() for k in HOPPER_OR_NEWER)
+    trainer = trainer_facts(name, hopper_or_newer)
+    if "jax" in framework.lower():
+        # XLA fuses elementwise ops; MaxText's GPU attention is cuDNN's fused kernel (cudnn_flash_te)
+        trainer = {"fused": True, "tp_overlap": False, "attention": "flash3"}
+    if name not in TRAINERS and hopper_or_newer and (year or 0) >= FIRST_FLASH3_YEAR:
+        # a trainer we know nothing of, on Hopper since 2024: the large stacks publishing such runs
+        # (Transformer Engine's, XLA's, in-house ones) run FlashAttention-3 class kernels
+        trainer = {**trainer, "attention": "flash3"}
+    attention = trainer.get("attention", "flash")
+    if "attention" not in trainer and year is not None and year <= LAST_MATERIALIZED_YEAR:
+        attention = "materialized"  # the kernels of the day kept the s×s scores
+    return trainer, kernel_on(attention, hopper_or_newer)

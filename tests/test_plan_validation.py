@@ -685,3 +685,80 @@ def test_nanotrons_sharded_optimizer_reduces_after_the_backward() -> None:
     assert all(c.exposed_s == pytest.approx(c.time_s) for c in data_parallel(1))  # after the backward
     assert all(c.exposed_s < c.time_s for c in data_parallel(0))  # DDP: beside the backward
     assert all(c.exposed_s < c.time_s for c in data_parallel(1, "NVIDIA/Megatron-LM"))
+
+
+def test_nanotrons_gradient_sync_and_gather_cost_what_its_code_issues() -> None:
+    """nanotron's ZeRO-1 all-reduces the whole fp32 gradient, gathers the updated weights with a slice
+    and a copy per parameter tensor and data rank from the host, and accumulates in fp32 with an add
+    after each micro-batch; Megatron reduce-scatters, gathers one flat buffer, and fuses the add."""
+    import dataclasses
+
+    from fivefold.plan import plan
+    from fivefold.plan.compute import FP32_ACCUMULATE_BYTES, Rates
+    from fivefold.plan.dataparallel import EAGER_OP_S
+    from fivefold.plan.runs import build
+
+    def inputs(source: str, zero: int = 1):
+        return build(
+            {
+                "id": "r",
+                "source": source,
+                "hardware": {"gpu": "H100 80GB"},
+                "model": {"layers": 4, "hidden": 1024, "heads": 8, "seq_len": 2048},
+                "layout": {"gpus": 16, "dp": 16, "zero_stage": zero, "micro_batch": 1, "global_batch": 64},
+            }
+        )
+
+    nano, megatron = inputs("huggingface/nanotron docs"), inputs("NVIDIA/Megatron-LM")
+    assert nano.shape.sharded_copies and nano.shape.fp32_accumulate_pass and nano.shape.block_tensors == 6
+    assert not (megatron.shape.sharded_copies or megatron.shape.fp32_accumulate_pass)
+
+    def run(i, **facts):
+        shape = dataclasses.replace(i.shape, **facts)
+        return plan(i.model, i.hw, i.layout, shape)
+
+    p = run(nano)
+    ops = {c.op for c in p.comm if c.axis == "dp"}
+    assert ops == {"all_reduce", "all_gather"}  # the gradient all-reduced whole, not reduce-scattered
+    assert {c.op for c in run(megatron).comm if c.axis == "dp"} == {"reduce_scatter", "all_gather"}
+    # the host's copies: 6 tensors a block, the embedding, the final norm and the head, per data rank
+    plain = run(nano, sharded_copies=False, fp32_accumulate_pass=False)
+    copies = run(nano, fp32_accumulate_pass=False).optimizer_time_s - plain.optimizer_time_s
+    assert copies == pytest.approx(2 * (4 * 6 + 3) * 16 * EAGER_OP_S)
+    # the fp32 add streams every local parameter once a micro-batch (4 of them here)
+    accumulate = run(nano, sharded_copies=False).optimizer_time_s - plain.optimizer_time_s
+    rates = Rates.of(p.hardware, attention=p.shape.attention)
+    assert p.microbatches == 4
+    assert accumulate == pytest.approx(4 * FP32_ACCUMULATE_BYTES * p.params / rates.hbm, rel=1e-6)
+    # ZeRO-0 builds torch DDP: no sharded gather to copy back
+    z0 = inputs("huggingface/nanotron docs", zero=0)
+    assert run(z0, fp32_accumulate_pass=False).optimizer_time_s == pytest.approx(
+        run(z0, sharded_copies=False, fp32_accumulate_pass=False).optimizer_time_s
+    )
+
+
+def test_checkpoints_on_the_host_cost_their_copies_both_ways() -> None:
+    """Full recompute with its checkpoints offloaded (DeepSpeed's cpu_checkpointing) keeps no layer
+    input on the device and pays each one's copy to the host and back, in series with the step."""
+    import dataclasses
+
+    from fivefold.plan import plan
+    from fivefold.plan.compute import HOST_LINK_BPS
+    from fivefold.plan.runs import build
+
+    i = build(
+        {
+            "id": "r",
+            "source": "microsoft/DeepSpeed docs",
+            "hardware": {"gpu": "A100 80GB"},
+            "model": {"layers": 4, "hidden": 1024, "heads": 8, "seq_len": 2048},
+            "layout": {"gpus": 8, "fsdp": 8, "zero_stage": 3, "micro_batch": 2, "global_batch": 32},
+        }
+    )
+    layout = dataclasses.replace(i.layout, recompute="full")
+    shapes = (dataclasses.replace(i.shape, offload_checkpoints=o) for o in (True, False))
+    on, off = (plan(i.model, i.hw, layout, shape) for shape in shapes)
+    kept = 2 * 2048 * 1024 * i.shape.act_bytes  # a micro-batch's layer input
+    assert on.microbatches == 2
+    assert on.optimizer_time_s - off.optimizer_time_s == pytest.approx(2 * 2 * 4 * kept / HOST_LINK_BPS)
+    assert on.memory.activations < off.memory.activations

@@ -225,6 +225,15 @@ def step_overhead(hw: HardwareSpec, gpus: int) -> float:
     return knob * math.log2(max(gpus, 1)) / math.log2(OVERHEAD_REFERENCE_GPUS)
 
 
+FP32_ACCUMULATE_BYTES = 10  # a separate fp32 accumulation: read the 16-bit gradient, read and write fp32
+
+
+def accumulate_pass_time(local_params: float, micro_batches: int, rates: Rates) -> float:
+    """Seconds of a trainer's separate fp32 gradient accumulation (`TrainShape.fp32_accumulate_pass`):
+    every local parameter's gradient streamed once after each micro-batch's backward."""
+    return micro_batches * FP32_ACCUMULATE_BYTES * local_params / rates.hbm
+
+
 def optimizer_time(
     local_params: float, rates: Rates, hw: HardwareSpec | None = None, offload: bool = False, gpus: int = 1
 ) -> float:

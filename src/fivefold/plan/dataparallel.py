@@ -43,6 +43,21 @@ DDP_FIRST_BUCKET = 2**20  # torch DDP's cap on the first bucket it rebuilds (dis
 DDP_BUCKET = 25 * 2**20  # and on every later one (bucket_cap_mb = 25, in MiB)
 
 
+# Host time of one small eager PyTorch op: its Python call, dispatch and kernel launch (5-25 µs on a
+# GPU host; the low end, since a slice launches nothing)
+EAGER_OP_S = 5e-6
+
+
+def gather_copies_time(layout: Layout, shape: TrainShape, tensors: int) -> float:
+    """Seconds the host spends issuing a sharded optimizer's gather one tensor at a time (nanotron's
+    ZeRO-1: a slice and a copy per parameter tensor and data rank, `TrainShape.sharded_copies`). Each
+    copy is a sliver of a tensor, so the host sets the pace, in series with the step."""
+    n = shard_group(layout)
+    if not shape.sharded_copies or layout.zero < 1 or n <= 1:
+        return 0.0
+    return 2 * tensors * n * EAGER_OP_S
+
+
 def bucket_bytes(group: int) -> float:
     """Gradient bucket size over a data-parallel group: torch DDP's 25 MiB, grown with the group as
     Megatron does (a million elements per rank) so that a large ring's latency stays amortised."""
@@ -148,7 +163,8 @@ def data_parallel_traffic(
             if z == 0:
                 once(shard_axis, ALL_REDUCE, g * payload, group, link, t_b)
             else:
-                once(shard_axis, REDUCE_SCATTER, g * payload, group, link, t_b)
+                reduce = ALL_REDUCE if shape.sharded_copies else REDUCE_SCATTER
+                once(shard_axis, reduce, g * payload, group, link, t_b)
                 once(shard_axis, ALL_GATHER, p * payload, group, link, t_f)
     elif z == 2 and shape.params_kept:
         # DeepSpeed's ZeRO-2: weights stay whole across micro-batches; gradients are reduce-scattered

@@ -23,8 +23,16 @@ from fivefold.plan.comm import (
     links,
     ring_nics,
 )
-from fivefold.plan.compute import LayerTime, Rates, head_time, layer_time, optimizer_time
-from fivefold.plan.dataparallel import data_parallel_traffic
+from fivefold.plan.compute import (
+    HOST_LINK_BPS,
+    LayerTime,
+    Rates,
+    accumulate_pass_time,
+    head_time,
+    layer_time,
+    optimizer_time,
+)
+from fivefold.plan.dataparallel import data_parallel_traffic, gather_copies_time
 from fivefold.plan.memory import (
     Memory,
     cached_stage_params,
@@ -513,6 +521,16 @@ def _plan(
     n = shard_group(layout)
     local = (dense / n + experts / max(n // layout.ep, 1)) if layout.zero >= 1 else dense + experts
     opt = optimizer_time(local, rates, hw, offload=shape.offload_optimizer, gpus=layout.world)
+    if shape.fp32_accumulate_pass:
+        opt += accumulate_pass_time(dense + experts, m, rates)
+    if shape.offload_checkpoints:  # each checkpointed layer input to the host and back, in series
+        # (DeepSpeed's cpu_checkpointing copies synchronously: its transfer stream is unused)
+        kept = tokens / (layout.tp if layout.sp else 1) * model.hidden * shape.act_bytes
+        opt += 2 * m * sum(recomputed_counts(model, layout, worst)) * kept / HOST_LINK_BPS
+    if shape.sharded_copies:
+        n_layers = sum(stage_counts(model, layout.pp, worst, layout))
+        ends = int(holds_embedding(worst)) + 2 * int(holds_head(worst))  # embedding; final norm, head
+        opt += gather_copies_time(layout, shape, n_layers * shape.block_tensors + ends)
     exposed = sum(c.exposed_s for c in comms.values() if c.axis in ("dp", "fsdp", "pp")) + tp_once
     step = pipeline_time + exposed + opt
 

@@ -10,8 +10,9 @@ from fivefold.plan.memory import Memory
 from fivefold.plan.spec import Arch, TrainShape
 
 MEMORY_RESERVE = 0.04  # share of HBM kept by the CUDA context, NCCL buffers and fragmentation
-# Half-width of the band around a predicted MFU: the planner's leave-one-source-out mean |error| over
-# the bundled published runs (docs/planner.md; tests/test_plan_validation.py keeps it honest).
+# Half-width of the band around a predicted MFU, from the planner's leave-one-source-out errors over the
+# bundled published runs: 84% of them fall inside it (docs/planner.md); never below their mean |error|
+# (tests/test_plan_validation.py keeps it honest).
 MFU_BAND = 0.15
 
 

@@ -87,6 +87,17 @@ class TrainShape:
     # with a sharded optimizer (ZeRO >= 1) the gradient reduction and the updated shards' gather still
     # run beside compute; nanotron's builds no DDP then and reduces after the backward (published runs)
     sharded_overlap: bool = True
+    # with a sharded optimizer the whole gradient is all-reduced rather than reduce-scattered, and the
+    # updated weights come back through one slice and one copy per parameter tensor and data rank,
+    # issued one by one from the host (nanotron's ZeRO-1: sync_gradients_across_dp, all_gather_coalesced)
+    sharded_copies: bool = False
+    # gradients accumulate in fp32 through a separate add after each micro-batch's backward (read the
+    # 16-bit gradient, read and write the fp32 one), not fused into the weight-gradient matmul as
+    # Megatron's gradient_accumulation_fusion does (nanotron's FP32GradientAccumulator)
+    fp32_accumulate_pass: bool = False
+    # parameter tensors of a block (norms included): per-tensor host work is counted with it. fivefold's
+    # Llama block: q, k, v, o, w1, w2, w3 and two norms; nanotron fuses qkv and gate-up (6)
+    block_tensors: int = 9
 
     def validate(self) -> TrainShape:
         for name in ("seq_len", "global_batch", "micro_batch"):

@@ -36,7 +36,18 @@ TRAINERS = {
     # its sharded optimizer and fp32 gradient accumulation (what its benchmark sweep sets) it builds
     # no DDP: the gradients are reduce-scattered after the backward, and the updated shards gathered
     # after the step, neither beside compute (trainer.py's make_ddp, sync_gradients_across_dp)
-    "huggingface/nanotron": {"interleaved": False, "sharded_overlap": False},
+    # The sharded optimizer all-reduces the whole fp32 gradient ("too memory hungry" to reduce-scatter,
+    # trainer.py) and gathers the updated weights by slicing and copying every parameter tensor for
+    # every data rank in Python (distributed.py's all_gather_coalesced); fp32 accumulation is an add
+    # per parameter after every micro-batch's backward (FP32GradientAccumulator). Its Llama fuses
+    # q, k, v and gate-up: 6 tensors a block
+    "huggingface/nanotron": {
+        "interleaved": False,
+        "sharded_overlap": False,
+        "sharded_copies": True,
+        "fp32_accumulate_pass": True,
+        "block_tensors": 6,
+    },
     # fivefold's own run directories (`framework = "fivefold"`): DTensor's sequence parallelism
     "fivefold": {
         "tp_regather": False,
@@ -94,6 +105,9 @@ def shape_facts(trainer: dict[str, Any]) -> dict[str, Any]:
         "torch_ddp_buckets": bool(trainer.get("torch_ddp_buckets", False)),
         "cp_causal_skip": bool(trainer.get("cp_causal_skip", True)),
         "sharded_overlap": bool(trainer.get("sharded_overlap", True)),
+        "sharded_copies": bool(trainer.get("sharded_copies", False)),
+        "fp32_accumulate_pass": bool(trainer.get("fp32_accumulate_pass", False)),
+        "block_tensors": int(trainer.get("block_tensors", 9)),
     }
 
 

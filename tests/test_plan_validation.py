@@ -730,6 +730,7 @@ def test_nanotrons_gradient_sync_and_gather_cost_what_its_code_issues() -> None:
     rates = Rates.of(p.hardware, attention=p.shape.attention)
     assert p.microbatches == 4
     assert accumulate == pytest.approx(4 * FP32_ACCUMULATE_BYTES * p.params / rates.hbm, rel=1e-6)
+    assert any("per-tensor copies" in n and "fp32 gradient accumulation" in n for n in p.notes)  # said
     # ZeRO-0 builds torch DDP: no sharded gather to copy back
     z0 = inputs("huggingface/nanotron docs", zero=0)
     assert run(z0, fp32_accumulate_pass=False).optimizer_time_s == pytest.approx(

@@ -521,16 +521,20 @@ def _plan(
     n = shard_group(layout)
     local = (dense / n + experts / max(n // layout.ep, 1)) if layout.zero >= 1 else dense + experts
     opt = optimizer_time(local, rates, hw, offload=shape.offload_optimizer, gpus=layout.world)
+    besides: dict[str, float] = {}  # trainer work outside the layers, in series with the step
     if shape.fp32_accumulate_pass:
-        opt += accumulate_pass_time(dense + experts, m, rates)
+        besides["the separate fp32 gradient accumulation"] = accumulate_pass_time(dense + experts, m, rates)
     if shape.offload_checkpoints:  # each checkpointed layer input to the host and back, in series
         # (DeepSpeed's cpu_checkpointing copies synchronously: its transfer stream is unused)
         kept = tokens / (layout.tp if layout.sp else 1) * model.hidden * shape.act_bytes
-        opt += 2 * m * sum(recomputed_counts(model, layout, worst)) * kept / HOST_LINK_BPS
+        copies = 2 * m * sum(recomputed_counts(model, layout, worst)) * kept / HOST_LINK_BPS
+        besides["the checkpoints' copies to the host and back"] = copies
     if shape.sharded_copies:
         n_layers = sum(stage_counts(model, layout.pp, worst, layout))
         ends = int(holds_embedding(worst)) + 2 * int(holds_head(worst))  # embedding; final norm, head
-        opt += gather_copies_time(layout, shape, n_layers * shape.block_tensors + ends)
+        gather = gather_copies_time(layout, shape, n_layers * shape.block_tensors + ends)
+        besides["the host's per-tensor copies of the sharded optimizer's gather"] = gather
+    opt += sum(besides.values())
     exposed = sum(c.exposed_s for c in comms.values() if c.axis in ("dp", "fsdp", "pp")) + tp_once
     step = pipeline_time + exposed + opt
 
@@ -550,6 +554,9 @@ def _plan(
     order = ("tp", "cp", "ep", "pp", "fsdp", "fsdp_cp", "dp", "dp_fsdp_cp")
     comm_list = sorted(in_ledger_words(list(comms.values()), layout), key=lambda c: order.index(c.axis))
     notes = []
+    if any(besides.values()):
+        parts = ", ".join(f"{what} {t:.3f} s" for what, t in besides.items() if t)
+        notes.append(f"the optimizer time includes {parts}")
     if layout.pp > 1 and layout.pp_schedule == "interleaved-1f1b" and m % layout.pp:
         notes.append(f"interleaved 1F1B wants micro-batches ({m}) divisible by pp ({layout.pp})")
     if (model.layers % (layout.pp * v)) != 0:

@@ -53,7 +53,7 @@ def gather_copies_time(layout: Layout, shape: TrainShape, tensors: int) -> float
     ZeRO-1: a slice and a copy per parameter tensor and data rank, `TrainShape.sharded_copies`). Each
     copy is a sliver of a tensor, so the host sets the pace, in series with the step."""
     n = shard_group(layout)
-    if not shape.sharded_copies or layout.zero < 1 or n <= 1:
+    if not shape.sharded_copies or layout.zero != 1 or n <= 1:  # its ZeRO-1 optimizer's gather
         return 0.0
     return 2 * tensors * n * EAGER_OP_S
 

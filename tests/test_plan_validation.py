@@ -763,3 +763,39 @@ def test_checkpoints_on_the_host_cost_their_copies_both_ways() -> None:
     assert on.microbatches == 2
     assert on.optimizer_time_s - off.optimizer_time_s == pytest.approx(2 * 2 * 4 * kept / HOST_LINK_BPS)
     assert on.memory.activations < off.memory.activations
+
+
+def test_torchs_async_tp_leaves_the_backward_scatters_exposed() -> None:
+    """torch's micro-pipelined TP (torchtitan's async TP) fuses a reduce-scatter only with the single
+    matmul feeding it; the backward's scatters take a sum of matmuls and stay plain collectives, waited
+    on. Transformer Engine's overlap hides them behind the backward's matmuls."""
+    import dataclasses
+
+    from fivefold.plan import plan
+    from fivefold.plan.runs import build
+
+    def run(source: str) -> dict:
+        return {
+            "id": "r",
+            "source": source,
+            "hardware": {"gpu": "H100 80GB"},
+            "model": {"layers": 4, "hidden": 4096, "heads": 32, "kv_heads": 8, "seq_len": 8192},
+            "layout": {"gpus": 8, "tp": 8, "async_tp": True, "micro_batch": 1, "global_batch": 1},
+        }
+
+    titan = build(run("pytorch/torchtitan benchmarks"))
+    assert titan.shape.tp_overlap and not titan.shape.tp_overlap_backward_scatters
+    assert build(run("NVIDIA/NeMo recipes")).shape.tp_overlap_backward_scatters
+
+    def tp_rows(fact: bool) -> dict:
+        shape = dataclasses.replace(titan.shape, tp_overlap_backward_scatters=fact)
+        p = plan(titan.model, titan.hw, titan.layout, shape)
+        return {c.op: c for c in p.comm if c.axis == "tp"}
+
+    torch_tp, te_tp = tp_rows(False), tp_rows(True)
+    backward_scatters = torch_tp["reduce_scatter"].time_s / 2  # half the scatters are the backward's
+    exposed = {
+        name: sum(c.exposed_s for c in rows.values()) for name, rows in (("torch", torch_tp), ("te", te_tp))
+    }
+    assert exposed["torch"] >= backward_scatters * 0.99  # they wait
+    assert exposed["te"] < exposed["torch"] - 0.5 * backward_scatters

@@ -278,6 +278,10 @@ def _plan(
             hidden_f = min(t_pass, wgrad) if over else 0.0
             beside_wgrad = over or shape.tp_backward_overlap
             hidden_b = min(t_pass, (2 if over else 1) * wgrad) if hw.comm_overlap and beside_wgrad else 0.0
+            if over and not shape.tp_overlap_backward_scatters:  # torch's micro-pipelined TP: only the
+                # output-gradient gathers hide, behind the input-gradient matmuls they feed
+                gathers = 2 * n * times.get(ALL_GATHER, 0.0)
+                hidden_b = min(gathers, wgrad) if hw.comm_overlap else 0.0
             exp_f += t_pass - hidden_f
             exp_b += t_pass - hidden_b
             for op in ops:

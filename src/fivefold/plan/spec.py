@@ -34,6 +34,10 @@ class TrainShape:
     # | materialized (the s×s scores kept, as the 2021-22 Megatron kernels)
     attention: str = "flash"
     tp_overlap: bool = False  # tp collectives overlapped with the matmuls (TE comm overlap, async TP)
+    # with tp_overlap, the backward's reduce-scatters are overlapped too (Transformer Engine's); torch's
+    # micro-pipelined TP fuses a scatter only with the one matmul feeding it, and the backward's take the
+    # sum of several (q, k, v; w1, w3), so only its gathers of the output gradient are hidden there
+    tp_overlap_backward_scatters: bool = True
     fused: bool = True  # fused elementwise kernels (Megatron/TE, torch.compile); False: eager PyTorch
     fp8: bool = False  # matmuls in fp8 (Transformer Engine / torchao float8 linears), the rest in 16 bits
     # fused cross-entropy (FlashAttention's xentropy kernel, llm-foundry's default): only the 16-bit

@@ -21,6 +21,9 @@ TRAINERS = {
     "pytorch/torchtitan": {
         "fused": False,
         "tp_overlap": False,
+        # its async TP is torch's micro-pipelined TP (Inductor's micro_pipeline_tp pass): the backward's
+        # reduce-scatters, fed by a sum of matmuls, are not fused (pytorch PR 149946)
+        "tp_overlap_backward_scatters": False,
         "microbatches": "pp",
         "tp_regather": False,
         "tp_backward_overlap": False,
@@ -94,6 +97,7 @@ def shape_facts(trainer: dict[str, Any]) -> dict[str, Any]:
         "fused": bool(trainer.get("fused", True)),
         "grad_bytes": int(trainer.get("grad_bytes", 4)),
         "tp_overlap": bool(trainer.get("tp_overlap", False)),
+        "tp_overlap_backward_scatters": bool(trainer.get("tp_overlap_backward_scatters", True)),
         "fused_loss": bool(trainer.get("fused_loss", False)),
         "fp32_shard": bool(trainer.get("fp32_shard", True)),
         "live_params": float(trainer.get("live_params", 0.0)),

@@ -525,19 +525,7 @@ def _plan(
     n = shard_group(layout)
     local = (dense / n + experts / max(n // layout.ep, 1)) if layout.zero >= 1 else dense + experts
     opt = optimizer_time(local, rates, hw, offload=shape.offload_optimizer, gpus=layout.world)
-    besides: dict[str, float] = {}  # trainer work outside the layers, in series with the step
-    if shape.fp32_accumulate_pass:
-        besides["the separate fp32 gradient accumulation"] = accumulate_pass_time(dense + experts, m, rates)
-    if shape.offload_checkpoints:  # each checkpointed layer input to the host and back, in series
-        # (DeepSpeed's cpu_checkpointing copies synchronously: its transfer stream is unused)
-        kept = tokens / (layout.tp if layout.sp else 1) * model.hidden * shape.act_bytes
-        copies = 2 * m * sum(recomputed_counts(model, layout, worst)) * kept / HOST_LINK_BPS
-        besides["the checkpoints' copies to the host and back"] = copies
-    if shape.sharded_copies:
-        n_layers = sum(stage_counts(model, layout.pp, worst, layout))
-        ends = int(holds_embedding(worst)) + 2 * int(holds_head(worst))  # embedding; final norm, head
-        gather = gather_copies_time(layout, shape, n_layers * shape.block_tensors + ends)
-        besides["the host's per-tensor copies of the sharded optimizer's gather"] = gather
+    besides = outside_layers(model, layout, shape, worst, m, dense + experts, rates)
     opt += sum(besides.values())
     exposed = sum(c.exposed_s for c in comms.values() if c.axis in ("dp", "fsdp", "pp")) + tp_once
     step = pipeline_time + exposed + opt
@@ -608,3 +596,26 @@ def _plan(
         },
         notes=notes,
     )
+
+
+def outside_layers(
+    model: ModelSpec, layout: Layout, shape: TrainShape, worst: str, m: int, params: float, rates: Rates
+) -> dict[str, float]:
+    """Seconds of a trainer's work outside the layers, in series with the step, by what it is: a
+    separate fp32 accumulation pass, checkpoints copied to the host and back, a sharded optimizer's
+    gather copied tensor by tensor (`params`: the stage's parameters on this rank)."""
+    out: dict[str, float] = {}
+    if shape.fp32_accumulate_pass:
+        out["the separate fp32 gradient accumulation"] = accumulate_pass_time(params, m, rates)
+    if shape.offload_checkpoints:  # each checkpointed layer input to the host and back, in series
+        # (DeepSpeed's cpu_checkpointing copies synchronously: its transfer stream is unused)
+        tokens = shape.micro_batch * shape.seq_len / layout.cp / (layout.tp if layout.sp else 1)
+        kept = tokens * model.hidden * shape.act_bytes
+        copies = 2 * m * sum(recomputed_counts(model, layout, worst)) * kept / HOST_LINK_BPS
+        out["the checkpoints' copies to the host and back"] = copies
+    if shape.sharded_copies:
+        n_layers = sum(stage_counts(model, layout.pp, worst, layout))
+        ends = int(holds_embedding(worst)) + 2 * int(holds_head(worst))  # embedding; final norm, head
+        gather = gather_copies_time(layout, shape, n_layers * shape.block_tensors + ends)
+        out["the host's per-tensor copies of the sharded optimizer's gather"] = gather
+    return out

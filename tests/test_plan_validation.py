@@ -756,6 +756,7 @@ def test_checkpoints_on_the_host_cost_their_copies_both_ways() -> None:
             "layout": {"gpus": 8, "fsdp": 8, "zero_stage": 3, "micro_batch": 2, "global_batch": 32},
         }
     )
+    assert i.shape.grad_bytes == 2  # DeepSpeed reduces the 16-bit parameters' own gradients
     layout = dataclasses.replace(i.layout, recompute="full")
     shapes = (dataclasses.replace(i.shape, offload_checkpoints=o) for o in (True, False))
     on, off = (plan(i.model, i.hw, layout, shape) for shape in shapes)

@@ -33,8 +33,10 @@ TRAINERS = {
     "Dao-AILab/flash-attention": {"fused_loss": True, "attention": "flash"},
     # ZeRO-3 keeps fp16 shards beside the fp32 master and gathers sub-modules up to
     # stage3_max_live_parameters (1e9 by default), not whole blocks, and releases those next used
-    # more than stage3_max_reuse_distance (1e9) parameters later
-    "microsoft/DeepSpeed": {"fp32_shard": False, "live_params": 1e9, "reuse_distance": 1e9},
+    # more than stage3_max_reuse_distance (1e9) parameters later. Its gradients are the 16-bit
+    # parameters' own, reduced in that dtype (communication_data_type defaults to the model's; only
+    # the optimizer's partition is fp32)
+    "microsoft/DeepSpeed": {"fp32_shard": False, "live_params": 1e9, "reuse_distance": 1e9, "grad_bytes": 2},
     # nanotron's pipeline engines are all-forward-all-backward and 1F1B: no interleaved chunks. With
     # its sharded optimizer and fp32 gradient accumulation (what its benchmark sweep sets) it builds
     # no DDP: the gradients are reduce-scattered after the backward, and the updated shards gathered

@@ -241,10 +241,10 @@ def load_runs_all() -> list:
 def test_leave_one_source_out_beats_the_median_constant(loso) -> None:
     """The thresholds the planner reaches on unseen sources (docs/planner.md has the tables).
 
-    Reached: mean ≤ 10% over the runs without an `uncertain` note, and under half the median
-    constant's error (12.3% against 43.4% over all runs), and every run that ran judged to fit. Not
-    reached: mean ≤ 10% and worst ≤ 25% over all runs (the nanotron heat-map runs, whose shapes,
-    peak and network are unpublished, miss by up to 2.8×).
+    Reached: mean ≤ 10% over all runs (9.15%) and over those without an `uncertain` note (7.6%), under
+    half the median constant's error (43.4% over all runs), and every run that ran judged to fit. Not
+    reached: worst ≤ 25% over all runs (nanotron's 80B on 4 nodes, whose shape, peak and network are
+    unpublished, misses by 2.7×).
     """
     from fivefold.plan.result import MFU_BAND
 
@@ -253,7 +253,7 @@ def test_leave_one_source_out_beats_the_median_constant(loso) -> None:
     certain = loso.summary(loso.certain())
     assert every["runs"] >= 130 and certain["runs"] >= 100
     assert every["mean"] <= 0.5 * every["constant_mean"], every
-    assert every["mean"] <= 0.15, every
+    assert every["mean"] <= 0.10, every
     assert certain["mean"] <= 0.10 and certain["mean"] <= 0.5 * certain["constant_mean"], certain
     assert every["not_fitting"] == 0, every
     by = {s: loso.summary(preds) for s, preds in loso.by_source().items()}

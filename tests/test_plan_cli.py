@@ -700,3 +700,33 @@ def test_a_runs_recompute_is_read_by_its_first_word(capsys, tmp_path, stated: st
     assert main(["plan", "--validate", str(runs)]) == 0
     out = capsys.readouterr().out
     assert "bad-run" in out
+
+
+def test_a_calibration_is_anchored_at_the_devices_own_figures(capsys, tmp_path) -> None:
+    """A calibration starts from, and is pulled toward, the figures the device's plans use unfitted
+    (the CPU preset's measured 650 µs ring step, not a GPU's 100 µs), and says when one run cannot
+    tell compute from the collectives' cost."""
+    from fivefold.config import Layout, RunConfig, TrainSpec, load_hardware, load_model
+    from fivefold.plan import compute as C
+    from fivefold.plan import validation as V
+
+    cpu = V.anchored(load_hardware("cpu"))
+    assert cpu.latency_other == 650 and cpu.matmul_other == 0.5
+    assert cpu.memory_other == C.DEFAULT_MEMORY_EFFICIENCY
+    assert cpu.attention_other == pytest.approx(0.5 * C.ATTENTION_RATIO)
+    h100 = load_hardware("h100-80gb")
+    assert V.anchored(h100).matmul_hopper == h100.matmul_efficiency
+    assert V.anchored(h100).latency_other == V.START.latency_other  # not a knob of a GPU's fit
+
+    run = tmp_path / "tp2"
+    run.mkdir()
+    cfg = RunConfig(
+        model=load_model("small"),
+        train=TrainSpec(seq_len=256, micro_batch=4, global_batch=16),
+        layout=Layout(tp=2, sp=True).resolve(2),
+    )
+    (run / "config.toml").write_text(cfg.to_toml())
+    steps = [{"step": i, "step_time_s": t} for i, t in enumerate((9.0, 0.7, 0.7), 1)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    assert main(["plan", "--calibrate", str(run), "--out", str(tmp_path / "here.toml")]) == 0
+    assert "cannot be told apart" in capsys.readouterr().err

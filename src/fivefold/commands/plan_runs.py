@@ -106,7 +106,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise FivefoldError(
             f"--calibrate: the runs are on different GPUs ({', '.join(sorted(names))}); give runs of one GPU"
         )
-    knobs = V.fit(cases)
+    # a calibration starts from, and is pulled toward, the device's own figures (`V.anchored`)
+    knobs = V.fit(cases, start=V.anchored(cases[0].inputs.hw))
     hw = knobs.apply(cases[0].inputs.hw)
     result = V.in_sample(cases, knobs)
     s = result.summary()
@@ -115,6 +116,13 @@ def _calibrate(args: argparse.Namespace) -> int:
         f"# fitted by `fivefold plan --calibrate` to {s['runs']} run(s): mean |error| {s['mean']:.1%}, "
         f"worst {s['worst']:.1%}\n" + dumps_toml(data)
     )
+    if len(cases) == 1 and max(cases[0].inputs.layout.tp, cases[0].inputs.layout.cp) > 1:
+        print(
+            "note: one run with tp or cp fixes one number, its step: how much of it is compute and how much"
+            " the collectives' cost cannot be told apart. Calibrate on a data-parallel run as well to plan"
+            " other layouts on this machine",
+            file=sys.stderr,
+        )
     if args.out:
         write_text_whole(Path(args.out), text)
         print(f"wrote {args.out} (mean |error| {s['mean']:.1%} over {s['runs']} run(s))")

@@ -369,8 +369,32 @@ START = Knobs(
 PRIOR_WEIGHT = 0.01
 
 
+def anchored(hw: HardwareSpec) -> Knobs:
+    """START with the hardware's own values where its spec has them: what a calibration of that device
+    starts from and is pulled toward (a preset's figures were measured on such a device; START's are
+    the middle of every GPU's range)."""
+    from fivefold.plan import compute as C
+
+    fam = family(hw)
+    matmul = hw.matmul_efficiency or C.DEFAULT_MATMUL_EFFICIENCY  # the values its plans use unfitted
+    own = {
+        f"matmul_{fam}": matmul,
+        f"attention_{fam}": hw.attention_efficiency or matmul * C.ATTENTION_RATIO,
+        "fp8_speedup": hw.fp8_speedup or C.DEFAULT_FP8_SPEEDUP,
+        "step_overhead": hw.step_overhead_s or C.DEFAULT_STEP_OVERHEAD_S,
+    }
+    if fam == "other":
+        own |= {
+            "memory_other": hw.memory_efficiency or C.DEFAULT_MEMORY_EFFICIENCY,
+            "latency_other": hw.intra_node_latency_us,
+        }
+    lo_hi = {k: KNOB_RANGES[k] for k in own}
+    kept = {k: v for k, v in own.items() if v and lo_hi[k][0] <= v <= lo_hi[k][1]}
+    return dataclasses.replace(START, **kept)
+
+
 def fit(train: list[Case], start: Knobs = START, rounds: int = 1) -> Knobs:
-    """Coordinate descent, golden-section per knob in its physical range, each pulled toward START
+    """Coordinate descent, golden-section per knob in its physical range, each pulled toward `start`
     (`PRIOR_WEIGHT`); knobs no training run depends on (no A100 run, no fp8 run) keep their preset
     value. Runs marked `uncertain` (derived shapes, unstated peak or network) are predicted but do not
     steer the fit."""
@@ -385,7 +409,7 @@ def fit(train: list[Case], start: Knobs = START, rounds: int = 1) -> Knobs:
 
             def f(x: float, name: str = name, subset: list[Case] = subset, base: Knobs = knobs) -> float:
                 k = dataclasses.replace(base, **{name: x})
-                prior = PRIOR_WEIGHT * abs(math.log(x / getattr(START, name)))
+                prior = PRIOR_WEIGHT * abs(math.log(x / getattr(start, name)))
                 return loss([predict(c, k) for c in subset]) + prior
 
             best = math.exp(_golden(lambda u, f=f: f(math.exp(u)), math.log(lo), math.log(hi)))

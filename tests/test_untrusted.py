@@ -289,3 +289,17 @@ def test_generate_from_a_hand_edited_config(run_dir, tmp_path, capsys, old, new,
     _one_line_exit_2(
         capsys, ["generate", "--from", str(run), "--prompt", "x", "--max-new-tokens", "2"], words
     )
+
+
+def test_resume_with_a_hand_edited_model_names_config_toml(run_dir, tmp_path, capsys):
+    """A config.toml whose model no longer matches the checkpoint is named as the cause, not the
+    checkpoint called corrupt; nothing is written."""
+    run = tmp_path / "copy"
+    shutil.copytree(run_dir, run)
+    text = (run / "config.toml").read_text()
+    (run / "config.toml").write_text(text.replace("hidden = 32", "hidden = 64", 1))
+    before = {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.is_file()}
+    argv = ["train", "--run-dir", str(run), "--resume", "--steps", "99", "--no-progress"]
+    _one_line_exit_2(capsys, argv, "does not describe this checkpoint")
+    after = {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.is_file()}
+    assert before == after, {k for k in after if before.get(k) != after[k]}

@@ -298,7 +298,7 @@ def load_run(run_dir: Path, checkpoint: str = "latest", dtype: str | None = None
 
     from fivefold.config import RunConfig
     from fivefold.model.hf import DTYPES, empty_model
-    from fivefold.train.checkpoint import find_checkpoint
+    from fivefold.train.checkpoint import check_model_shapes, find_checkpoint
     from fivefold.train.safe_metadata import read_metadata, safe_load
 
     config = RunConfig.from_toml(run_dir / "config.toml")
@@ -319,14 +319,7 @@ def load_run(run_dir: Path, checkpoint: str = "latest", dtype: str | None = None
             f"checkpoint {path} does not hold the weights of the model in {run_dir / 'config.toml'}; "
             f"missing e.g. {', '.join(missing[:3])}"
         )
-    for name, tensor in weights.items():  # a hand-edited config.toml, not a damaged checkpoint
-        size = tuple(getattr(stored[f"model.{name}"], "size", ()))
-        if size and size != tuple(tensor.shape):
-            raise FivefoldError(
-                f"checkpoint {path} holds {name} of shape {list(size)}, but the model in "
-                f"{run_dir / 'config.toml'} has {list(tensor.shape)}: that config.toml does not describe "
-                "this checkpoint"
-            )
+    check_model_shapes(path, weights, stored, run_dir / "config.toml")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         try:

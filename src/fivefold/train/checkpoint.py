@@ -89,6 +89,22 @@ def check_weight_layout(path: Path) -> None:
     )
 
 
+def check_model_shapes(
+    path: Path, weights: dict[str, Any], stored: dict[str, Any], config_file: Path
+) -> None:
+    """Refuse, naming `config_file`, a model whose weights differ in shape from those checkpoint
+    `path` holds (`stored`: its metadata, keyed `model.<name>`): a hand-edited config.toml, not a
+    damaged checkpoint."""
+    for name, tensor in weights.items():
+        size = tuple(getattr(stored.get(f"model.{name}"), "size", ()))
+        if size and size != tuple(tensor.shape):
+            raise FivefoldError(
+                f"checkpoint {path} holds {name} of shape {list(size)}, but the model in {config_file} has "
+                f"{list(tensor.shape)}: that config.toml does not describe this checkpoint (edited since "
+                "it was saved?); put its model back, or start a new run"
+            )
+
+
 def find_checkpoint(run_dir: Path, which: str = "latest", warn: bool = True) -> Path:
     """`latest` (the newest whole checkpoint), a step number, or a path to a `step_<N>` directory;
     one in an earlier weight layout is refused (`check_weight_layout`)."""
@@ -279,21 +295,30 @@ def load_checkpoint(
     path = Path(path)
     meta_file = path / "trainer.json"
     check_weight_layout(path)
+
+    def corrupt(exc: BaseException) -> FivefoldError:
+        return FivefoldError(
+            f"checkpoint {path} is corrupt or incomplete ({_first_cause(exc)[:200]}); resume from another "
+            f"step_<N> directory or start a new run"
+        )
+
     try:
         trainer_state = json.loads(meta_file.read_text())
         step = int(trainer_state["step"])
         if not (path / ".metadata").exists():
             raise FileNotFoundError(f"{path / '.metadata'} is missing")
+        stored = read_metadata(path).state_dict_metadata
         state = _state(model_parts, optimizers)
+    except (Exception, CheckpointException) as exc:  # DCP raises several kinds; all mean the same here
+        raise corrupt(exc) from None
+    # a model of another shape is the run's config.toml edited since, not a damaged checkpoint
+    check_model_shapes(path, state["model"], stored, path.parent.parent / "config.toml")
+    try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             safe_load(state, path)
-    except (Exception, CheckpointException) as exc:  # DCP raises several kinds; all mean the same here
-        detail = _first_cause(exc)
-        raise FivefoldError(
-            f"checkpoint {path} is corrupt or incomplete ({detail[:200]}); resume from another "
-            f"step_<N> directory or start a new run"
-        ) from None
+    except (Exception, CheckpointException) as exc:
+        raise corrupt(exc) from None
     for part, opt in zip(model_parts, optimizers, strict=True):
         names = set(get_model_state_dict(part))
         set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in names})

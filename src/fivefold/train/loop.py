@@ -258,15 +258,30 @@ def _check_resumable(run_dir: Path) -> None:
 
 def _setup_run_dir(run_dir: Path, cfg: RunConfig, resume: str | None, rank: int) -> None:
     """Rank 0 checks and writes; every rank learns the outcome (a rank that checked after rank 0
-    wrote `config.toml` would take the run for someone else's)."""
+    wrote `config.toml` would take the run for someone else's). A resumed run's `config.toml` is
+    rewritten once its checkpoint has loaded (`_record_config`): a resume that fails leaves it as it was."""
     problem = None
     if rank == 0:
         try:
             check_run_dir(run_dir, resume)
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.toml").write_text(cfg.to_toml())
+            if resume is None:
+                (run_dir / "config.toml").write_text(cfg.to_toml())
         except FivefoldError as exc:
             problem = str(exc)
+        except OSError as exc:
+            problem = f"cannot write the run directory {run_dir}: {exc}"
+    problem = broadcast_object(problem)
+    if problem is not None:
+        raise FivefoldError(problem)
+
+
+def _record_config(run_dir: Path, cfg: RunConfig, rank: int) -> None:
+    """Rank 0 writes the resumed run's settings (its new --steps, layout) over `config.toml`."""
+    problem = None
+    if rank == 0:
+        try:
+            (run_dir / "config.toml").write_text(cfg.to_toml())
         except OSError as exc:
             problem = f"cannot write the run directory {run_dir}: {exc}"
     problem = broadcast_object(problem)
@@ -426,6 +441,7 @@ def _train(
     if checkpoint is not None:
         supervise.mark(0, f"loading checkpoint {checkpoint.name}")
         state = load_checkpoint(checkpoint, parts, optimizers)
+        _record_config(run_dir, resolved, rank)
         start = state["step"]
         if start >= tspec.steps:
             log(f"checkpoint is at step {start}, at or past --steps {tspec.steps}: nothing to train")

@@ -14,10 +14,9 @@ def trainer_shape(flag: str, hw) -> tuple[dict, str]:  # noqa: ANN001 - Hardware
     say it, or another trainer's facts as the published runs of it are planned (fivefold.plan.trainers)."""
     if flag == "fivefold":
         return {}, "flash"
-    from fivefold.plan.runs import family
-    from fivefold.plan.trainers import kernel_on, shape_facts, trainer_facts
+    from fivefold.plan.trainers import hopper_or_newer, kernel_on, shape_facts, trainer_facts
 
-    hopper = family(hw) == "hopper" or hw.name.lower().startswith(("b100", "b200"))
+    hopper = hopper_or_newer(hw.name)
     trainer = trainer_facts(TRAINER_FLAGS[flag], hopper)
     return shape_facts(trainer), kernel_on(str(trainer.get("attention", "flash")), hopper)
 

@@ -74,11 +74,11 @@ TRAINER_FLAGS = {
 }
 
 
-def trainer_facts(name: str, hopper_or_newer: bool) -> dict[str, Any]:
+def trainer_facts(name: str, hopper: bool) -> dict[str, Any]:
     """A trainer's facts (TRAINERS[name]) with what its Hopper-era runs add: Megatron-LM through
     Transformer Engine (cuDNN's fused attention, tp collectives overlapped with the GEMMs)."""
     trainer = TRAINERS.get(name, {})
-    if name == "NVIDIA/Megatron-LM" and hopper_or_newer:
+    if name == "NVIDIA/Megatron-LM" and hopper:
         # Megatron-LM's Hopper-era runs go through Transformer Engine like NeMo's and dgxc's (the same
         # Megatron-Core): cuDNN's fused attention, and tp collectives overlapped with the GEMMs
         # (--tp-comm-overlap, which its published H100 scaling runs use)
@@ -86,10 +86,10 @@ def trainer_facts(name: str, hopper_or_newer: bool) -> dict[str, Any]:
     return trainer
 
 
-def kernel_on(attention: str, hopper_or_newer: bool) -> str:
+def kernel_on(attention: str, hopper: bool) -> str:
     """The attention kernel a trainer runs on this GPU: FlashAttention-3 class kernels (cuDNN's fused
     attention) exist on Hopper and newer only; before, the same trainer runs FlashAttention-2 class."""
-    return "flash" if attention == "flash3" and not hopper_or_newer else attention
+    return "flash" if attention == "flash3" and not hopper else attention
 
 
 def shape_facts(trainer: dict[str, Any]) -> dict[str, Any]:
@@ -146,22 +146,28 @@ def named_trainer(text: str) -> str | None:
     return next((name for pattern, name in TRAINER_WORDS if re.search(pattern, low)), None)
 
 
-HOPPER_OR_NEWER = ("H100", "H200", "H800", "H20", "B200", "B100")
+HOPPER_OR_NEWER = ("H100", "H200", "H800", "H20", "HOPPER", "B200", "B100")
+
+
+def hopper_or_newer(gpu: str) -> bool:
+    """Whether a GPU, named as a run describes it or as a preset is called, is Hopper or newer (the
+    GPUs with Hopper-native attention kernels)."""
+    return any(k in gpu.upper() for k in HOPPER_OR_NEWER)
 
 
 def published_trainer(name: str, gpu: str, framework: str, year: int | None) -> tuple[dict[str, Any], str]:
     """(facts, attention kernel) of trainer `name` (a TRAINERS key, or a source with no known facts)
     on the GPU a run names, in the framework it names, in the year it was published."""
-    hopper_or_newer = any(k in gpu.upper() for k in HOPPER_OR_NEWER)
-    trainer = trainer_facts(name, hopper_or_newer)
+    hopper = hopper_or_newer(gpu)
+    trainer = trainer_facts(name, hopper)
     if "jax" in framework.lower():
         # XLA fuses elementwise ops; MaxText's GPU attention is cuDNN's fused kernel (cudnn_flash_te)
         trainer = {"fused": True, "tp_overlap": False, "attention": "flash3"}
-    if name not in TRAINERS and hopper_or_newer and (year or 0) >= FIRST_FLASH3_YEAR:
+    if name not in TRAINERS and hopper and (year or 0) >= FIRST_FLASH3_YEAR:
         # a trainer we know nothing of, on Hopper since 2024: the large stacks publishing such runs
         # (Transformer Engine's, XLA's, in-house ones) run FlashAttention-3 class kernels
         trainer = {**trainer, "attention": "flash3"}
     attention = trainer.get("attention", "flash")
     if "attention" not in trainer and year is not None and year <= LAST_MATERIALIZED_YEAR:
         attention = "materialized"  # the kernels of the day kept the s×s scores
-    return trainer, kernel_on(attention, hopper_or_newer)
+    return trainer, kernel_on(attention, hopper)

@@ -249,17 +249,16 @@ def _random_model(name: str, seed: int, dtype: str | None, device: Any) -> tuple
 def check_weights_fit(spec: Any, dtype: str | None, device: Any) -> None:
     """Refuse, before allocating, weights larger than the memory they would be made in: a hand-edited
     vocab or width would otherwise end in the allocator's traceback or the out-of-memory kill."""
-    import os
-
     import torch
 
     from fivefold.layout_math import numel, param_shapes
+    from fivefold.train.host_memory import physical_bytes
 
     need = sum(numel(shape) for shape in param_shapes(spec).values()) * (2 if dtype == "bf16" else 4)
     if torch.device(device).type == "cuda":
         have, where = torch.cuda.get_device_properties(torch.device(device)).total_memory, "the GPU's"
     else:
-        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's"
+        have, where = physical_bytes(), "this machine's"
     if need > have:
         raise FivefoldError(
             f"model {spec.name}'s weights take {need / 1e9:,.1f} GB, more than {where} "

@@ -26,6 +26,11 @@ NEVER_TRIM = 2**31 - 1  # mallopt takes an int
 _applied: bool | None = None
 
 
+def physical_bytes() -> int:
+    """This machine's physical memory, in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def user_chose() -> bool:
     """The user set the allocator up (preloaded one, tuned glibc, or opted out)."""
     env = os.environ

@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ from fivefold.train.data import (
     load_data,
     sample_batch,
 )
-from fivefold.train.host_memory import keep_freed_memory
+from fivefold.train.host_memory import keep_freed_memory, physical_bytes
 from fivefold.train.metrics import MetricsLog, MfuMeter
 from fivefold.train.plots import plot_loss_curve
 from fivefold.train.tokenizer import load_tokenizer
@@ -146,17 +147,22 @@ def preflight(cfg: RunConfig, run_dir: Path, resume: str | None, world: int) -> 
 STATE_BYTES_PER_PARAM = 16
 
 
+def _ranks_here(world: int) -> int:
+    """Ranks that share this machine's memory: torchrun's local world, else every rank (spawned here)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) if "RANK" in os.environ else world
+
+
 def check_model_state_fits(spec: ModelSpec, tspec: TrainSpec, world: int) -> None:
     """Refuse, before any rank allocates, a model whose weights, gradients and optimizer state alone
     exceed this machine's memory even spread evenly over every rank (the least any layout can hold);
     activations and buffers come on top, so a run that passes may still run out."""
     params = sum(numel(shape) for shape in param_shapes(spec).values())
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if "RANK" in os.environ else world
+    local = _ranks_here(world)
     if tspec.device == "cuda":
         have = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         need, where = STATE_BYTES_PER_PARAM * params / world, "a GPU's memory"
     else:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        have = physical_bytes()
         need, where = STATE_BYTES_PER_PARAM * params * local / world, f"this machine's {have / 1e9:.1f} GB"
     if need > have:
         raise FivefoldError(
@@ -175,8 +181,7 @@ def check_batch_fits(spec: ModelSpec, tspec: TrainSpec, layout: Layout, world: i
     rows = (tspec.global_batch or tspec.micro_batch * data_ranks) // data_ranks
     windows = rows * (tspec.seq_len + 1) * 8
     logits = tspec.micro_batch * tspec.seq_len * spec.vocab * 4 // (layout.tp * layout.cp)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if "RANK" in os.environ else world
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    local, have = _ranks_here(world), physical_bytes()
     if (windows + logits) * local > have:
         raise FivefoldError(
             f"--micro-batch {tspec.micro_batch} × --seq-len {tspec.seq_len} (global batch "
@@ -256,17 +261,12 @@ def _check_resumable(run_dir: Path) -> None:
         raise FivefoldError(f"cannot read {metrics}, which a resumed run continues: {exc}") from None
 
 
-def _setup_run_dir(run_dir: Path, cfg: RunConfig, resume: str | None, rank: int) -> None:
-    """Rank 0 checks and writes; every rank learns the outcome (a rank that checked after rank 0
-    wrote `config.toml` would take the run for someone else's). A resumed run's `config.toml` is
-    rewritten once its checkpoint has loaded (`_record_config`): a resume that fails leaves it as it was."""
+def _on_rank0(run_dir: Path, write: Callable[[], None], rank: int) -> None:
+    """Rank 0 runs `write` in the run directory; every rank learns the outcome and fails alike."""
     problem = None
     if rank == 0:
         try:
-            check_run_dir(run_dir, resume)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            if resume is None:
-                (run_dir / "config.toml").write_text(cfg.to_toml())
+            write()
         except FivefoldError as exc:
             problem = str(exc)
         except OSError as exc:
@@ -276,17 +276,27 @@ def _setup_run_dir(run_dir: Path, cfg: RunConfig, resume: str | None, rank: int)
         raise FivefoldError(problem)
 
 
+def _setup_run_dir(run_dir: Path, cfg: RunConfig, resume: str | None, rank: int) -> None:
+    """Rank 0 checks and writes; every rank learns the outcome (a rank that checked after rank 0
+    wrote `config.toml` would take the run for someone else's). A resumed run's `config.toml` is
+    rewritten once its checkpoint has loaded (`_record_config`): a resume that fails leaves it as it was."""
+
+    def setup() -> None:
+        check_run_dir(run_dir, resume)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if resume is None:
+            (run_dir / "config.toml").write_text(cfg.to_toml())
+
+    _on_rank0(run_dir, setup, rank)
+
+
 def _record_config(run_dir: Path, cfg: RunConfig, rank: int) -> None:
     """Rank 0 writes the resumed run's settings (its new --steps, layout) over `config.toml`."""
-    problem = None
-    if rank == 0:
-        try:
-            (run_dir / "config.toml").write_text(cfg.to_toml())
-        except OSError as exc:
-            problem = f"cannot write the run directory {run_dir}: {exc}"
-    problem = broadcast_object(problem)
-    if problem is not None:
-        raise FivefoldError(problem)
+
+    def record() -> None:
+        (run_dir / "config.toml").write_text(cfg.to_toml())
+
+    _on_rank0(run_dir, record, rank)
 
 
 def _check_shared(run_dir: Path, rank: int, world: int) -> None:

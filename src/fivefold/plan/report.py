@@ -34,10 +34,12 @@ from fivefold.plan.compute import (
 )
 from fivefold.plan.dataparallel import data_parallel_traffic, gather_copies_time
 from fivefold.plan.memory import (
+    BYTES,
     Memory,
     cached_stage_params,
     holds_embedding,
     holds_head,
+    layer_activations,
     memory,
     recomputed_counts,
     recomputed_fraction,
@@ -525,7 +527,7 @@ def _plan(
     n = shard_group(layout)
     local = (dense / n + experts / max(n // layout.ep, 1)) if layout.zero >= 1 else dense + experts
     opt = optimizer_time(local, rates, hw, offload=shape.offload_optimizer, gpus=layout.world)
-    besides = outside_layers(model, layout, shape, worst, m, dense + experts, rates)
+    besides = outside_layers(model, arch, layout, shape, worst, m, dense + experts, rates)
     opt += sum(besides.values())
     exposed = sum(c.exposed_s for c in comms.values() if c.axis in ("dp", "fsdp", "pp")) + tp_once
     step = pipeline_time + exposed + opt
@@ -599,7 +601,14 @@ def _plan(
 
 
 def outside_layers(
-    model: ModelSpec, layout: Layout, shape: TrainShape, worst: str, m: int, params: float, rates: Rates
+    model: ModelSpec,
+    arch: Arch,
+    layout: Layout,
+    shape: TrainShape,
+    worst: str,
+    m: int,
+    params: float,
+    rates: Rates,
 ) -> dict[str, float]:
     """Seconds of a trainer's work outside the layers, in series with the step, by what it is: a
     separate fp32 accumulation pass, checkpoints copied to the host and back, a sharded optimizer's
@@ -609,8 +618,11 @@ def outside_layers(
         out["the separate fp32 gradient accumulation"] = accumulate_pass_time(params, m, rates)
     if shape.offload_checkpoints:  # each checkpointed layer input to the host and back, in series
         # (DeepSpeed's cpu_checkpointing copies synchronously: its transfer stream is unused)
-        tokens = shape.micro_batch * shape.seq_len / layout.cp / (layout.tp if layout.sp else 1)
-        kept = tokens * model.hidden * shape.act_bytes
+        kept = (  # a checkpointed layer's input, as the memory plan counts it (16-bit units, rescaled)
+            layer_activations(model, arch, layout, shape.micro_batch, shape.seq_len, False, "full")
+            * shape.act_bytes
+            / BYTES
+        )
         copies = 2 * m * sum(recomputed_counts(model, layout, worst)) * kept / HOST_LINK_BPS
         out["the checkpoints' copies to the host and back"] = copies
     if shape.sharded_copies:

@@ -58,6 +58,27 @@ def clock_factor(hw: HardwareSpec) -> float:
 
 
 @dataclass(frozen=True)
+class Efficiencies:
+    """The shares of its peaks a device's plans run at: its spec's where it gives them (fitted or
+    calibrated), the defaults above where not."""
+
+    matmul: float
+    attention: float  # of the dense peak, at head dim 128
+    memory: float
+    fp8_speedup: float
+
+    @classmethod
+    def of(cls, hw: HardwareSpec) -> Efficiencies:
+        mm = hw.matmul_efficiency or DEFAULT_MATMUL_EFFICIENCY
+        return cls(
+            matmul=mm,
+            attention=hw.attention_efficiency or mm * ATTENTION_RATIO,
+            memory=hw.memory_efficiency or DEFAULT_MEMORY_EFFICIENCY,
+            fp8_speedup=hw.fp8_speedup or DEFAULT_FP8_SPEEDUP,
+        )
+
+
+@dataclass(frozen=True)
 class Rates:
     flops: float  # sustained matmul FLOP/s
     attn_flops: float
@@ -68,18 +89,19 @@ class Rates:
     def of(
         cls, hw: HardwareSpec, fp8: bool = False, attention: str = "flash", act_bytes: int = BYTES
     ) -> Rates:
-        mm = hw.matmul_efficiency or DEFAULT_MATMUL_EFFICIENCY
-        mem = hw.memory_efficiency or DEFAULT_MEMORY_EFFICIENCY
+        eff = Efficiencies.of(hw)
         peak = hw.peak_tflops * 1e12 * clock_factor(hw)
-        dense = peak * mm
+        dense = peak * eff.matmul
         # fp8 linears: the tensor-core peak doubles, but casts and scaling eat part of it; the
         # attention core stays in 16 bits
-        speedup = (hw.fp8_speedup or DEFAULT_FP8_SPEEDUP) if fp8 else 1.0
-        attn = peak * hw.attention_efficiency if hw.attention_efficiency else dense * ATTENTION_RATIO
+        speedup = eff.fp8_speedup if fp8 else 1.0
+        attn = peak * eff.attention
         if attention == "flash3":
             attn *= FLASH3_SPEEDUP
         # traffic is counted in 16-bit elements: wider ones (fp32 training) stream proportionally slower
-        return cls(dense * speedup, attn, hw.hbm_gbps * 1e9 * mem * BYTES / act_bytes, hw.gemm_half_dim)
+        return cls(
+            dense * speedup, attn, hw.hbm_gbps * 1e9 * eff.memory * BYTES / act_bytes, hw.gemm_half_dim
+        )
 
     def gemm(self, m: float, k: float, n: float, count: float = 1.0) -> float:
         """Seconds for `count` matmuls (m×k)·(k×n) in 16 bits, on the roofline."""

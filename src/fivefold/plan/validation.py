@@ -373,21 +373,18 @@ def anchored(hw: HardwareSpec) -> Knobs:
     """START with the hardware's own values where its spec has them: what a calibration of that device
     starts from and is pulled toward (a preset's figures were measured on such a device; START's are
     the middle of every GPU's range)."""
-    from fivefold.plan import compute as C
+    from fivefold.plan.compute import DEFAULT_STEP_OVERHEAD_S, Efficiencies
 
     fam = family(hw)
-    matmul = hw.matmul_efficiency or C.DEFAULT_MATMUL_EFFICIENCY  # the values its plans use unfitted
+    eff = Efficiencies.of(hw)  # the values its plans use unfitted
     own = {
-        f"matmul_{fam}": matmul,
-        f"attention_{fam}": hw.attention_efficiency or matmul * C.ATTENTION_RATIO,
-        "fp8_speedup": hw.fp8_speedup or C.DEFAULT_FP8_SPEEDUP,
-        "step_overhead": hw.step_overhead_s or C.DEFAULT_STEP_OVERHEAD_S,
+        f"matmul_{fam}": eff.matmul,
+        f"attention_{fam}": eff.attention,
+        "fp8_speedup": eff.fp8_speedup,
+        "step_overhead": hw.step_overhead_s or DEFAULT_STEP_OVERHEAD_S,
     }
     if fam == "other":
-        own |= {
-            "memory_other": hw.memory_efficiency or C.DEFAULT_MEMORY_EFFICIENCY,
-            "latency_other": hw.intra_node_latency_us,
-        }
+        own |= {"memory_other": eff.memory, "latency_other": hw.intra_node_latency_us}
     lo_hi = {k: KNOB_RANGES[k] for k in own}
     kept = {k: v for k, v in own.items() if v and lo_hi[k][0] <= v <= lo_hi[k][1]}
     return dataclasses.replace(START, **kept)

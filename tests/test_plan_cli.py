@@ -71,6 +71,14 @@ def test_human_output_has_tables_and_bar_chart(capsys) -> None:
     assert "memory per GPU" in out and "█" in out and "communication per step" in out and "MFU" in out
 
 
+def test_a_merged_axis_keeps_the_communication_table_in_columns(capsys) -> None:
+    """fsdp and cp share their gradient collectives (axis fsdp_cp): the axis column widens to hold it."""
+    code, out, _ = run_cli(capsys, "--fsdp", "4", "--cp", "2", "--gpus", "8")
+    assert code == 0
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("fsdp_cp")]
+    assert rows and all(row[1] in ("all_gather", "reduce_scatter") for row in rows)
+
+
 def test_search_and_inference_modes(capsys) -> None:
     code, out, _ = run_cli(capsys, "--search", "--top", "2", "--json")
     assert code == 0

@@ -213,8 +213,13 @@ def hardware(run: dict[str, Any]) -> HardwareSpec:
                 "and hardware.gpu_memory_gb"
             )
         return HardwareSpec(name=gpu or "gpu", **changes).validate()
+    base = load_hardware(preset)
+    memory = changes.get("gpu_memory_gb")
+    if memory is not None and memory != base.gpu_memory_gb:
+        # the name a plan prints says the memory the run had ("h100-96gb", not the preset's 80)
+        changes["name"] = re.sub(r"-\d+gb$", "", base.name) + f"-{memory:g}gb"
     try:
-        return dataclasses.replace(load_hardware(preset), **changes).validate()
+        return dataclasses.replace(base, **changes).validate()
     except FivefoldError as exc:
         raise FivefoldError(f"run {run['id']}: {exc}") from None
 

@@ -56,15 +56,18 @@ def plan_text(p: Plan) -> str:
         },
         capacity(p.hardware),
     )
+    # a merged axis (fsdp_cp) or a long op name widens its column rather than running into the next
+    axis_w = max([5] + [len(c.axis) + 1 for c in p.comm])
+    op_w = max([16] + [len(c.op) + 1 for c in p.comm])
     out += [
         "",
         "communication per step (per rank)",
-        f"  {'axis':<5}{'op':<16}{'link':<7}{'group':>6}{'calls':>8}{'payload':>12}{'wire':>12}{'time':>10}"
-        f"{'exposed':>10}",
+        f"  {'axis':<{axis_w}}{'op':<{op_w}}{'link':<7}{'group':>6}{'calls':>8}{'payload':>12}{'wire':>12}"
+        f"{'time':>10}{'exposed':>10}",
     ]
     for c in p.comm:
         out.append(
-            f"  {c.axis:<5}{c.op:<16}{c.link:<7}{c.group:>6}{c.count:>8}{c.bytes / 1e9:>10.2f}GB"
+            f"  {c.axis:<{axis_w}}{c.op:<{op_w}}{c.link:<7}{c.group:>6}{c.count:>8}{c.bytes / 1e9:>10.2f}GB"
             f"{c.wire_bytes / 1e9:>10.2f}GB{c.time_s:>9.3f}s{c.exposed_s:>9.3f}s"
         )
     if not p.comm:

@@ -342,6 +342,25 @@ def test_throughputs_that_disagree_leave_the_run_out(capsys, tmp_path, measured:
     assert "left out" not in capsys.readouterr().err
 
 
+def test_a_throughput_above_the_peak_leaves_the_run_out(capsys, tmp_path) -> None:
+    """30,000 tokens/s on one H100 is an 8B at over 150% MFU (a job's rate typed as one GPU's, say); an
+    fp8 run is held to the fp8 tensor cores' peak, twice the 16-bit one its MFU is given against."""
+    good = BAD_RUN.replace("vocab = 32000", "vocab = 32000\nseq_len = 2048")
+    path = tmp_path / "runs.toml"
+    path.write_text(
+        good
+        + good.replace('"bad-run"', '"too-fast"').replace("= 1000", "= 30000")
+        + good.replace('"bad-run"', '"fp8"')
+        .replace("= 1000", "= 15000")
+        .replace("pp = 1", 'pp = 1\nprecision = "fp8"')
+    )
+    assert main(["plan", "--validate", str(path)]) == 0
+    captured = capsys.readouterr()
+    left = [line for line in captured.err.splitlines() if "left out" in line]
+    assert len(left) == 1 and "too-fast" in left[0] and "above the 989 TFLOP/s peak" in left[0]
+    assert "fp8" in captured.out and "too-fast" not in captured.out
+
+
 def test_no_bundled_run_contradicts_itself() -> None:
     from fivefold.plan.runs import builtin_paths, contradictions, load_runs
 

@@ -616,12 +616,13 @@ def contradictions(run: dict[str, Any]) -> list[str]:
 # FLOP conventions (causal halving, embeddings, the head) and peaks (dense or sparse, boost clocks) move
 # an MFU by up to ~40% between sources, a unit slip (percent for a fraction, per job for per GPU) by 8×+
 UTILISATION_SPREAD = 2.0
+FP8_PEAK_RATIO = 2.0  # an fp8 tensor core's dense peak over its 16-bit one (Hopper, Ada, Blackwell)
 
 
 def _utilisation_mismatch(run: dict[str, Any], meas: dict[str, Any]) -> list[str]:
     """A run's tokens/s, model TFLOP/s and MFU, each turned into an MFU range (the FLOPs per token with
     and without the causal half of attention, over the source's peak); ranges more than
-    UTILISATION_SPREAD apart mean one of the numbers is wrong."""
+    UTILISATION_SPREAD apart, or one wholly above the peak, mean one of the numbers is wrong."""
     from fivefold.flops import model_flops_per_token
 
     try:
@@ -643,7 +644,17 @@ def _utilisation_mismatch(run: dict[str, Any], meas: dict[str, Any]) -> list[str
         lo, hi = (model_flops_per_token(inputs.model, seq, causal=c) for c in (True, False))
         key = "tokens_per_s_per_gpu" if meas.get("tokens_per_s_per_gpu") else "tokens_per_s_total"
         ranges[key] = (per_gpu * lo / 1e12 / peak, per_gpu * hi / 1e12 / peak)
-    out = []
+    # the fewest FLOPs a rate can stand for (the causal half) still over what the tensor cores can do (fp8
+    # ones run at twice the 16-bit peak an fp8 row's MFU is usually given against): a unit slip or a typo
+    fp8_ceiling = inputs.shape.fp8 and "peak_fp8_tflops" not in run.get("hardware", {})
+    ceiling = FP8_PEAK_RATIO if fp8_ceiling else 1.0
+    out = [
+        f"measured.{name} means an MFU of at least {lo:.3g}, above the {peak * ceiling:g} TFLOP/s peak"
+        if math.isfinite(lo)
+        else f"measured.{name} is beyond any rate a {peak * ceiling:g} TFLOP/s peak allows"
+        for name, (lo, _) in ranges.items()
+        if lo > ceiling and name != "mfu"  # an MFU over 1 is refused where it is read, as a fraction
+    ]
     names = list(ranges)
     for i, a in enumerate(names):
         for b in names[i + 1 :]:

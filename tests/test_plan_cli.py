@@ -259,6 +259,27 @@ def test_bad_runs_file_names_the_run_and_the_field(capsys, tmp_path) -> None:
     assert "not found" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "hardware, needle",
+    [
+        ("hbm_gbs = nan", "hardware.hbm_gbs must be a finite number"),
+        ("inter_node_gbs_per_gpu = -1", "hardware.inter_node_gbs_per_gpu must be positive"),
+        ('gpu = "Foo 9000"\npeak_bf16_tflops = 100\ngpu_memory_gb = -3', "hardware.gpu_memory_gb must be"),
+    ],
+)
+def test_a_runs_hardware_is_checked_under_the_files_own_names(capsys, tmp_path, hardware, needle) -> None:
+    bad = tmp_path / "bad.toml"
+    text = BAD_RUN.replace("vocab = 32000", "vocab = 32000\nseq_len = 2048")
+    if hardware.startswith("gpu ="):
+        text = text.replace('gpu = "H100 80GB"', hardware)
+    else:
+        text = text.replace('gpu = "H100 80GB"', f'gpu = "H100 80GB"\n{hardware}')
+    bad.write_text(text)
+    assert main(["plan", "--validate", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run bad-run: " in err[0] and needle in err[0]
+
+
 def test_cross_validate_needs_two_sources(capsys, tmp_path) -> None:
     # leaving the one source out leaves nothing to fit on (a median of no runs, once a traceback)
     runs = tmp_path / "runs.toml"

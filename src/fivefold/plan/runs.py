@@ -174,6 +174,18 @@ def _int(run: dict[str, Any], table: str, key: str, value: Any) -> int:
     return out
 
 
+# a runs file's [run.hardware] keys -> the HardwareSpec fields they set, and how they are read
+HARDWARE_KEYS = (
+    ("peak_bf16_tflops", "peak_tflops", float),
+    ("gpu_memory_gb", "gpu_memory_gb", float),
+    ("gpus_per_node", "gpus_per_node", int),
+    ("inter_node_gbs_per_gpu", "inter_node_gbps", float),
+    ("intra_node_gbs_per_gpu", "intra_node_gbps", float),
+    ("hbm_gbs", "hbm_gbps", float),
+    ("power_limit_w", "power_limit_w", float),
+)
+
+
 def hardware(run: dict[str, Any]) -> HardwareSpec:
     """The run's GPU: the matching preset with the run's published numbers laid over it, or, for a GPU
     without a preset, a spec from the run alone (the planner's default knobs)."""
@@ -183,15 +195,7 @@ def hardware(run: dict[str, Any]) -> HardwareSpec:
     gpu = str(table.get("gpu", ""))
     preset = next((p for k, p in GPU_PRESETS.items() if k in gpu.upper()), None)
     changes: dict[str, Any] = {}
-    for key, field_name, kind in (
-        ("peak_bf16_tflops", "peak_tflops", float),
-        ("gpu_memory_gb", "gpu_memory_gb", float),
-        ("gpus_per_node", "gpus_per_node", int),
-        ("inter_node_gbs_per_gpu", "inter_node_gbps", float),
-        ("intra_node_gbs_per_gpu", "intra_node_gbps", float),
-        ("hbm_gbs", "hbm_gbps", float),
-        ("power_limit_w", "power_limit_w", float),
-    ):
+    for key, field_name, kind in HARDWARE_KEYS:
         if key in table:
             value = table[key]
             if isinstance(value, bool) or not isinstance(value, (int, float, str)):
@@ -212,16 +216,21 @@ def hardware(run: dict[str, Any]) -> HardwareSpec:
                 f"run {run['id']}: hardware.gpu {gpu!r} has no preset; give hardware.peak_bf16_tflops "
                 "and hardware.gpu_memory_gb"
             )
-        return HardwareSpec(name=gpu or "gpu", **changes).validate()
-    base = load_hardware(preset)
-    memory = changes.get("gpu_memory_gb")
-    if memory is not None and memory != base.gpu_memory_gb:
-        # the name a plan prints says the memory the run had ("h100-96gb", not the preset's 80)
-        changes["name"] = re.sub(r"-\d+gb$", "", base.name) + f"-{memory:g}gb"
+        spec = HardwareSpec(name=gpu or "gpu", **changes)
+    else:
+        base = load_hardware(preset)
+        memory = changes.get("gpu_memory_gb")
+        if memory is not None and memory != base.gpu_memory_gb:
+            # the name a plan prints says the memory the run had ("h100-96gb", not the preset's 80)
+            changes["name"] = re.sub(r"-\d+gb$", "", base.name) + f"-{memory:g}gb"
+        spec = dataclasses.replace(base, **changes)
     try:
-        return dataclasses.replace(base, **changes).validate()
-    except FivefoldError as exc:
-        raise FivefoldError(f"run {run['id']}: {exc}") from None
+        return spec.validate()
+    except FivefoldError as exc:  # named as the runs file names it: hardware.hbm_gbs, not hbm_gbps
+        message = str(exc).replace(f"hardware {spec.name}: ", "hardware.", 1)
+        for key, field_name, _ in HARDWARE_KEYS:
+            message = message.replace(f"hardware.{field_name} ", f"hardware.{key} ", 1)
+        raise FivefoldError(f"run {run['id']}: {message}") from None
 
 
 def family(hw: HardwareSpec) -> str:

@@ -68,6 +68,11 @@ BAD_INPUT = [
     ("plan", ["--model", "no-such-model", "--hardware", "h100-80gb", "--gpus", "8"], "unknown model"),
     ("plan", ["--model", "llama3-8b", "--hardware", "no-such-gpu", "--gpus", "8"], "unknown hardware"),
     ("generate", ["--from", "{root}/no-run", "--prompt", "x"], "no-run"),
+    # expert parallelism on a dense model is named as such first, not as a world to re-split
+    ("train", ["--model", "tiny", "--ep", "2", "--nproc", "2"], "needs a mixture-of-experts model"),
+    ("verify", ["--model", "tiny", "--ep", "2", "--nproc", "2"], "needs a mixture-of-experts model"),
+    ("plan", ["--model", "llama3-8b", "--gpus", "8", "--ep", "2", "--search"], "needs a mixture-of-experts"),
+    ("explore", ["--model", "llama3-8b", "--gpus", "8", "--ep", "2", "--out", "{root}/x.html"], "mixture-of"),
 ]
 
 

@@ -111,3 +111,26 @@ def test_search_recomputes_the_fewest_blocks_that_fit() -> None:
     # pinned: a given block count is kept, and implies full recompute
     two = search(model, hw, 96, shape, top=1, pins={**pins, "recompute_layers": 5}).plans[0]
     assert (two.layout.recompute, two.layout.recompute_layers) == ("full", 5)
+
+
+def test_a_pinned_schedule_or_chunk_count_searches_pipelines_that_can_hold_it() -> None:
+    """--pp-schedule or --virtual-stages asks for a pipeline: pp 1 is not an answer, and a stage
+    count with more chunks than layers (pp 64 × 2 on 80) is skipped, not a crash of the search."""
+    from fivefold.errors import FivefoldError
+
+    model, hw = load_model("llama3-70b"), load_hardware("h100-80gb")
+    shape = TrainShape(seq_len=8192, global_batch=256)
+    gpipe = search(model, hw, 64, shape, top=3, pins={"pp_schedule": "gpipe"})
+    assert gpipe.plans and all(p.layout.pp > 1 and p.layout.pp_schedule == "gpipe" for p in gpipe.plans)
+    chunks = search(model, hw, 64, shape, top=3, pins={"virtual_stages": 2})
+    assert chunks.plans and all(p.layout.pp > 1 and p.layout.virtual_stages == 2 for p in chunks.plans)
+    for pins, needle in (
+        ({"pp": 32, "virtual_stages": 4}, "exceeds the 80 layers"),
+        ({"ep": 2}, "needs a mixture-of-experts model"),
+    ):
+        try:
+            search(model, hw, 64, shape, pins=pins)
+        except FivefoldError as exc:
+            assert needle in str(exc)
+        else:
+            raise AssertionError(f"search with {pins} was not refused")

@@ -212,6 +212,8 @@ def resolve_layout(
     if world <= 0:
         raise FivefoldError(f"--gpus must be positive, got {world}")
     complete_order(layout.order)  # a bad --order is not cured by other factors: no suggestions
+    if model is not None:
+        layout.check_experts(model)
 
     def check(lay: Layout) -> Layout:
         lay = lay.resolve(world)

@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     ).validate()
     if given and args.dp is None and args.fsdp is None and not base:
         layout.dp = -1
-    resolved = resolve_layout(layout, gpus) if given else None
+    resolved = resolve_layout(layout, gpus, model=model) if given else None
     out = Path(args.out)
     if out.is_dir():
         raise FivefoldError(f"--out {out} is a directory: give the path of the page to write")

@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     base = layout_from_args(args)
     if all(getattr(base, a) == 1 for a in ("dp", "fsdp", "tp", "pp", "cp")):
         base = dataclasses.replace(base, dp=args.nproc)
+    base.check_experts(spec)
     layout = base.resolve(args.nproc)
     train = TrainSpec(
         seed=args.seed,

@@ -237,6 +237,14 @@ class Layout:
             lay.sp = False  # sequence parallel is a TP refinement; nothing to shard without TP
         return lay
 
+    def check_experts(self, model: ModelSpec) -> None:
+        """--ep on a dense model: no other factor cures it, so it is checked before the world is split."""
+        if self.ep > 1 and not model.is_moe:
+            raise FivefoldError(
+                f"--ep {self.ep} needs a mixture-of-experts model; {model.name} is dense (leave out --ep, "
+                "or pick a model with experts: tiny-moe, mixtral-8x7b, qwen3-30b-a3b, deepseek-v3)"
+            )
+
     def check_model(self, model: ModelSpec, seq_len: int | None = None) -> None:
         """Constraints that depend on the model's shape."""
         if model.heads % self.tp:
@@ -258,8 +266,7 @@ class Layout:
                 f"{suggest([d for d in range(1, model.layers // self.virtual_stages + 1)][:12])}"
             )
         if self.ep > 1:
-            if not model.is_moe:
-                raise FivefoldError(f"--ep {self.ep} needs a mixture-of-experts model; {model.name} is dense")
+            self.check_experts(model)
             if model.experts % self.ep:
                 raise FivefoldError(
                     f"--ep {self.ep} must divide the {model.experts} experts of {model.name}; "

@@ -175,6 +175,8 @@ def candidates(
     tps = [pins["tp"]] if "tp" in pins else _tp_choices(model, gpus, gpn)
     for tp in (t for t in tps if gpus % t == 0):
         pps = [pins["pp"]] if "pp" in pins else divisors(gpus // tp)
+        if "pp" not in pins and ("pp_schedule" in pins or pins.get("virtual_stages", 1) > 1):
+            pps = [q for q in pps if q > 1]  # a schedule asked for is a pipeline asked for
         for pp in (q for q in pps if (gpus // tp) % q == 0):
             if pp > model.layers:
                 break
@@ -203,6 +205,7 @@ def candidates(
                     elif "virtual_stages" in pins and pp > 1:
                         v_pin = pins["virtual_stages"]
                         scheds = [(sc, v) for sc, v in scheds if v == v_pin] or [("interleaved-1f1b", v_pin)]
+                    scheds = [(sc, v) for sc, v in scheds if pp * v <= model.layers]  # a layer a chunk
                     for ep in eps:
                         for sched, v in scheds:
                             yield Layout(
@@ -232,6 +235,9 @@ def search(
     """The `top` fastest layouts that fit. `pins` fixes layout fields (keys of PINNABLE, and
     `micro_batch`); everything else is searched."""
     pins = {k: v for k, v in (pins or {}).items() if v is not None}
+    Layout(ep=pins.get("ep", 1)).check_experts(model)  # --ep on a dense model: no layout has it
+    if "pp" in pins and "virtual_stages" in pins:  # more chunks than layers: no layout has them
+        Layout(pp=pins["pp"], virtual_stages=pins["virtual_stages"]).check_model(model)
     if "micro_batch" in pins:
         micro_batches = (pins.pop("micro_batch"),)
     start = time.perf_counter()

@@ -112,6 +112,7 @@ def default_layout(layout: Layout, world: int) -> Layout:
 def runtime_layout(layout: Layout, world: int, model: ModelSpec, seq_len: int) -> Layout:
     """The layout a training run uses: defaults filled, resolved, and checked (`check_trainable`, the
     planner's check too) before any rank starts."""
+    layout.check_experts(model)
     lay = default_layout(layout, world).resolve(world)
     check_trainable(model, lay, seq_len)
     check_seq_len(model, seq_len)

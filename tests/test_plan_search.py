@@ -134,3 +134,23 @@ def test_a_pinned_schedule_or_chunk_count_searches_pipelines_that_can_hold_it() 
             assert needle in str(exc)
         else:
             raise AssertionError(f"search with {pins} was not refused")
+
+
+def test_pinned_flags_that_contradict_or_that_train_refuses_are_named() -> None:
+    """--fsdp 8 --zero 1 is refused as the plan and train refuse it; --sp asks for tp > 1; a pinned
+    combination every candidate of which train refuses says why, not that nothing fits."""
+    from fivefold.errors import FivefoldError
+
+    model, hw = load_model("llama3-8b"), load_hardware("h100-80gb")
+    shape = TrainShape(seq_len=8192, global_batch=512)
+    try:
+        search(model, hw, 64, shape, pins={"fsdp": 8, "zero": 1})
+    except FivefoldError as exc:
+        assert "--zero must be 2 or 3" in str(exc)
+    else:
+        raise AssertionError("--fsdp 8 --zero 1 was searched")
+    sp = search(model, hw, 64, shape, top=3, pins={"sp": True})
+    assert sp.plans and all(p.layout.tp > 1 and p.layout.sp for p in sp.plans)
+    uneven = search(model, hw, 64, shape, pins={"pp_schedule": "interleaved-1f1b", "virtual_stages": 3})
+    assert not uneven.plans and "can be trained" in uneven.explanation[0]
+    assert "does not divide the 32 layers" in uneven.explanation[0]

@@ -162,7 +162,7 @@ def _pinned_data_modes(
         zeros = (
             [pins["zero"]] if "zero" in pins else ([2, 3] if d == 1 and f > 1 else [3] if f > 1 else [plain])
         )
-        out += [(d, f, z) for z in zeros if not (f > 1 and z < 2) or "zero" in pins]
+        out += [(d, f, z) for z in zeros if not (f > 1 and z < 2)]  # sharded weights: zero 2 or 3
     return out
 
 
@@ -173,6 +173,8 @@ def candidates(
     fields the user fixed) restrict each axis to the given value."""
     pins = pins or {}
     tps = [pins["tp"]] if "tp" in pins else _tp_choices(model, gpus, gpn)
+    if pins.get("sp") and "tp" not in pins:
+        tps = [t for t in tps if t > 1]  # sequence parallelism asked for is tensor parallelism asked for
     for tp in (t for t in tps if gpus % t == 0):
         pps = [pins["pp"]] if "pp" in pins else divisors(gpus // tp)
         if "pp" not in pins and ("pp_schedule" in pins or pins.get("virtual_stages", 1) > 1):
@@ -248,6 +250,8 @@ def search(
     facts = model_facts(model, arch, shape.seq_len)
     memo: dict = {}
     considered = fitting = 0
+    # why train refuses a candidate; whether any other one was sized against the memory
+    refusal, runnable = "", False
     state_cache: dict[tuple, float] = {}
     shapes = [(b, dataclasses.replace(shape, micro_batch=b)) for b in micro_batches]
     bounded: list[tuple[float, int, Layout, TrainShape, int, Memory]] = []
@@ -258,6 +262,12 @@ def search(
             recompute=pins.get("recompute", "full"), recompute_layers=pins.get("recompute_layers", 0)
         ).resolve()
         pins["recompute_layers"] = pins.get("recompute_layers", 0)
+    # flags that contradict each other whatever the world (--fsdp 8 --zero 1): the check train makes,
+    # on some pipeline when a schedule is asked for (--pp-schedule zbv --virtual-stages 3)
+    given = {k: v for k, v in pins.items() if k in PINNABLE and k != "recompute_layers"}
+    if "pp" not in given and ("pp_schedule" in given or given.get("virtual_stages", 1) > 1):
+        given["pp"] = 2
+    Layout(**given).resolve()
     for base in candidates(model, hw, gpus, shape, gpn, pins):
         n = shard_group(base)
         ends = tuple(stage_names(base, model))
@@ -272,6 +282,7 @@ def search(
             state_cache[key] = worst
         if state_cache[key] > cap:
             considered += 1
+            runnable = True  # (or not: too big to tell) the message is then about memory
             continue
         data = base.dp * base.fsdp
         if shape.global_batch % data:
@@ -280,8 +291,10 @@ def search(
             # checked again
             check_plan_inputs(model, base, shape)
             check_trainable(model, base, shape.seq_len)
-        except FivefoldError:
+        except FivefoldError as exc:
+            refusal = refusal or str(exc)
             continue
+        runnable = True
         for b, sh in shapes:
             if (shape.global_batch // data) % b:
                 continue
@@ -337,7 +350,10 @@ def search(
         explanation = explain(best, model, hw, gpus, gpn)
     elif pins:
         fixed = ", ".join(f"{k}={v}" for k, v in pins.items())
-        explanation = [f"no layout fits with {fixed} fixed: free more flags or add GPUs"]
+        if refusal and not runnable:  # none was too big: every layout with these flags is refused
+            explanation = [f"no layout with {fixed} fixed can be trained: {refusal}"]
+        else:
+            explanation = [f"no layout fits with {fixed} fixed: free more flags or add GPUs"]
     else:
         explanation = [
             "no layout fits: the model state alone exceeds GPU memory at every sharding degree tried"

@@ -71,6 +71,20 @@ def test_human_output_has_tables_and_bar_chart(capsys) -> None:
     assert "memory per GPU" in out and "█" in out and "communication per step" in out and "MFU" in out
 
 
+def test_a_pipelines_batch_split_reads_as_train_reads_it(capsys) -> None:
+    """--microbatches alone splits a data rank's batch, as in train; a plan without it says the
+    --microbatches that train needs to run its split (train's own default is 2 × pp)."""
+    base = ["plan", "--model", "tiny", "--hardware", "cpu", "--gpus", "4", "--pp", "2", "--dp", "2"]
+    base += ["--seq-len", "128", "--global-batch", "32"]
+    assert main([*base, "--microbatches", "4"]) == 0
+    assert "micro-batch 4, 4 micro-batches per step" in capsys.readouterr().out
+    assert main([*base, "--micro-batch", "1"]) == 0
+    assert "fivefold train runs this batch split with --microbatches 16" in capsys.readouterr().out
+    assert main([*base, "--microbatches", "5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "valid microbatches: 2, 4, 8, 16" in err[0]
+
+
 def test_a_merged_axis_keeps_the_communication_table_in_columns(capsys) -> None:
     """fsdp and cp share their gradient collectives (axis fsdp_cp): the axis column widens to hold it."""
     code, out, _ = run_cli(capsys, "--fsdp", "4", "--cp", "2", "--gpus", "8")

@@ -154,3 +154,28 @@ def test_pinned_flags_that_contradict_or_that_train_refuses_are_named() -> None:
     uneven = search(model, hw, 64, shape, pins={"pp_schedule": "interleaved-1f1b", "virtual_stages": 3})
     assert not uneven.plans and "can be trained" in uneven.explanation[0]
     assert "does not divide the 32 layers" in uneven.explanation[0]
+
+
+def test_the_flags_a_search_prints_train_the_plan_it_scored() -> None:
+    """The pipelined layouts a search proposes, their flags given to train as printed: train splits a
+    data rank's batch into the plan's micro-batch count, of the plan's micro-batch size."""
+    import argparse
+    import shlex
+
+    from fivefold.commands import train as train_command
+    from fivefold.plan.search import plan_flags
+    from fivefold.train.loop import runtime_layout
+
+    seen = 0
+    for name, gpus, seq, batch in (("tiny", 4, 128, 32), ("tiny-moe", 8, 128, 16)):
+        result = search(load_model(name), load_hardware("cpu"), gpus, TrainShape(seq, batch), top=10)
+        for p in (p for p in result.plans if p.layout.pp > 1):
+            parser = argparse.ArgumentParser()
+            train_command.add_arguments(parser)
+            argv = ["--model", name, "--seq-len", str(seq), "--global-batch", str(batch)]
+            cfg = train_command.build_run_config(parser.parse_args(argv + shlex.split(plan_flags(p))))
+            lay = runtime_layout(cfg.layout, gpus, cfg.model, seq)
+            local = cfg.train.micro_batch * cfg.train.grad_accum(lay.dp * lay.fsdp)
+            assert (lay.microbatches, local // lay.microbatches) == (p.microbatches, p.shape.micro_batch)
+            seen += 1
+    assert seen >= 5

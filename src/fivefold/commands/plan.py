@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from fivefold.commands import defaults
 from fivefold.config import add_layout_arguments, check_gpus, check_pins
+from fivefold.errors import FivefoldError, divisors, suggest
 from fivefold.plan.trainers import TRAINER_FLAGS
 
 
@@ -210,6 +212,9 @@ def run(args: argparse.Namespace) -> int:
     if args.virtual_stages and args.virtual_stages > 1 and args.pp_schedule is None:
         layout.pp_schedule = "interleaved-1f1b"
     layout = resolve_layout(layout, args.gpus, gpn, model, args.seq_len)
+    if args.microbatches and args.micro_batch is None and layout.pp > 1:
+        # as train reads it: a data rank's batch split into that many pipeline micro-batches
+        shape = dataclasses.replace(shape, micro_batch=_pipeline_micro_batch(args, layout))
     if args.microbatches:
         m = shape.microbatches(layout)
         if args.microbatches != m:
@@ -219,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
                 "drop --microbatches or change --global-batch/--micro-batch"
             )
     p = plan(model, hw, layout, shape, gpn)
+    if layout.pp > 1 and not args.microbatches:  # train's own default split is 2 × pp micro-batches
+        p.notes.append(f"fivefold train runs this batch split with --microbatches {p.microbatches}")
     if args.trainer != "fivefold":
         p.notes.append(f"planned with the facts of {TRAINER_FLAGS[args.trainer]} (--trainer {args.trainer})")
     defaults.say_assumed(assumed)
@@ -235,6 +242,19 @@ def run(args: argparse.Namespace) -> int:
     except FivefoldError as exc:
         print(f"note: fivefold train refuses this layout: {exc}")
     return 0
+
+
+def _pipeline_micro_batch(args: argparse.Namespace, layout) -> int:  # noqa: ANN001 - a resolved Layout
+    """Sequences per pipeline micro-batch when only --microbatches is given: a data rank's batch over it."""
+    data = layout.dp * layout.fsdp
+    local = args.global_batch // data if args.global_batch % data == 0 else 0
+    if not local or local % args.microbatches:
+        valid = [d for d in divisors(local) if d >= layout.pp] if local else []
+        raise FivefoldError(
+            f"--microbatches {args.microbatches} must divide each data-parallel rank's batch of "
+            f"{args.global_batch} / {data} sequences; valid microbatches: {suggest(valid) or 'none'}"
+        )
+    return local // args.microbatches
 
 
 def _print_search(result, as_json: bool, text, **extra) -> None:  # noqa: ANN001 - either search's result
@@ -274,7 +294,7 @@ def _does_not_fit(p, args: argparse.Namespace, pinned) -> str:  # noqa: ANN001 -
     """The first lines of a plan that does not fit: by how much, and the nearest layout that does
     (searched: the typed flags kept where possible, else the best of the free search)."""
     from fivefold.plan.result import fit_words
-    from fivefold.plan.search import layout_flags, search
+    from fivefold.plan.search import plan_flags, search
 
     lines = [f"this layout {fit_words(p.margin_bytes)} per GPU: the figures below cannot be run as they are"]
     found, kept = pinned, "keeping the flags you gave"
@@ -283,11 +303,10 @@ def _does_not_fit(p, args: argparse.Namespace, pinned) -> str:  # noqa: ANN001 -
         kept = "the flags you gave cannot fit; the best layout"
     if found.plans:
         best = found.plans[0]
-        micro = f" --micro-batch {best.shape.micro_batch}" if best.shape.micro_batch != 1 else ""
         lines.append(
             f"nearest that fits ({kept}, MFU {best.mfu:.1%}): fivefold plan --model {args.model} "
             f"--hardware {args.hardware} --gpus {p.gpus} --seq-len {p.shape.seq_len} "
-            f"--global-batch {p.shape.global_batch} {layout_flags(best.layout)}{micro}{_shape_flags(args)}"
+            f"--global-batch {p.shape.global_batch} {plan_flags(best)}{_shape_flags(args)}"
         )
     else:
         lines.append(f"no layout of {p.model.name} fits {p.gpus} × {p.hardware.name}: add GPUs")

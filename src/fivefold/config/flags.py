@@ -57,7 +57,11 @@ def add_layout_arguments(
         help="pipeline schedule (default 1f1b); interleaved/zbv/dualpipev run several chunks per rank",
     )
     g.add_argument(
-        "--microbatches", type=int, default=None, help="pipeline micro-batches per step (default: pp)"
+        "--microbatches",
+        type=int,
+        default=None,
+        help="pipeline micro-batches a data rank's batch is split into per step (default: 2 × pp in "
+        "train; in plan, the rank's batch over --micro-batch)",
     )
     g.add_argument(
         "--virtual-stages", type=int, default=None, help="model chunks per pipeline rank (default 1)"

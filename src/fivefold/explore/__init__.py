@@ -23,7 +23,7 @@ from fivefold.explore.strategy import strategy_cards
 from fivefold.explore.timeline import pipeline_picture
 from fivefold.mesh import build_mesh, describe
 from fivefold.plan import Plan, TrainShape, plan
-from fivefold.plan.search import layout_flags, search
+from fivefold.plan.search import layout_flags, plan_flags, search
 
 # the lab's pipeline pictures are replays (torch's schedule tables): embed those of up to
 # PICTURE_ACTIONS stage×micro-batch×chunk actions each, smallest first, up to PICTURES_TOTAL in all
@@ -94,11 +94,7 @@ def build_page(
         found = search(model, hw, gpus, shape, gpn, top=top)
         explanation = found.explanation
         for i, p in enumerate(found.plans):
-            layouts.append(
-                layout_entry(
-                    f"search #{i + 1}: {layout_flags(p.layout)} (micro-batch {p.shape.micro_batch})", p
-                )
-            )
+            layouts.append(layout_entry(f"search #{i + 1}: {plan_flags(p)}", p))
     if not layouts:
         raise FivefoldError("nothing to show: give a layout or let the search run (--top > 0)")
     if bars:

@@ -375,7 +375,7 @@ def explain(plans: list[Plan], model: ModelSpec, hw: HardwareSpec, gpus: int, gp
     p = plans[0]
     lay = p.layout
     lines = [
-        f"Best: {layout_flags(lay)}, micro-batch {p.shape.micro_batch}: step {p.step_time_s:.3g} s, "
+        f"Best: {plan_flags(p)}: step {p.step_time_s:.3g} s, "
         # against what the planner may fill, in the same decimal GB (an "80 GB" H100 holds 82.5 usable)
         f"MFU {p.mfu:.1%}, {_fmt_gb(p.memory.total)} of {_fmt_gb(capacity(hw))} usable per GPU."
     ]
@@ -436,8 +436,7 @@ def explain(plans: list[Plan], model: ModelSpec, hw: HardwareSpec, gpus: int, gp
         )
     for i, q in enumerate(plans[1:3], start=2):
         lines.append(
-            f"#{i}: {layout_flags(q.layout)}, micro-batch {q.shape.micro_batch}: "
-            f"{q.step_time_s / p.step_time_s - 1:+.1%} step time ({_why(p, q)})."
+            f"#{i}: {plan_flags(q)}: {q.step_time_s / p.step_time_s - 1:+.1%} step time ({_why(p, q)})."
         )
     return lines
 
@@ -459,6 +458,13 @@ def _why(best: Plan, other: Plan) -> str:
     if other.compute_time_s > best.compute_time_s * 1.02:
         parts.append(f"compute {other.compute_time_s:.3g} s vs {best.compute_time_s:.3g} s")
     return ", ".join(parts) or "close"
+
+
+def plan_flags(p: Plan) -> str:
+    """A plan's layout and batch split as flags that `plan` and `train` both read the same way: with a
+    pipeline, --microbatches says how a data rank's batch is split (train's default split is 2 × pp)."""
+    out = f"{layout_flags(p.layout)} --micro-batch {p.shape.micro_batch}"
+    return out + (f" --microbatches {p.microbatches}" if p.layout.pp > 1 else "")
 
 
 def layout_flags(lay: Layout) -> str:

@@ -93,14 +93,12 @@ def plan_text(p: Plan) -> str:
 
 def search_text(result) -> str:
     out = [f"searched {result.considered} layouts, {result.fitting} fit, in {result.seconds:.2f} s", ""]
-    from fivefold.plan.search import layout_flags
+    from fivefold.plan.search import plan_flags
 
     out.append(f"  {'#':>2} {'step s':>9}{'MFU':>7}{'mem GB':>8}  layout")
     for i, p in enumerate(result.plans, start=1):
-        out.append(
-            f"  {i:>2} {p.step_time_s:>9.3f}{p.mfu:>7.1%}{p.memory.total / 1e9:>8.1f}  "
-            f"{layout_flags(p.layout)} --micro-batch {p.shape.micro_batch}"
-        )
+        row = f"  {i:>2} {p.step_time_s:>9.3f}{p.mfu:>7.1%}{p.memory.total / 1e9:>8.1f}"
+        out.append(f"{row}  {plan_flags(p)}")
     out += [""] + result.explanation
     return "\n".join(out)
 

@@ -224,6 +224,21 @@ def candidates(
                             )
 
 
+def _check_pins(model: ModelSpec, pins: dict) -> None:
+    """Pins no layout can hold, refused as train refuses the flags: --ep on a dense model, more chunks
+    than layers, and flags that contradict each other whatever the world (--fsdp 8 --zero 1), checked
+    on some pipeline when a schedule is asked for (--pp-schedule zbv --virtual-stages 3)."""
+    Layout(ep=pins.get("ep", 1)).check_experts(model)
+    if "pp" in pins and "virtual_stages" in pins:
+        Layout(pp=pins["pp"], virtual_stages=pins["virtual_stages"]).check_model(model)
+    given = {k: v for k, v in pins.items() if k in PINNABLE}
+    if given.get("recompute_layers"):  # a block count implies full recompute, as the search reads it
+        given.setdefault("recompute", "full")
+    if "pp" not in given and ("pp_schedule" in given or given.get("virtual_stages", 1) > 1):
+        given["pp"] = 2
+    Layout(**given).resolve()
+
+
 def search(
     model: ModelSpec,
     hw: HardwareSpec,
@@ -237,9 +252,7 @@ def search(
     """The `top` fastest layouts that fit. `pins` fixes layout fields (keys of PINNABLE, and
     `micro_batch`); everything else is searched."""
     pins = {k: v for k, v in (pins or {}).items() if v is not None}
-    Layout(ep=pins.get("ep", 1)).check_experts(model)  # --ep on a dense model: no layout has it
-    if "pp" in pins and "virtual_stages" in pins:  # more chunks than layers: no layout has them
-        Layout(pp=pins["pp"], virtual_stages=pins["virtual_stages"]).check_model(model)
+    _check_pins(model, pins)
     if "micro_batch" in pins:
         micro_batches = (pins.pop("micro_batch"),)
     start = time.perf_counter()
@@ -258,16 +271,7 @@ def search(
     recomputes = (pins["recompute"],) if "recompute" in pins else RECOMPUTE_ORDER
     if "recompute_layers" in pins or pins.get("recompute") == "full":
         # --recompute full alone means every block, as in train; a block count implies full
-        Layout(
-            recompute=pins.get("recompute", "full"), recompute_layers=pins.get("recompute_layers", 0)
-        ).resolve()
         pins["recompute_layers"] = pins.get("recompute_layers", 0)
-    # flags that contradict each other whatever the world (--fsdp 8 --zero 1): the check train makes,
-    # on some pipeline when a schedule is asked for (--pp-schedule zbv --virtual-stages 3)
-    given = {k: v for k, v in pins.items() if k in PINNABLE and k != "recompute_layers"}
-    if "pp" not in given and ("pp_schedule" in given or given.get("virtual_stages", 1) > 1):
-        given["pp"] = 2
-    Layout(**given).resolve()
     for base in candidates(model, hw, gpus, shape, gpn, pins):
         n = shard_group(base)
         ends = tuple(stage_names(base, model))

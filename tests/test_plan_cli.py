@@ -577,6 +577,24 @@ def _serving(capsys, model: str, gpus: int, *extra: str) -> tuple[int, dict | st
     return code, (json.loads(out.out) if "--json" in extra and code == 0 else out.out), out.err
 
 
+def test_serving_layouts_say_whether_generate_runs_them(capsys) -> None:
+    """fivefold generate decodes with tp, pp and replicas: expert-parallel layouts are priced, and marked
+    as not its own, in the table, the single plan and the JSON."""
+    args = ("--context", "8192", "--batch", "8", "--search", "--top", "20")
+    code, text, _ = _serving(capsys, "mixtral-8x7b", 8, *args)
+    rows = [
+        row for row in (line.split() for line in text.splitlines()) if len(row) == 10 and row[0].isdigit()
+    ]
+    assert code == 0 and rows
+    assert all(row[-1] == ("yes" if row[2] == row[3] == "1" else "no") for row in rows)
+    assert "generate: fivefold generate runs tp, pp and replicas" in text
+    _, data, _ = _serving(capsys, "mixtral-8x7b", 8, *args, "--json")
+    assert {p["generate_runs"] for p in data["plans"]} <= {True, False}
+    assert all(p["generate_runs"] == (p["layout"]["ep"] == p["layout"]["cp"] == 1) for p in data["plans"])
+    _, one, _ = _serving(capsys, "mixtral-8x7b", 8, "--context", "8192", "--batch", "8", "--ep", "8")
+    assert "note: fivefold generate runs tp, pp and replicas" in one
+
+
 def test_serving_search_ranks_fitting_layouts_by_the_objective(capsys) -> None:
     args = ("--context", "8192", "--batch", "8", "--search", "--top", "50", "--json")
     _, latency, _ = _serving(capsys, "llama3-70b", 16, *args)

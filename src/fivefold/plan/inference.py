@@ -90,7 +90,20 @@ class InferencePlan:
             # a layout that does not fit serves nothing: no throughput is claimed for it
             "decode_tokens_per_s": self.decode_tokens_per_s if self.fits else None,
             "comm_time_s": self.comm,
+            "generate_runs": generate_runs(lay),
         }
+
+
+# `fivefold generate` decodes with tensor-parallel shards, pipeline stages and replicas; expert- and
+# context-parallel decoding are priced for the serving engines that have them
+GENERATE_NOTE = (
+    "fivefold generate runs tp, pp and replicas; ep and cp decoding are priced for engines that have them"
+)
+
+
+def generate_runs(layout: Layout) -> bool:
+    """Whether `fivefold generate` can decode with this layout (its axes: tp, pp, replicas)."""
+    return layout.ep == 1 and layout.cp == 1
 
 
 def kv_bytes_per_token(model: ModelSpec, layout: Layout, kv_bytes: int = 2) -> float:

@@ -71,6 +71,22 @@ def test_human_output_has_tables_and_bar_chart(capsys) -> None:
     assert "memory per GPU" in out and "█" in out and "communication per step" in out and "MFU" in out
 
 
+def test_a_cpu_plan_is_of_what_train_runs_there_in_units_that_read(capsys) -> None:
+    """On the cpu preset the plan takes train's fp32 unless told; a 54K-parameter model's memory and
+    traffic read in kB/MB, not as columns of 0.00 GB."""
+    base = ["plan", "--model", "tiny", "--hardware", "cpu", "--gpus", "2", "--dp", "2", "--seq-len", "128"]
+    base += ["--global-batch", "16"]
+    assert main([*base, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["memory"]["params"] == 4 * data["params"]
+    assert main([*base, "--json", "--dtype", "bf16"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory"]["params"] == 2 * data["params"]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert "53.54K params" in out and " MB " in out and "0.00 GB" not in out
+    assert any(line.split()[:2] == ["dp", "all_reduce"] and "kB" in line for line in out.splitlines())
+
+
 def test_a_pipelines_batch_split_reads_as_train_reads_it(capsys) -> None:
     """--microbatches alone splits a data rank's batch, as in train; a plan without it says the
     --microbatches that train needs to run its split (train's own default is 2 × pp)."""

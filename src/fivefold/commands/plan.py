@@ -108,8 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         choices=("bf16", "fp32"),
-        default="bf16",
-        help="compute dtype of activations and gathered weights (fp32: `fivefold train`'s default)",
+        default=None,
+        help="compute dtype of activations and gathered weights (default bf16; fp32 on --hardware cpu, "
+        "as `fivefold train` runs there)",
     )
     parser.add_argument(
         "--grad-dtype",
@@ -177,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
         args.seq_len = assumed["seq_len"] = defaults.SEQ_LEN
     if args.global_batch is None:
         args.global_batch = assumed["global_batch"] = defaults.global_batch(args.gpus, args.seq_len)
+    if args.dtype is None:  # what train runs on a CPU (fp32), what GPU training runs elsewhere
+        args.dtype = "fp32" if hw.name == "cpu" else "bf16"
     if args.fp8 and args.dtype == "fp32":
         raise FivefoldError(
             "--fp8 runs the matmuls in fp8 beside 16-bit activations; use it with --dtype bf16"
@@ -283,7 +286,7 @@ def _shape_flags(args: argparse.Namespace) -> str:
     """The flags besides the layout that change a plan, as typed (for a command to run again)."""
     out = ""
     typed = (("gpus_per_node", None), ("trainer", "fivefold"), ("attention", None), ("block", "auto"))
-    for flag, default in (*typed, ("dtype", "bf16"), ("grad_dtype", None)):
+    for flag, default in (*typed, ("dtype", None), ("grad_dtype", None)):
         if getattr(args, flag, default) != default:
             out += f" --{flag.replace('_', '-')} {getattr(args, flag)}"
     out += " --fp8" if getattr(args, "fp8", False) else ""

@@ -8,26 +8,40 @@ BAR_WIDTH = 48
 PARTS = (("params", "█"), ("grads", "▓"), ("optimizer", "▒"), ("activations", "░"), ("buffers", "·"))
 
 
-def _gb(x: float) -> str:
-    return f"{x / 1e9:8.2f} GB"
+def byte_unit(largest: float) -> tuple[float, str]:
+    """(divisor, name) of the decimal unit a column of byte counts up to `largest` reads best in: a
+    tiny model's state in MB or kB rather than a column of 0.00 GB."""
+    for size, name in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if largest >= size:
+            return size, name
+    return 1.0, "B"
+
+
+def count_words(n: float) -> str:
+    """A parameter count as people write it: 8.03B, 0.84M, 214K."""
+    for size, name in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= size:
+            return f"{n / size:.2f}{name}"
+    return f"{n:.0f}"
 
 
 def memory_chart(parts: dict[str, float], cap: float) -> list[str]:
     """One bar per part, scaled to the GPU's capacity, then the stacked total against it."""
     scale = max(cap, sum(parts.values()))
+    total = sum(parts.values())
+    size, unit = byte_unit(total)
     lines = []
     stacked = ""
     for name, ch in PARTS:
         if name not in parts:
             continue
         n = round(BAR_WIDTH * parts[name] / scale)
-        lines.append(f"  {name:<12}{_gb(parts[name])}  {ch * n}")
+        lines.append(f"  {name:<12}{parts[name] / size:8.2f} {unit:<2}  {ch * n}")
         stacked += ch * n
-    total = sum(parts.values())
     cap_mark = round(BAR_WIDTH * cap / scale)
     bar = stacked.ljust(BAR_WIDTH)
     bar = bar[:cap_mark] + "|" + bar[cap_mark:]
-    lines.append(f"  {'total':<12}{_gb(total)}  {bar}  (| = {cap / 1e9:.1f} GB usable)")
+    lines.append(f"  {'total':<12}{total / size:8.2f} {unit:<2}  {bar}  (| = {cap / 1e9:.1f} GB usable)")
     return lines
 
 
@@ -36,7 +50,7 @@ def plan_text(p: Plan) -> str:
     m = p.memory
     out = [
         f"{p.model.name} on {p.gpus} × {p.hardware.name} ({p.gpus_per_node} per node), block {p.arch.name}, "
-        f"{p.params / 1e9:.2f}B params",
+        f"{count_words(p.params)} params",
         f"layout: dp {lay.dp} · fsdp {lay.fsdp} · cp {lay.cp} · tp {lay.tp} · pp {lay.pp} · ep {lay.ep}  "
         f"zero {lay.zero}  sp {'on' if lay.sp else 'off'}  recompute {lay.recompute_label}  "
         f"schedule {lay.pp_schedule} (v={lay.virtual_stages})",
@@ -65,10 +79,12 @@ def plan_text(p: Plan) -> str:
         f"  {'axis':<{axis_w}}{'op':<{op_w}}{'link':<7}{'group':>6}{'calls':>8}{'payload':>12}{'wire':>12}"
         f"{'time':>10}{'exposed':>10}",
     ]
+    size, unit = byte_unit(max([c.bytes for c in p.comm] + [0.0]))
     for c in p.comm:
         out.append(
-            f"  {c.axis:<{axis_w}}{c.op:<{op_w}}{c.link:<7}{c.group:>6}{c.count:>8}{c.bytes / 1e9:>10.2f}GB"
-            f"{c.wire_bytes / 1e9:>10.2f}GB{c.time_s:>9.3f}s{c.exposed_s:>9.3f}s"
+            f"  {c.axis:<{axis_w}}{c.op:<{op_w}}{c.link:<7}{c.group:>6}{c.count:>8}"
+            f"{c.bytes / size:>10.2f}{unit:<2}{c.wire_bytes / size:>10.2f}{unit:<2}{c.time_s:>9.3f}s"
+            f"{c.exposed_s:>9.3f}s"
         )
     if not p.comm:
         out.append("  (none: a single GPU)")

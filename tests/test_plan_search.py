@@ -179,3 +179,11 @@ def test_the_flags_a_search_prints_train_the_plan_it_scored() -> None:
             assert (lay.microbatches, local // lay.microbatches) == (p.microbatches, p.shape.micro_batch)
             seen += 1
     assert seen >= 5
+
+
+def test_a_pinned_expert_degree_is_searched_over_the_data_ranks_that_hold_it() -> None:
+    """--ep 2 alone: fsdp × cp is searched to hold it, not checked at its default of 1."""
+    result = search(
+        load_model("mixtral-8x7b"), load_hardware("h100-80gb"), 64, TrainShape(4096, 256), pins={"ep": 2}
+    )
+    assert result.plans and all(p.layout.ep == 2 for p in result.plans)

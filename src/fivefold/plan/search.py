@@ -231,7 +231,8 @@ def _check_pins(model: ModelSpec, pins: dict) -> None:
     Layout(ep=pins.get("ep", 1)).check_experts(model)
     if "pp" in pins and "virtual_stages" in pins:
         Layout(pp=pins["pp"], virtual_stages=pins["virtual_stages"]).check_model(model)
-    given = {k: v for k, v in pins.items() if k in PINNABLE}
+    # ep is left out: whether it divides fsdp × cp is the candidates' business when those are searched
+    given = {k: v for k, v in pins.items() if k in PINNABLE and k != "ep"}
     if given.get("recompute_layers"):  # a block count implies full recompute, as the search reads it
         given.setdefault("recompute", "full")
     if "pp" not in given and ("pp_schedule" in given or given.get("virtual_stages", 1) > 1):

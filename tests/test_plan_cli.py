@@ -593,6 +593,17 @@ def _serving(capsys, model: str, gpus: int, *extra: str) -> tuple[int, dict | st
     return code, (json.loads(out.out) if "--json" in extra and code == 0 else out.out), out.err
 
 
+def test_top_0_lists_every_layout_that_fits(capsys) -> None:
+    """--top 0 (documented: every layout that fits) in the training and the serving search."""
+    code, out, _ = run_cli(capsys, "--search", "--top", "0", "--json")
+    data = json.loads(out)
+    assert code == 0 and len(data["plans"]) == data["search"]["fitting"] > 5
+    code, serving, _ = _serving(
+        capsys, "mixtral-8x7b", 8, "--context", "4096", "--search", "--top", "0", "--json"
+    )
+    assert code == 0 and len(serving["plans"]) == serving["search"]["fitting"] > 5
+
+
 def test_serving_layouts_say_whether_generate_runs_them(capsys) -> None:
     """fivefold generate decodes with tp, pp and replicas: expert-parallel layouts are priced, and marked
     as not its own, in the table, the single plan and the JSON."""

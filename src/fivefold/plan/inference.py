@@ -315,7 +315,11 @@ def search_serving(
     else:
         fitting.sort(key=lambda p: (-p.decode_tokens_per_s, p.decode_time_per_token_s))
     return ServingSearch(
-        objective, fitting[:top], considered, len(fitting), _recipe(model, hw, gpus, shape, gpn)
+        objective,
+        fitting[:top] if top > 0 else fitting,  # 0: every layout that fits
+        considered,
+        len(fitting),
+        _recipe(model, hw, gpus, shape, gpn),
     )
 
 

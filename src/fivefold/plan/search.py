@@ -339,6 +339,7 @@ def search(
     # branch and bound: score layouts in order of their collective-free bound, stop when the bound
     # alone is slower than the top-k found so far
     bounded.sort(key=lambda item: item[:2])
+    top = top if top > 0 else len(bounded)  # 0: every layout that fits
     results: list[Plan] = []
     slowest_kept: list[float] = []  # max-heap (negated) of the top-k step times so far
     for bound, _, lay, sh, m, mem in bounded:

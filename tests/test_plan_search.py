@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 
 from fivefold.config import load_hardware, load_model
@@ -187,3 +188,9 @@ def test_a_pinned_expert_degree_is_searched_over_the_data_ranks_that_hold_it() -
         load_model("mixtral-8x7b"), load_hardware("h100-80gb"), 64, TrainShape(4096, 256), pins={"ep": 2}
     )
     assert result.plans and all(p.layout.ep == 2 for p in result.plans)
+    tiny = search(load_model("tiny-moe"), load_hardware("cpu"), 8, TrainShape(128, 16), top=0, pins={"ep": 2})
+    assert tiny.plans
+    for pinned, gpus in ((result, 64), (tiny, 8)):  # each as train resolves it: ep folds onto fsdp × cp
+        for p in pinned.plans:
+            assert (p.layout.fsdp * p.layout.cp) % 2 == 0
+            copy.copy(p.layout).resolve(gpus)

@@ -195,8 +195,8 @@ def candidates(
                     if model.is_moe:
                         room = fsdp * cp
                         eps = [e for e in divisors(math.gcd(room, model.experts))]
-                    if "ep" in pins:
-                        eps = [pins["ep"]]
+                    if "ep" in pins:  # folded onto fsdp × cp, as train folds it: it must divide them
+                        eps = [pins["ep"]] if (fsdp * cp) % pins["ep"] == 0 else []
                     scheds = _schedules(pp, model.layers, model.is_moe)
                     if "pp_schedule" in pins and pp > 1:
                         v_pin = pins.get("virtual_stages")

@@ -122,6 +122,19 @@ def test_pipeline_picture_is_the_schedules_replay(schedule: str, p: int, m: int,
     assert cells.count(".") / len(cells) == pytest.approx(pic["idle"], abs=0.02)
 
 
+def test_a_step_of_many_micro_batches_is_drawn_with_a_bounded_number_and_says_so() -> None:
+    """An interleaved p=4 step of 4,096 micro-batches (a seq-len 1 default batch, say) took 33 s to
+    replay; it is drawn with 256 of them, m_step keeping the step's own count for the caption."""
+    import time
+
+    start = time.perf_counter()
+    pic = pipeline_picture("interleaved-1f1b", 4, 4096, 2)
+    assert time.perf_counter() - start < 10
+    assert (pic["m"], pic["m_step"]) == (256, 4096)
+    assert pic["idle"] == pytest.approx(simulated_bubble("interleaved-1f1b", 4, 256, 2, "1:2").idle_fraction)
+    assert pipeline_picture("zbv", 4, 24, 2)["m"] == pipeline_picture("zbv", 4, 24, 2)["m_step"] == 24
+
+
 def test_dualpipev_layout_draws_its_own_bubble() -> None:
     """A V-schedule layout carries its replay; no stand-in schematic, no 16 micro-batch cut."""
     model, hw = load_model("deepseek-v3"), load_hardware("h100-80gb")

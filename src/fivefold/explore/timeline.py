@@ -15,14 +15,27 @@ from typing import Any
 COLUMNS = 600
 MAX_OPS_EXACT = 2500  # above this many actions the page gets the raster only
 COST_MODEL = "1:2"
+# torch's action tables grow faster than linearly in m (an interleaved p=4 step: 0.2 s at m=256, 33 s
+# at 4096); past this many micro-batches a step is drawn with this many, and the page says so
+MAX_DRAWN_MICROBATCHES = 256
+
+
+def drawn_microbatches(pp: int, microbatches: int) -> int:
+    """The micro-batches a picture replays: all of them, or MAX_DRAWN_MICROBATCHES (at least 2·pp, as
+    V schedules need) rounded down to a multiple of pp where m was one (interleaved schedules need it)."""
+    cap = max(MAX_DRAWN_MICROBATCHES, 2 * pp)
+    if microbatches <= cap:
+        return microbatches
+    return cap - cap % pp if microbatches % pp == 0 else cap
 
 
 def pipeline_picture(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> dict[str, Any]:
     """The replayed timeline of one step: per rank its ops (or raster) and the idle share."""
     from fivefold.measure.bubble import simulated_bubble  # imports torch's schedules: only when drawn
 
+    drawn = drawn_microbatches(pp, microbatches)
     try:
-        sim = simulated_bubble(schedule, pp, microbatches, virtual_stages, COST_MODEL)
+        sim = simulated_bubble(schedule, pp, drawn, virtual_stages, COST_MODEL)
     except ValueError as exc:  # torch refuses the table (e.g. V schedules want m >= 2p): say so
         return {"schedule": schedule, "p": pp, "m": microbatches, "error": str(exc)}
     total = sum(len(row) for row in sim.timeline)
@@ -30,7 +43,8 @@ def pipeline_picture(schedule: str, pp: int, microbatches: int, virtual_stages: 
     picture: dict[str, Any] = {
         "schedule": schedule,
         "p": pp,
-        "m": microbatches,
+        "m": drawn,
+        "m_step": microbatches,  # the step's own count, where only the first `m` are drawn
         "v": 2 if schedule in ("zbv", "dualpipev") else virtual_stages,
         "makespan": makespan,
         "idle": sim.idle_fraction,

@@ -29,9 +29,9 @@ class Case:
     @property
     def steps(self) -> int:
         """DDP rebuilds its buckets (two broadcasts) in step 1's forward: measure step 2 there."""
-        lay = self.resolved()
-        ddp = lay.pp == 1 and lay.tp == 1 and lay.fsdp == 1 and lay.dp * lay.cp > 1
-        return 3 if ddp else 2
+        from fivefold.train.loop import warmup_collectives
+
+        return 3 if warmup_collectives(self.resolved(), 1) else 2
 
     @property
     def name(self) -> str:

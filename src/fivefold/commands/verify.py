@@ -129,21 +129,31 @@ def run(args: argparse.Namespace) -> int:
         raise FivefoldError(
             f"--ledger-step must be a step index >= 0 (or -1: the last), got {args.ledger_step}"
         )
-    ledger_step = args.ledger_step if args.ledger_step >= 0 else args.steps - 1
-    if ledger_step >= args.steps:
-        raise FivefoldError(f"--ledger-step must be below --steps {args.steps}, got {ledger_step}")
+    from fivefold.train.loop import LEDGER_WARMUP_STEPS, warmup_collectives
+
+    if args.ledger_step >= args.steps:
+        raise FivefoldError(f"--ledger-step must be below --steps {args.steps}, got {args.ledger_step}")
+    # the last step past torch's one-time collectives (a two-step DDP run: its first), else the last
+    steady = [s for s in range(args.steps) if not warmup_collectives(layout, s)]
+    ledger_step = args.ledger_step if args.ledger_step >= 0 else (steady or [args.steps - 1])[-1]
+    warmup = warmup_collectives(layout, ledger_step)
 
     from fivefold.parallel.compare import run_reference
     from fivefold.parallel.spawn import spawn_ranks
 
     per_rank = spawn_ranks(_rank_body, args.nproc, spec, train, layout, rows, args.steps, ledger_step)
     reference = run_reference(spec, train, rows, args.steps)
-    table = judge(spec, layout, train, accumulation, per_rank, reference)
+    table = judge(spec, layout, train, accumulation, per_rank, reference, warmup=warmup)
     failed = next((r for r in table if r.ok is False), None)
     if args.json:
         print(json.dumps({"ok": failed is None, "rows": [r.to_json() for r in table]}, indent=1))
     else:
         _print_table(spec.name, layout, args.nproc, train, ledger_step, table)
+        if warmup:
+            print(
+                f"note: the step's collectives and saved activations are shown, not judged: {warmup}; "
+                f"run --steps {LEDGER_WARMUP_STEPS + 1} or more to judge them"
+            )
         print("PASS" if failed is None else f"FAIL: {failed.judgment} {failed.name}")
     return 0 if failed is None else 1
 
@@ -176,9 +186,11 @@ def judge(
     per_rank: list[dict],
     reference: Any | None,
     planner: Planner | None = None,
+    warmup: str = "",
 ) -> list[Row]:
     """The table: numerics against `reference` (skipped when None), then communication and memory
-    of every rank against `planner` (default `fivefold.plan.step.plan_step`)."""
+    of every rank against `planner` (default `fivefold.plan.step.plan_step`). A measured step with
+    one-time collectives (`warmup`, why) has its communication shown, not judged."""
     from fivefold.plan.activations import counted_exactly, planned_activations
     from fivefold.plan.step import plan_step
 
@@ -210,6 +222,13 @@ def judge(
         for r in per_rank
     ]
     table += _memory(per_rank, plans, acts, counted_exactly(layout))
+    if warmup:  # what the step moved and saved is shown; the state bytes are judged all the same
+        table = [
+            dataclasses.replace(r, name=f"{r.name} (warm-up step)", ok=None)
+            if r.judgment == "comm" or r.name.startswith("saved activations")
+            else r
+            for r in table
+        ]
     table.append(Row("plan", "planner time per rank", "-", f"{plan_ms:.3f} ms", 0.0, None))
     return table
 

@@ -567,6 +567,17 @@ def _sync(device: torch.device) -> None:
 LEDGER_WARMUP_STEPS = 2
 
 
+def warmup_collectives(layout: Layout, step: int) -> str:
+    """Why step `step` (0-based) of a run of `layout` carries one-time collectives no steady step has
+    (and no plan counts), or "" when it does not."""
+    if step == 0 and layout.pp > 1:
+        return "torch's pipeline stages exchange their tensor shapes in the first step"
+    ddp = layout.pp == 1 and layout.tp == 1 and layout.fsdp == 1 and layout.dp * layout.cp > 1
+    if step == 1 and ddp:
+        return "torch's DDP rebuilds its gradient buckets in the second step (two broadcasts from rank 0)"
+    return ""
+
+
 def _make_ledger(mesh: Any) -> Any:
     if mesh is None:
         return None

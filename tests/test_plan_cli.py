@@ -604,6 +604,16 @@ def test_top_0_lists_every_layout_that_fits(capsys) -> None:
     assert code == 0 and len(serving["plans"]) == serving["search"]["fitting"] > 5
 
 
+def test_a_serving_pin_no_layout_has_is_named(capsys) -> None:
+    """The serving search with --ep on a dense model, or a cp no serving layout takes: one line naming
+    the pin and what is valid, not "0 layouts considered, none fits: more GPUs"."""
+    args = ("--context", "4096", "--search")
+    code, _, err = _serving(capsys, "llama3-8b", 8, *args, "--ep", "2")
+    assert code == 2 and "needs a mixture-of-experts model" in err
+    code, _, err = _serving(capsys, "llama3-8b", 8, *args, "--cp", "2")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--cp 2; valid cp: 1" in err
+
+
 def test_serving_layouts_say_whether_generate_runs_them(capsys) -> None:
     """fivefold generate decodes with tp, pp and replicas: expert-parallel layouts are priced, and marked
     as not its own, in the table, the single plan and the JSON."""

@@ -299,8 +299,17 @@ def search_serving(
     shape.validate()
     gpn = gpus_per_node or hw.gpus_per_node
     pins = {k: v for k, v in (pins or {}).items() if v is not None}
+    Layout(ep=pins.get("ep", 1)).check_experts(model)
+    candidates = list(serving_candidates(model, gpus, gpn, shape.context))
+    for key, value in pins.items():  # a pin no serving layout has is named, not "none fits"
+        held = sorted({getattr(lay, key) for lay in candidates})
+        if value not in held:
+            raise FivefoldError(
+                f"no serving layout of {model.name} on {gpus} GPUs has --{key} {value}; valid {key}: "
+                f"{', '.join(map(str, held))}"
+            )
     considered, fitting = 0, []
-    for lay in serving_candidates(model, gpus, gpn, shape.context):
+    for lay in candidates:
         if any(getattr(lay, k) != v for k, v in pins.items()):
             continue
         try:

@@ -440,6 +440,26 @@ def test_a_run_directory_is_planned_with_its_own_cp_core(tmp_path) -> None:
     assert len(set(steps.values())) == 3
 
 
+def test_a_pipelined_run_directory_is_planned_with_its_own_batch_split(tmp_path) -> None:
+    """train --pp 2 --micro-batch 8 --microbatches 4 runs 4 pipeline micro-batches of 2 sequences:
+    the plan of its run directory does too (it had planned one micro-batch of 8)."""
+    from fivefold.config import Layout, RunConfig, TrainSpec, load_model
+    from fivefold.plan import validation as V
+    from fivefold.plan.runs import run_from_dir
+
+    run = tmp_path / "pp2"
+    run.mkdir()
+    lay = Layout(pp=2, microbatches=4).resolve(2)
+    cfg = RunConfig(model=load_model("tiny"), train=TrainSpec(seq_len=64, micro_batch=8), layout=lay)
+    (run / "config.toml").write_text(cfg.to_toml())
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": i, "step_time_s": 1.0}) + "\n" for i in (1, 2))
+    )
+    (case,) = V.cases([run_from_dir(run)])
+    plan = V._plan_case(case, case.inputs.hw)
+    assert (plan.shape.micro_batch, plan.microbatches, plan.shape.global_batch) == (2, 4, 8)
+
+
 def test_calibrate_reads_run_directories(capsys, tmp_path) -> None:
     from fivefold.config import Layout, RunConfig, TrainSpec, load_model
 

@@ -736,6 +736,11 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
     model.update(
         seq_len=tr.seq_len, arch="fivefold Llama block (SwiGLU)", tie_embeddings=bool(m["tie_embeddings"])
     )
+    data = lay.dp * lay.fsdp
+    batch = tr.global_batch or tr.micro_batch * data
+    # train splits a pipelined data rank's batch into --microbatches; each is what a plan calls a
+    # micro-batch (its --micro-batch is then the batch's accumulation unit, not the forward's size)
+    micro = batch // data // lay.microbatches if lay.pp > 1 and lay.microbatches else tr.micro_batch
     return {
         "id": p.name,
         "source": f"run-directory/{p.name}",
@@ -755,8 +760,8 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
             "sequence_parallel": lay.sp,
             "recompute": lay.recompute,
             **({"recompute_layers": lay.recompute_layers} if lay.recompute_layers else {}),
-            "micro_batch": tr.micro_batch,
-            "global_batch": tr.global_batch or tr.micro_batch * lay.dp * lay.fsdp,
+            "micro_batch": micro,
+            "global_batch": batch,
             "pipeline_schedule": lay.pp_schedule,
             "virtual_stages": lay.virtual_stages,
             "cp_impl": lay.cp_impl,

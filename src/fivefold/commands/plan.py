@@ -7,7 +7,6 @@ import dataclasses
 
 from fivefold.commands import defaults
 from fivefold.config import add_layout_arguments, check_gpus, check_pins
-from fivefold.errors import FivefoldError, divisors, suggest
 from fivefold.plan.trainers import TRAINER_FLAGS
 
 
@@ -217,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
     layout = resolve_layout(layout, args.gpus, gpn, model, args.seq_len)
     if args.microbatches and args.micro_batch is None and layout.pp > 1:
         # as train reads it: a data rank's batch split into that many pipeline micro-batches
-        shape = dataclasses.replace(shape, micro_batch=_pipeline_micro_batch(args, layout))
+        shape = dataclasses.replace(shape, micro_batch=layout.pipeline_micro_batch(args.global_batch))
     if args.microbatches:
         m = shape.microbatches(layout)
         if args.microbatches != m:
@@ -245,19 +244,6 @@ def run(args: argparse.Namespace) -> int:
     except FivefoldError as exc:
         print(f"note: fivefold train refuses this layout: {exc}")
     return 0
-
-
-def _pipeline_micro_batch(args: argparse.Namespace, layout) -> int:  # noqa: ANN001 - a resolved Layout
-    """Sequences per pipeline micro-batch when only --microbatches is given: a data rank's batch over it."""
-    data = layout.dp * layout.fsdp
-    local = args.global_batch // data if args.global_batch % data == 0 else 0
-    if not local or local % args.microbatches:
-        valid = [d for d in divisors(local) if d >= layout.pp] if local else []
-        raise FivefoldError(
-            f"--microbatches {args.microbatches} must divide each data-parallel rank's batch of "
-            f"{args.global_batch} / {data} sequences; valid microbatches: {suggest(valid) or 'none'}"
-        )
-    return local // args.microbatches
 
 
 def _print_search(result, as_json: bool, text, **extra) -> None:  # noqa: ANN001 - either search's result

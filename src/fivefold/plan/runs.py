@@ -736,11 +736,10 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
     model.update(
         seq_len=tr.seq_len, arch="fivefold Llama block (SwiGLU)", tie_embeddings=bool(m["tie_embeddings"])
     )
-    data = lay.dp * lay.fsdp
-    batch = tr.global_batch or tr.micro_batch * data
+    batch = tr.global_batch or tr.micro_batch * lay.data_parallel
     # train splits a pipelined data rank's batch into --microbatches; each is what a plan calls a
     # micro-batch (its --micro-batch is then the batch's accumulation unit, not the forward's size)
-    micro = batch // data // lay.microbatches if lay.pp > 1 and lay.microbatches else tr.micro_batch
+    micro = lay.pipeline_micro_batch(batch) if lay.pp > 1 and lay.microbatches else tr.micro_batch
     return {
         "id": p.name,
         "source": f"run-directory/{p.name}",

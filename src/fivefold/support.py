@@ -127,6 +127,22 @@ def min_microbatches(pp: int, schedule: str) -> int:
     return pp  # 1F1B and the interleaved family fill the pipeline before the steady state
 
 
+def pipeline_micro_batch(layout: Layout, local: int) -> int:
+    """Sequences per pipeline micro-batch when a data rank's `local` sequences are split into the
+    layout's --microbatches, as train splits them; one line with the valid counts where they do not."""
+    if local <= 0 or local % layout.microbatches:
+        ok = (
+            [d for d in divisors(local) if d >= min_microbatches(layout.pp, layout.pp_schedule)]
+            if local > 0
+            else []
+        )
+        raise FivefoldError(
+            f"each data-parallel rank's batch of {local} sequences does not divide into --microbatches "
+            f"{layout.microbatches}; valid microbatches: {suggest(ok) or 'none'}"
+        )
+    return local // layout.microbatches
+
+
 def check_microbatches(pp: int, m: int, schedule: str) -> None:
     need = min_microbatches(pp, schedule)
     if m < need:

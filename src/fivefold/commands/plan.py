@@ -214,9 +214,15 @@ def run(args: argparse.Namespace) -> int:
     if args.virtual_stages and args.virtual_stages > 1 and args.pp_schedule is None:
         layout.pp_schedule = "interleaved-1f1b"
     layout = resolve_layout(layout, args.gpus, gpn, model, args.seq_len)
-    if args.microbatches and args.micro_batch is None and layout.pp > 1:
-        # as train reads it: a data rank's batch split into that many pipeline micro-batches
-        shape = dataclasses.replace(shape, micro_batch=layout.pipeline_micro_batch(args.global_batch))
+    data = layout.data_parallel
+    if args.microbatches and args.micro_batch is None and layout.pp > 1 and args.global_batch % data == 0:
+        # as train reads it: a data rank's batch split into that many pipeline micro-batches (a batch
+        # the data ranks do not share evenly is refused below, as without --microbatches)
+        from fivefold.support import pipeline_micro_batch
+
+        shape = dataclasses.replace(
+            shape, micro_batch=pipeline_micro_batch(layout, args.global_batch // data)
+        )
     if args.microbatches:
         m = shape.microbatches(layout)
         if args.microbatches != m:

@@ -153,19 +153,6 @@ class Layout:
         """Ranks that see different batches (dp × fsdp)."""
         return self.dp * self.fsdp
 
-    def pipeline_micro_batch(self, global_batch: int) -> int:
-        """Sequences per pipeline micro-batch of a resolved pipelined layout, as train splits them: a
-        data rank's share of `global_batch` over `microbatches`."""
-        data = self.data_parallel
-        local = global_batch // data if global_batch % data == 0 else 0
-        if not local or local % self.microbatches:
-            valid = [d for d in divisors(local) if d >= self.pp] if local else []
-            raise FivefoldError(
-                f"--microbatches {self.microbatches} must divide each data-parallel rank's batch of "
-                f"{global_batch} / {data} sequences; valid microbatches: {suggest(valid) or 'none'}"
-            )
-        return local // self.microbatches
-
     def resolve(self, world: int | None = None) -> Layout:
         """Fill -1 factors from the world size, resolve defaults, and validate the factors."""
         lay = dataclasses.replace(self)

@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fivefold.config import Layout, ModelSpec, TrainSpec
-from fivefold.errors import FivefoldError, divisors, suggest
 
 # the split and the placement are shared with the planner (torch-free); re-exported here
 from fivefold.layout_math import (  # noqa: F401
@@ -40,7 +39,7 @@ from fivefold.layout_math import (  # noqa: F401
     stage_split,
     stage_to_rank,
 )
-from fivefold.support import check_microbatches, check_trainable, min_microbatches
+from fivefold.support import check_microbatches, check_trainable, pipeline_micro_batch
 
 #: our schedule names -> torch.distributed.pipelining class names
 SCHEDULE_CLASSES = {
@@ -64,14 +63,7 @@ def check_pipeline(spec: ModelSpec, layout: Layout, train: TrainSpec | None = No
 
 def check_pipeline_batch(layout: Layout, train: TrainSpec) -> None:
     """Each data-parallel rank's batch must split into the schedule's micro-batches."""
-    local = train.micro_batch * train.grad_accum(layout.data_parallel)
-    if local % layout.microbatches:
-        ok = [d for d in divisors(local) if d >= min_microbatches(layout.pp, layout.pp_schedule)]
-        raise FivefoldError(
-            f"each data-parallel rank's batch of {local} sequences (micro_batch × accumulation) does "
-            f"not divide into --microbatches {layout.microbatches}; valid microbatches: "
-            f"{suggest(ok) or 'none'}"
-        )
+    pipeline_micro_batch(layout, train.micro_batch * train.grad_accum(layout.data_parallel))
 
 
 # --------------------------------------------------------------------------------------------

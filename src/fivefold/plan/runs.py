@@ -702,6 +702,7 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
     import statistics
 
     from fivefold.config import RunConfig, to_dict
+    from fivefold.support import pipeline_micro_batch
 
     p = Path(path)
     for name in ("config.toml", "metrics.jsonl"):
@@ -739,7 +740,8 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
     batch = tr.global_batch or tr.micro_batch * lay.data_parallel
     # train splits a pipelined data rank's batch into --microbatches; each is what a plan calls a
     # micro-batch (its --micro-batch is then the batch's accumulation unit, not the forward's size)
-    micro = lay.pipeline_micro_batch(batch) if lay.pp > 1 and lay.microbatches else tr.micro_batch
+    local = batch // lay.data_parallel
+    micro = pipeline_micro_batch(lay, local) if lay.pp > 1 and lay.microbatches else tr.micro_batch
     return {
         "id": p.name,
         "source": f"run-directory/{p.name}",

@@ -91,9 +91,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.global_batch and not base:
         assumed["global_batch"] = defaults.global_batch(gpus, seq_len)
     global_batch = args.global_batch or (
-        (base.train.global_batch or base.train.micro_batch * layout.data_parallel)
-        if base
-        else defaults.global_batch(gpus, seq_len)
+        base.train.step_batch(layout.data_parallel) if base else defaults.global_batch(gpus, seq_len)
     )
 
     micro = args.micro_batch or (base.train.micro_batch if base else 1)

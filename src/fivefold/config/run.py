@@ -91,9 +91,13 @@ class TrainSpec:
             raise FivefoldError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         return self
 
+    def step_batch(self, data_parallel: int) -> int:
+        """Sequences per optimizer step: --global-batch, else one micro-batch per data-parallel rank."""
+        return self.global_batch or self.micro_batch * data_parallel
+
     def grad_accum(self, data_parallel: int) -> int:
         """Micro-batches each data-parallel rank accumulates per optimizer step."""
-        gb = self.global_batch or self.micro_batch * data_parallel
+        gb = self.step_batch(data_parallel)
         per = self.micro_batch * data_parallel
         if gb % per:
             ok = [per * k for k in range(1, 9)]

@@ -737,7 +737,7 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
     model.update(
         seq_len=tr.seq_len, arch="fivefold Llama block (SwiGLU)", tie_embeddings=bool(m["tie_embeddings"])
     )
-    batch = tr.global_batch or tr.micro_batch * lay.data_parallel
+    batch = tr.step_batch(lay.data_parallel)
     # train splits a pipelined data rank's batch into --microbatches; each is what a plan calls a
     # micro-batch (its --micro-batch is then the batch's accumulation unit, not the forward's size)
     local = batch // lay.data_parallel

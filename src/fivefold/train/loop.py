@@ -179,7 +179,7 @@ def check_batch_fits(spec: ModelSpec, tspec: TrainSpec, layout: Layout, world: i
     of the step, sampled at once) and one micro-batch's fp32 logits alone exceed this machine's memory:
     `--micro-batch 99999999` would otherwise end in the kernel's out-of-memory kill, not a message."""
     data_ranks = layout.dp * layout.fsdp
-    rows = (tspec.global_batch or tspec.micro_batch * data_ranks) // data_ranks
+    rows = tspec.step_batch(data_ranks) // data_ranks
     windows = rows * (tspec.seq_len + 1) * 8
     logits = tspec.micro_batch * tspec.seq_len * spec.vocab * 4 // (layout.tp * layout.cp)
     local, have = _ranks_here(world), physical_bytes()

@@ -13,6 +13,7 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from fivefold.config import load_hardware, load_model, preset_names, to_dict
+    from fivefold.plan.text import count_words
 
     models = {n: load_model(n) for n in preset_names("models")}
     hardware = {n: load_hardware(n) for n in preset_names("hardware")}
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         experts = f"{m.experts}/{m.experts_per_token}" if m.is_moe else "-"
         print(
             f"{n:<16}{m.layers:>7}{m.hidden:>8}{m.heads:>7}{m.kv_heads:>5}{experts:>9}"
-            f"{_human(m.num_params()):>12}{_human(m.num_params(active=True)):>12}"
+            f"{count_words(m.num_params()):>12}{count_words(m.num_params(active=True)):>12}"
         )
     print()
     print(
@@ -49,10 +50,3 @@ def run(args: argparse.Namespace) -> int:
             f"{h.intra_node_gbps:>12g}{h.inter_node_gbps:>12g}"
         )
     return 0
-
-
-def _human(n: float) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(int(n))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fivefold.plan.inference import GENERATE_NOTE, generate_runs
 from fivefold.plan.result import MFU_BAND, Plan, capacity, fit_words
 
 BAR_WIDTH = 48
@@ -18,11 +19,11 @@ def byte_unit(largest: float) -> tuple[float, str]:
 
 
 def count_words(n: float) -> str:
-    """A parameter count as people write it: 8.03B, 0.84M, 214K."""
-    for size, name in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+    """A parameter count as people write it: 671.00B, 8.03B, 0.84M, 53.54K (`presets` lists them so)."""
+    for size, name in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
         if n >= size:
             return f"{n / size:.2f}{name}"
-    return f"{n:.0f}"
+    return str(int(n))
 
 
 def memory_chart(parts: dict[str, float], cap: float) -> list[str]:
@@ -141,8 +142,6 @@ def inference_text(p) -> str:
         if p.fits
         else "  decode throughput                  — (does not fit: serves nothing)",
     ]
-    from fivefold.plan.inference import GENERATE_NOTE, generate_runs
-
     if not generate_runs(lay):
         out += ["", f"note: {GENERATE_NOTE}"]
     return "\n".join(out)
@@ -159,8 +158,6 @@ def serving_search_text(result) -> str:
     if not result.plans:
         out.append("  none fits: more GPUs, a smaller batch or context, or a bigger GPU")
         return "\n".join(out)
-    from fivefold.plan.inference import GENERATE_NOTE, generate_runs
-
     out.append(f"  {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'replicas':>8} {'GB/GPU':>7} "
                f"{'TTFT ms':>9} {'ms/token':>9} {'tokens/s':>10}  generate")  # fmt: skip
     for p in result.plans:

@@ -694,3 +694,24 @@ def test_fivefolds_masked_cp_cores_are_planned_with_the_whole_square() -> None:
     assert compute("ulysses", False) == compute("ulysses", True)
     # the same causal FLOPs as a skipping ring, and Ulysses' layout copies of q, k, v and the output
     assert compute("ulysses", True) > compute("ring", True)
+
+
+def test_an_all_to_all_across_nodes_sends_only_the_other_nodes_share_through_the_nic() -> None:
+    """Of an all-to-all over 64 ranks, 8 to a node, each rank's share for the 7 others on its node
+    goes over NVLink beside the 56 shares that cross the network; a ring's every hop shares a NIC."""
+    from fivefold.plan.comm import collective_time, ep_members_per_node
+
+    hw = load_hardware("h800")
+    payload = 4e9  # latency is noise beside it
+    all_network = collective_time(hw, "all_to_all", payload, 64, "mixed", 1)[1]
+    eight_a_node = collective_time(hw, "all_to_all", payload, 64, "mixed", 8)[1]
+    assert eight_a_node == pytest.approx(all_network * 56 / 63, rel=0.01)
+    # the NVLink share is the bound where the network is the faster link
+    fast_net = dataclasses.replace(hw, inter_node_gbps=10 * hw.intra_node_gbps)
+    nvlink_bound = collective_time(fast_net, "all_to_all", payload, 64, "mixed", 8)[1]
+    share = payload * 7 / 64 / (hw.intra_node_gbps * 1e9)
+    assert nvlink_bound > share
+    # an expert group's members on a node follow the mesh: ep 64 over fsdp holds 8 a node; over
+    # cp 2 inside tp 4, two
+    assert ep_members_per_node(Layout(pp=16, ep=64, fsdp=128, zero=2).resolve(2048), 8) == 8
+    assert ep_members_per_node(Layout(tp=4, cp=2, ep=8, fsdp=8, pp=8).resolve(512), 8) == 2

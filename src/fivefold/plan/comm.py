@@ -136,6 +136,14 @@ def collective_time(
         return 0.0, 0.0
     alpha, beta = link_params(hw, link, per_node)
     wire = factor * payload
+    if op.replace("-", "_") == ALL_TO_ALL and link == "mixed" and per_node > 1:
+        # an all-to-all is no ring: each rank sends the share meant for the g members on its own node
+        # over NVLink while the rest crosses its NIC, both at once
+        g = min(per_node, n)
+        net = link_params(hw, "inter")[1]
+        nvlink = link_params(hw, "intra")[1]
+        seconds = max(payload * (n - g) / n / net, payload * (g - 1) / n / nvlink)
+        return wire, steps * alpha + seconds + host_dispatch(hw, axis, op)
     return wire, steps * alpha + wire / beta + host_dispatch(hw, axis, op)
 
 
@@ -183,6 +191,16 @@ def worst_link(kinds: dict[str, str], *axes: str) -> str:
     if not found:
         return "intra"
     return "intra" if all(k == "intra" for k in found) else ("inter" if "inter" in found else "mixed")
+
+
+def ep_members_per_node(layout: Layout, gpus_per_node: int) -> int:
+    """Members of an expert group on each node (`ep_link`'s ranks): the share of its all-to-all that
+    stays on NVLink."""
+    if layout.ep <= 1:
+        return 1
+    st = strides(layout)
+    first = st["cp"] if layout.cp > 1 else st["fsdp"]
+    return max(1, min(layout.ep, gpus_per_node // first)) if first < gpus_per_node else 1
 
 
 def ep_link(layout: Layout, gpus_per_node: int) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError
-from fivefold.plan.comm import collective_time, ep_link, links, ring_nics
+from fivefold.plan.comm import collective_time, ep_link, ep_members_per_node, links, ring_nics
 from fivefold.plan.compute import Rates, layer_time
 from fivefold.plan.memory import stage_counts, stage_params
 from fivefold.plan.result import capacity
@@ -187,10 +187,10 @@ def inference_plan(
             decode += count * t_dec
             comm["tp"] += count * t_dec
         if moe and lay.ep > 1:  # dispatch and combine; tp ranks split the tokens they send
-            link = ep_link(lay, gpn)
+            link, local = ep_link(lay, gpn), ep_members_per_node(lay, gpn)
             per_token = BYTES * model.experts_per_token * model.hidden / lay.tp
-            t_dec = 2 * collective_time(hw, "all-to-all", per_token * shape.batch, lay.ep, link)[1]
-            t_pre = 2 * collective_time(hw, "all-to-all", per_token * tokens, lay.ep, link)[1]
+            t_dec = 2 * collective_time(hw, "all-to-all", per_token * shape.batch, lay.ep, link, local)[1]
+            t_pre = 2 * collective_time(hw, "all-to-all", per_token * tokens, lay.ep, link, local)[1]
             prefill += count * t_pre
             decode += count * t_dec
             comm["ep"] += count * t_dec

@@ -18,6 +18,7 @@ from fivefold.plan.comm import (
     Collective,
     collective_time,
     ep_link,
+    ep_members_per_node,
     host_dispatch,
     in_ledger_words,
     links,
@@ -244,8 +245,12 @@ def _plan(
     # a tp or cp group spanning nodes stripes its rings over the NICs of its members on each node, as
     # the data-parallel groups do; point-to-point and all-to-all traffic goes through one NIC a rank
     striped = {a: ring_nics(layout, (a,), kinds.get(a, "intra"), gpn) for a in ("tp", "cp")}
+    # an all-to-all's members on each node exchange their share over NVLink
+    local = {"cp": striped["cp"], "ep": ep_members_per_node(layout, gpn)}
 
     def nics(axis: str, op: str) -> int:
+        if op == ALL_TO_ALL:
+            return local.get(axis, 1)
         return striped.get(axis, 1) if op in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) else 1
 
     def t_of(op: str, payload: float, group: int, link: str, axis: str = "") -> float:
@@ -364,7 +369,7 @@ def _plan(
             # expert tensor parallelism (published runs): the tp ranks split them
             etp = layout.tp if arch.expert_tp else 1
             payload = shape.act_bytes * tokens * model.experts_per_token * model.hidden / etp
-            t2 = 2 * n_moe * t_of(ALL_TO_ALL, payload, layout.ep, exp_link)
+            t2 = 2 * n_moe * t_of(ALL_TO_ALL, payload, layout.ep, exp_link, "ep")
             hidden = layout.pp_schedule == "dualpipev" and layout.pp > 1  # overlapped with the paired chunk
             if hidden:  # a forward chunk's all-to-alls run under another micro-batch's backward and the
                 # backward's under a forward: each hides at most the compute of the chunk it is paired with
@@ -387,7 +392,7 @@ def _plan(
                 )
             )
             # before each forward dispatch, the rows each expert will get: one int64 per expert
-            t_counts = t_of(ALL_TO_ALL, 8 * model.experts, layout.ep, exp_link)
+            t_counts = t_of(ALL_TO_ALL, 8 * model.experts, layout.ep, exp_link, "ep")
             exp_f += n_moe * t_counts
             recs.append(
                 (

@@ -257,3 +257,23 @@ def test_1f1b_holds_fewer_micro_batches_than_gpipe(two_ranks):
     for rank in range(p):
         gpipe, one_f_one_b = two_ranks[0][rank]["activation_peak"], two_ranks[1][rank]["activation_peak"]
         assert gpipe / one_f_one_b == pytest.approx(m / min(p - rank, m), rel=0.2)
+
+
+def test_report_replays_a_long_step_with_the_micro_batches_explore_draws(tmp_path) -> None:
+    """A run of thousands of micro-batches is replayed with at most explore's count (torch's action
+    table grows faster than linearly in m), and the report says how many it replayed."""
+    import time
+
+    from fivefold.commands.report import _predicted_idle, predicted_timeline
+    from fivefold.config import Layout, RunConfig, load_model
+    from fivefold.explore.timeline import MAX_DRAWN_MICROBATCHES
+
+    layout = Layout(pp=4, pp_schedule="interleaved-1f1b", virtual_stages=2, microbatches=4096)
+    config = tmp_path / "config.toml"
+    config.write_text(RunConfig(model=load_model("small"), layout=layout.resolve(4)).to_toml())
+    start = time.perf_counter()
+    events = predicted_timeline(config)
+    assert time.perf_counter() - start < 20  # the whole table took minutes
+    forwards = {e["name"] for e in events if e["args"]["kind"] == "F" and e["pid"] == 0}
+    assert len(forwards) == 2 * MAX_DRAWN_MICROBATCHES  # each micro-batch through both chunks
+    assert _predicted_idle(events).endswith(f"with {MAX_DRAWN_MICROBATCHES} of its 4096 micro-batches")

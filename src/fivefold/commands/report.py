@@ -75,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
     print(summary(run_dir, metrics, ledger, timeline, idle_fraction(events, step) if timeline else None))
     predicted = predicted_timeline(run_dir / "config.toml") if timeline else []
     if predicted:
-        idle = predicted[0]["args"]["idle"]
-        print(f"  the schedule's action table at 1:2 costs predicts idle fraction {idle:.3f}")
+        idle = _predicted_idle(predicted)
+        print(f"  the schedule's action table at 1:2 costs predicts idle fraction {idle}")
     if out.suffix == ".svg":
         write_text_whole(out, render_svg(metrics, timeline, ledger, title=run_dir.name, predicted=predicted))
     else:
@@ -218,13 +218,15 @@ def _bytes(n: float) -> str:
 def predicted_timeline(config_path: Path) -> list[dict]:
     """The run's schedule replayed from torch's action table (1:2 costs), as timeline events."""
     from fivefold.config import RunConfig
+    from fivefold.explore.timeline import drawn_microbatches
     from fivefold.measure.bubble import simulated_bubble
 
     try:
         layout = RunConfig.from_toml(config_path).layout
-        sim = simulated_bubble(
-            layout.pp_schedule, layout.pp, layout.microbatches, layout.virtual_stages, "1:2"
-        )
+        # torch's action table grows faster than linearly in m: a long step is replayed with the
+        # micro-batches `explore` draws at most
+        drawn = drawn_microbatches(layout.pp, layout.microbatches)
+        sim = simulated_bubble(layout.pp_schedule, layout.pp, drawn, layout.virtual_stages, "1:2")
     except (FivefoldError, ValueError, OSError):
         return []
     unit = 1000.0  # one forward of a whole stage drawn as 1 ms
@@ -236,7 +238,14 @@ def predicted_timeline(config_path: Path) -> list[dict]:
                 "ts": 0.0,
                 "dur": sim.makespan * unit,
                 "pid": rank,
-                "args": {"kind": "step", "step": "predicted", "pp_rank": rank, "idle": sim.idle_fraction},
+                "args": {
+                    "kind": "step",
+                    "step": "predicted",
+                    "pp_rank": rank,
+                    "idle": sim.idle_fraction,
+                    "drawn": drawn,
+                    "microbatches": layout.microbatches,
+                },
             }
         )
         for start, end, (stage, kind, mb) in ops:
@@ -250,6 +259,14 @@ def predicted_timeline(config_path: Path) -> list[dict]:
                 }
             )
     return events
+
+
+def _predicted_idle(predicted: list[dict]) -> str:
+    """The replayed idle fraction, and how many of the step's micro-batches it replayed if not all."""
+    args = predicted[0]["args"]
+    drawn, m = args.get("drawn"), args.get("microbatches")
+    of = f" with {drawn} of its {m} micro-batches" if drawn and m and drawn < m else ""
+    return f"{args['idle']:.3f}{of}"
 
 
 def render_svg(
@@ -273,7 +290,7 @@ def render_svg(
     if predicted:
         heading = (
             f"predicted from the schedule's action table (F = 1, B = 2 = I + W; "
-            f"idle {predicted[0]['args']['idle']:.3f})"
+            f"idle {_predicted_idle(predicted)})"
         )
         block, height = _svg_timeline(predicted, 20, y, width - 40, heading=heading)
         parts.append(block)

@@ -588,10 +588,15 @@ THROUGHPUT_KEYS = (
 )
 
 
+def states_fp8_peak(run: dict[str, Any], fp8: bool) -> bool:
+    """Whether an fp8 row gives the fp8 peak its MFU is over (else it is over the 16-bit one)."""
+    return fp8 and "peak_fp8_tflops" in run.get("hardware", {})
+
+
 def source_peak(run: dict[str, Any], hw: HardwareSpec, fp8: bool) -> float:
     """The peak (TFLOP/s) the source divided by for its MFU: the fp8 peak for fp8 rows that give one."""
     table = run.get("hardware", {})
-    if fp8 and "peak_fp8_tflops" in table:
+    if states_fp8_peak(run, fp8):
         return float(table["peak_fp8_tflops"])
     return float(table.get("peak_bf16_tflops", hw.peak_tflops))
 
@@ -655,7 +660,7 @@ def _utilisation_mismatch(run: dict[str, Any], meas: dict[str, Any]) -> list[str
         ranges[key] = (per_gpu * lo / 1e12 / peak, per_gpu * hi / 1e12 / peak)
     # the fewest FLOPs a rate can stand for (the causal half) still over what the tensor cores can do (fp8
     # ones run at twice the 16-bit peak an fp8 row's MFU is usually given against): a unit slip or a typo
-    fp8_ceiling = inputs.shape.fp8 and "peak_fp8_tflops" not in run.get("hardware", {})
+    fp8_ceiling = inputs.shape.fp8 and not states_fp8_peak(run, inputs.shape.fp8)
     ceiling = FP8_PEAK_RATIO if fp8_ceiling else 1.0
     out = [
         f"measured.{name} means an MFU of at least {lo:.3g}, above the {peak * ceiling:g} TFLOP/s peak"

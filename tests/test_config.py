@@ -159,8 +159,11 @@ def test_layout_validation_names_valid_values():
     cfg = build_run_config(parse("--model", "tiny", "--tp", "3"))
     with pytest.raises(FivefoldError, match="valid tp: 1, 2, 4"):
         cfg.layout.resolve(3).check_model(cfg.model, 32)
+    with pytest.raises(FivefoldError, match="cannot fill --dp: the other axes multiply to 3"):
+        cfg.layout.resolve(4)  # dp fills what tp leaves, as in plan
+    explicit = build_run_config(parse("--model", "tiny", "--tp", "3", "--dp", "1"))
     with pytest.raises(FivefoldError, match="must equal the world size 4"):
-        cfg.layout.resolve(4)
+        explicit.layout.resolve(4)
 
 
 @pytest.mark.parametrize("count", [True, -1, 1.5, "2"])

@@ -95,10 +95,23 @@ def test_a_pipelines_batch_split_reads_as_train_reads_it(capsys) -> None:
     assert main([*base, "--microbatches", "4"]) == 0
     assert "micro-batch 4, 4 micro-batches per step" in capsys.readouterr().out
     assert main([*base, "--micro-batch", "1"]) == 0
-    assert "fivefold train runs this batch split with --microbatches 16" in capsys.readouterr().out
+    hint = "fivefold train runs this batch split with --micro-batch 1 --microbatches 16"
+    assert hint in capsys.readouterr().out
+    assert main([*base, "--micro-batch", "4"]) == 0  # 4 micro-batches of 4: train's own default split
+    assert "fivefold train runs" not in capsys.readouterr().out
     assert main([*base, "--microbatches", "5"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "valid microbatches: 2, 4, 8, 16" in err[0]
+    # with --micro-batch too, as train reads them: the data rank's 16 sequences in 8 micro-batches of
+    # 2, and the --micro-batch of 1 only its unit of accumulation
+    assert main([*base, "--micro-batch", "1", "--microbatches", "8"]) == 0
+    assert "micro-batch 2, 8 micro-batches per step" in capsys.readouterr().out
+    assert main([*base, "--micro-batch", "3", "--microbatches", "8"]) == 2  # 32 over 3 × 2 data ranks
+    assert "must be a multiple of micro_batch × data-parallel ranks" in capsys.readouterr().err
+    # without a pipeline --microbatches does nothing, in train as here
+    flat = ["plan", "--model", "tiny", "--hardware", "cpu", "--gpus", "2", "--seq-len", "32"]
+    assert main([*flat, "--micro-batch", "2", "--global-batch", "32", "--microbatches", "6"]) == 0
+    assert "with --pp 1 it does nothing" in capsys.readouterr().out
 
 
 def test_a_merged_axis_keeps_the_communication_table_in_columns(capsys) -> None:

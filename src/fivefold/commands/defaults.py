@@ -10,10 +10,17 @@ SEQ_LEN = 4096
 TOKENS_PER_STEP = 4 * 2**20  # a common pre-training batch: about 4M tokens per optimizer step
 
 
-def global_batch(gpus: int, seq_len: int) -> int:
-    """About 4M tokens per step, and at least one sequence per GPU; a multiple of the world size,
-    so every data-parallel degree the world allows divides it."""
+def seq_len(max_seq_len: int) -> int:
+    """SEQ_LEN, or the model's positions where it has fewer."""
+    return min(SEQ_LEN, max_seq_len)
+
+
+def global_batch(gpus: int, seq_len: int, micro_batch: int = 1) -> int:
+    """About 4M tokens per step, and at least one micro-batch per GPU; a multiple of the world size
+    times the micro-batch, so that every data-parallel degree the world allows divides it into whole
+    micro-batches."""
     per_gpu = max(1, -(-TOKENS_PER_STEP // (seq_len * gpus)))
+    per_gpu = -(-per_gpu // micro_batch) * micro_batch
     return per_gpu * gpus
 
 

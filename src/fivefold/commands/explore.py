@@ -46,9 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from fivefold.config import RunConfig, layout_from_args, load_hardware, load_model
+    from fivefold.config import RunConfig, check_seq_len, layout_from_args, load_hardware, load_model
     from fivefold.errors import FivefoldError
-    from fivefold.explore import build_page
+    from fivefold.explore import build_page, train_refuses
     from fivefold.mesh import resolve_layout
     from fivefold.plan import TrainShape
     from fivefold.plan.runshape import DTYPE_BYTES
@@ -86,22 +86,21 @@ def run(args: argparse.Namespace) -> int:
         raise FivefoldError("give --gpus N (the world size)")
     check_gpus(gpus)
     if not args.seq_len and not base:
-        assumed["seq_len"] = defaults.SEQ_LEN
-    seq_len = args.seq_len or (base.train.seq_len if base else defaults.SEQ_LEN)
+        assumed["seq_len"] = defaults.seq_len(model.max_seq_len)
+    seq_len = args.seq_len or (base.train.seq_len if base else defaults.seq_len(model.max_seq_len))
+    check_seq_len(model, seq_len)  # as train checks it: the model's positions bound a sequence
+    micro = args.micro_batch or (base.train.micro_batch if base else 1)
     if not args.global_batch and not base:
-        assumed["global_batch"] = defaults.global_batch(gpus, seq_len)
+        assumed["global_batch"] = defaults.global_batch(gpus, seq_len, micro)
     global_batch = args.global_batch or (
-        base.train.step_batch(layout.data_parallel) if base else defaults.global_batch(gpus, seq_len)
+        base.train.step_batch(layout.data_parallel) if base else defaults.global_batch(gpus, seq_len, micro)
     )
 
-    micro = args.micro_batch or (base.train.micro_batch if base else 1)
     # a run is planned in its own dtype (fp32 by default), so the page's plan and ledger agree
     width = DTYPE_BYTES[base.train.dtype] if base else DTYPE_BYTES["bf16"]
     shape = TrainShape(
         seq_len=seq_len, global_batch=global_batch, micro_batch=micro, act_bytes=width, param_bytes=width
     ).validate()
-    if given and args.dp is None and args.fsdp is None and not base:
-        layout.dp = -1
     resolved = resolve_layout(layout, gpus, model=model) if given else None
     out = Path(args.out)
     if out.is_dir():
@@ -121,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
     )
     write_text_whole(out, html)
     defaults.say_assumed(assumed)
+    if resolved is not None and (refused := train_refuses(model, resolved, seq_len)):
+        print(f"note: fivefold train refuses this layout: {refused}")
     print(f"wrote {out} ({len(html) / 1e3:.0f} kB): open it in a browser")
     return 0
 

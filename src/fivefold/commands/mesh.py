@@ -75,9 +75,7 @@ def _run(args: argparse.Namespace) -> int:
     from fivefold.mesh import build_mesh
 
     check_gpus(args.gpus)
-    layout = layout_from_args(args)
-    if args.dp is None and args.fsdp is None:
-        layout.dp = -1  # as in plan and explore: the data-parallel degree fills what the other axes leave
+    layout = layout_from_args(args)  # with neither --dp nor --fsdp, dp fills what the others leave
     info = build_mesh(layout, args.gpus, args.gpus_per_node)
     if args.json:
         print(json.dumps(info.to_json()))

@@ -141,7 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from fivefold.config import layout_from_args, load_hardware, load_model
+    from fivefold.config import check_seq_len, layout_from_args, load_hardware, load_model
     from fivefold.errors import FivefoldError
     from fivefold.mesh import resolve_layout
 
@@ -174,9 +174,12 @@ def run(args: argparse.Namespace) -> int:
     from fivefold.plan.search import search
 
     if args.seq_len is None:
-        args.seq_len = assumed["seq_len"] = defaults.SEQ_LEN
+        args.seq_len = assumed["seq_len"] = defaults.seq_len(model.max_seq_len)
+    check_seq_len(model, args.seq_len)  # as train checks it: the model's positions bound a sequence
     if args.global_batch is None:
-        args.global_batch = assumed["global_batch"] = defaults.global_batch(args.gpus, args.seq_len)
+        args.global_batch = assumed["global_batch"] = defaults.global_batch(
+            args.gpus, args.seq_len, args.micro_batch or 1
+        )
     if args.dtype is None:  # what train runs on a CPU (fp32), what GPU training runs elsewhere
         args.dtype = "fp32" if hw.name == "cpu" else "bf16"
     if args.fp8 and args.dtype == "fp32":
@@ -208,32 +211,29 @@ def run(args: argparse.Namespace) -> int:
         defaults.say_assumed(assumed)
         _print_search(result, args.json, view.search_text, seconds=result.seconds)
         return 0
-    layout = layout_from_args(args)
-    if args.dp is None and args.fsdp is None:
-        layout.dp = -1  # the data-parallel degree fills whatever the other axes leave
-    if args.virtual_stages and args.virtual_stages > 1 and args.pp_schedule is None:
-        layout.pp_schedule = "interleaved-1f1b"
-    layout = resolve_layout(layout, args.gpus, gpn, model, args.seq_len)
+    layout = resolve_layout(layout_from_args(args), args.gpus, gpn, model, args.seq_len)
     data = layout.data_parallel
-    if args.microbatches and args.micro_batch is None and layout.pp > 1 and args.global_batch % data == 0:
-        # as train reads it: a data rank's batch split into that many pipeline micro-batches (a batch
-        # the data ranks do not share evenly is refused below, as without --microbatches)
+    if args.microbatches and layout.pp > 1 and args.global_batch % data == 0:
+        # as train reads it: a data rank's batch for the step split into that many pipeline micro-batches;
+        # --micro-batch, train's unit of accumulation, has only to divide that batch (a batch the data
+        # ranks do not share evenly is refused below, as without --microbatches)
+        from fivefold.config import TrainSpec
         from fivefold.support import pipeline_micro_batch
 
+        if args.micro_batch:
+            TrainSpec(micro_batch=args.micro_batch, global_batch=args.global_batch).grad_accum(data)
         shape = dataclasses.replace(
             shape, micro_batch=pipeline_micro_batch(layout, args.global_batch // data)
         )
-    if args.microbatches:
-        m = shape.microbatches(layout)
-        if args.microbatches != m:
-            raise FivefoldError(
-                f"--microbatches {args.microbatches} disagrees with global batch / (micro-batch × dp×fsdp) "
-                f"= {m}; "
-                "drop --microbatches or change --global-batch/--micro-batch"
-            )
     p = plan(model, hw, layout, shape, gpn)
-    if layout.pp > 1 and not args.microbatches:  # train's own default split is 2 × pp micro-batches
-        p.notes.append(f"fivefold train runs this batch split with --microbatches {p.microbatches}")
+    if args.microbatches and layout.pp == 1:
+        p.notes.append("--microbatches splits a pipeline's batch: with --pp 1 it does nothing, as in train")
+    if layout.pp > 1 and not args.microbatches and p.microbatches != layout.microbatches:
+        # train splits a data rank's batch into 2 × pp micro-batches unless told
+        p.notes.append(
+            f"fivefold train runs this batch split with --micro-batch {p.shape.micro_batch} --microbatches "
+            f"{p.microbatches} (untold, it splits a data rank's batch into {layout.microbatches})"
+        )
     if args.trainer != "fivefold":
         p.notes.append(f"planned with the facts of {TRAINER_FLAGS[args.trainer]} (--trainer {args.trainer})")
     defaults.say_assumed(assumed)

@@ -138,9 +138,13 @@ def _config_file(path: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     return model, train, layout
 
 
-def build_run_config(args: argparse.Namespace, keep_layout: bool = True) -> RunConfig:
+def build_run_config(
+    args: argparse.Namespace, keep_layout: bool = True, refill_dp: bool = False
+) -> RunConfig:
     """The run's configuration from `--config`, `--model` and the flags (not yet resolved).
-    `keep_layout=False`: the config file's [layout] is left out, the flags alone say the layout."""
+    `keep_layout=False`: the config file's [layout] is left out, the flags alone say the layout.
+    `refill_dp`: the file is a run's own (resolved) config, resumed maybe on another world size: its
+    dp fills what its other axes leave of the world, as if it had not been given."""
     model_entry, train_data, layout_data = (None, {}, {})
     if args.config:
         model_entry, train_data, layout_data = _config_file(args.config)
@@ -160,7 +164,8 @@ def build_run_config(args: argparse.Namespace, keep_layout: bool = True) -> RunC
     if getattr(args, "compile", None):
         train = replace(train, compile=True)
     base = _from_dict(Layout, dict(layout_data), f"{args.config} [layout]") if keep_layout else None
-    layout = layout_from_args(args, base)
+    said = set(layout_data) - ({"dp", "fsdp"} if refill_dp else set())
+    layout = layout_from_args(args, base, said if base else None)
     return RunConfig(model=spec, train=train.validate(), layout=layout)
 
 
@@ -208,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
             args.config = str(saved)
             # any layout flag means "this layout now": the saved one is not merged into it
             new_layout = any(getattr(args, f.name, None) is not None for f in fields(Layout))
-            cfg = build_run_config(args, keep_layout=not new_layout)
+            cfg = build_run_config(args, keep_layout=not new_layout, refill_dp=not new_layout)
             if new_layout:
                 _say_layout_change(saved, cfg, 1 if _launched() else args.nproc)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg.model.name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Collection
 from dataclasses import fields
 
 from fivefold.config.layout import CP_IMPLS, DEFAULT_ORDER, PP_SCHEDULES, RECOMPUTE, Layout
@@ -91,11 +92,23 @@ def add_layout_arguments(
     )
 
 
-def layout_from_args(args: argparse.Namespace, base: Layout | None = None) -> Layout:
-    """Overlay the layout flags that were given on `base` (unresolved: call .resolve(world))."""
+def layout_from_args(
+    args: argparse.Namespace, base: Layout | None = None, base_says: Collection[str] | None = None
+) -> Layout:
+    """Overlay the layout flags that were given on `base` (unresolved: call .resolve(world)), and read
+    what is left out as every command reads it: with neither --dp nor --fsdp (here, or among the fields
+    `base_says`; a base without that list says all), dp fills what the other axes leave; --virtual-stages
+    above 1 without --pp-schedule is the interleaved 1F1B (1F1B runs one chunk a rank)."""
     lay = dataclasses.replace(base) if base else Layout()
     for f in fields(Layout):
         value = getattr(args, f.name, None)
         if value is not None:
             setattr(lay, f.name, value)
+    said = set(base_says if base_says is not None else ([f.name for f in fields(Layout)] if base else []))
+    flagged = {a for a in ("dp", "fsdp") if getattr(args, a, None) is not None}
+    if not ({"dp", "fsdp"} & (said | flagged)):
+        lay.dp = -1
+    virtual = getattr(args, "virtual_stages", None)
+    if virtual and virtual > 1 and getattr(args, "pp_schedule", None) is None and lay.pp_schedule == "1f1b":
+        lay.pp_schedule = "interleaved-1f1b"
     return lay

@@ -168,7 +168,8 @@ class Layout:
             if world % rest:
                 raise FivefoldError(
                     f"cannot fill --{free[0]}: the other axes multiply to {rest}, which does not divide "
-                    f"the world size {world}"
+                    f"the world size {world}; use a world that {rest} divides ({rest}, {2 * rest}, "
+                    f"{4 * rest}, ...) or degrees whose product divides {world}"
                 )
             setattr(lay, free[0], world // rest)
         if world is not None and lay.world != world:
@@ -216,6 +217,11 @@ class Layout:
             raise FivefoldError(f"--cp-impl must be one of {', '.join(CP_IMPLS)}")
         if lay.virtual_stages < 1:
             raise FivefoldError("--virtual-stages must be >= 1")
+        if lay.pp == 1 and lay.virtual_stages > 1:
+            raise FivefoldError(
+                f"--virtual-stages {lay.virtual_stages} splits each pipeline rank's layers into chunks and "
+                "needs --pp > 1; add --pp or drop --virtual-stages"
+            )
         if lay.pp_schedule in ("zbv", "dualpipev") and lay.pp > 1 and lay.virtual_stages not in (1, 2):
             raise FivefoldError(f"--pp-schedule {lay.pp_schedule} uses exactly 2 virtual stages per rank")
         if lay.pp_schedule in ("zbv", "dualpipev") and lay.pp > 1:

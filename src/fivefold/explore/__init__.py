@@ -71,6 +71,17 @@ def _inference_rows(model: ModelSpec, hw: HardwareSpec, gpus: int, gpn: int, con
     return rows
 
 
+def train_refuses(model: ModelSpec, layout: Layout, seq_len: int) -> str:
+    """Why `fivefold train` refuses a layout (`check_trainable`), or "" when it runs it."""
+    from fivefold.support import check_trainable
+
+    try:
+        check_trainable(model, layout, seq_len)
+    except FivefoldError as exc:
+        return str(exc)
+    return ""
+
+
 def build_page(
     model: ModelSpec,
     hw: HardwareSpec,
@@ -87,8 +98,10 @@ def build_page(
     gpn = gpus_per_node or hw.gpus_per_node
     run, bars = read_run(run_dir) if run_dir else (None, [])
     layouts = []
-    if layout is not None:
-        layouts.append(layout_entry("your layout", plan(model, hw, layout, shape, gpn)))
+    if layout is not None:  # a layout only other frameworks run is still drawn, and named as such
+        refused = train_refuses(model, layout, shape.seq_len)
+        label = f"your layout (fivefold train refuses it: {refused})" if refused else "your layout"
+        layouts.append(layout_entry(label, plan(model, hw, layout, shape, gpn)))
     explanation: list[str] = []
     if top > 0:
         found = search(model, hw, gpus, shape, gpn, top=top)

@@ -70,8 +70,6 @@ def check_plan_inputs(model: ModelSpec, layout: Layout, shape: TrainShape) -> No
         raise FivefoldError(
             "--pp-schedule interleaved-1f1b needs --virtual-stages >= 2 (model chunks per rank)"
         )
-    if layout.pp == 1 and layout.virtual_stages > 1:
-        raise FivefoldError("--virtual-stages > 1 needs --pp > 1")
 
 
 def plan(

@@ -1,0 +1,90 @@
+"""plan, explore, train and verify read the same layout flags the same way: what one accepts the
+others accept, what one refuses the others refuse for the same reason (one line, exit 2). Train and
+verify stop where a rank would start; nothing is launched."""
+
+from __future__ import annotations
+
+import pytest
+
+from fivefold.cli import main
+
+
+class Started(BaseException):
+    """Raised where a launch would begin: the command accepted its flags."""
+
+
+def _started(*args, **kwargs):
+    raise Started
+
+
+COMMON = ["--model", "tiny", "--seq-len", "32", "--micro-batch", "2"]
+# (layout flags on 4 ranks, None where every command runs them, else words of the one refusal)
+CASES = [
+    # neither --dp nor --fsdp: dp fills what tp leaves, in train and verify as in plan
+    (["--tp", "2"], None),
+    # an explicit --dp 1 is a degree, not a default to fill
+    (["--dp", "1"], "must equal the world size 4"),
+    # chunks of a pipeline need a pipeline
+    (["--virtual-stages", "2"], "needs --pp > 1"),
+    # --virtual-stages 2 without a schedule is the interleaved 1F1B everywhere
+    (["--pp", "2", "--virtual-stages", "2", "--microbatches", "2"], None),
+    # the model's positions bound a sequence in the planner too
+    (["--seq-len", "1024"], "max_seq_len"),
+]
+
+
+def _verdict(argv: list[str], capsys) -> tuple[str, str]:
+    try:
+        code = main(argv)
+    except Started:
+        code = "started"
+    err = capsys.readouterr().err.strip()
+    if code == 2:
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+        return "refused", err
+    assert code in (0, "started"), (argv, code, err)
+    return "accepted", ""
+
+
+@pytest.mark.parametrize(("flags", "refusal"), CASES, ids=[" ".join(f) for f, _ in CASES])
+def test_every_command_reads_the_layout_flags_alike(flags, refusal, tmp_path, capsys, monkeypatch):
+    import fivefold.parallel.spawn
+    import fivefold.train.launch
+
+    monkeypatch.setattr(fivefold.train.launch, "elastic_launch", _started)
+    monkeypatch.setattr(fivefold.parallel.spawn, "spawn_ranks", _started)
+    monkeypatch.chdir(tmp_path)
+    argvs = {
+        "plan": ["plan", *COMMON, "--hardware", "cpu", "--gpus", "4", *flags],
+        "explore": ["explore", *COMMON, "--hardware", "cpu", "--gpus", "4", "--top", "0", "--no-lab"]
+        + ["--out", str(tmp_path / "page.html"), *flags],
+        "train": ["train", *COMMON, "--nproc", "4", "--steps", "1", "--run-dir", str(tmp_path / "run")]
+        + flags,
+        "verify": ["verify", *COMMON, "--nproc", "4", "--steps", "1", *flags],
+    }
+    verdicts = {name: _verdict(argv, capsys) for name, argv in argvs.items()}
+    expected = "accepted" if refusal is None else "refused"
+    assert {name: v[0] for name, v in verdicts.items()} == dict.fromkeys(argvs, expected)
+    if refusal is not None:
+        assert all(refusal in message for _, message in verdicts.values()), verdicts
+
+
+def test_a_layout_only_other_frameworks_run_is_planned_with_a_note(tmp_path, capsys, monkeypatch):
+    """plan and explore still predict a layout train refuses (ZeRO-1 over tensor-parallel shards runs
+    in Megatron), and both say that train refuses it, and why."""
+    monkeypatch.chdir(tmp_path)
+    flags = [*COMMON, "--hardware", "cpu", "--gpus", "4", "--tp", "2", "--dp", "2", "--zero", "1"]
+    for argv in (["plan", *flags], ["explore", *flags, "--top", "0", "--no-lab", "--out", "page.html"]):
+        assert main(argv) == 0
+        assert "note: fivefold train refuses this layout: --zero 1" in capsys.readouterr().out
+    assert "your layout (fivefold train refuses it: --zero 1" in (tmp_path / "page.html").read_text()
+
+
+def test_the_assumed_batch_and_sequence_fit_the_flags_given(capsys) -> None:
+    """Left out, the global batch is a whole number of --micro-batch per data rank, and the sequence
+    no longer than the model's positions: a plan never refuses what it assumed itself."""
+    assert main(["plan", "--model", "tiny", "--hardware", "cpu", "--gpus", "6", "--micro-batch", "4"]) == 0
+    captured = capsys.readouterr()
+    assert "--seq-len 256" in captured.err and "must be a multiple" not in captured.err
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--tp", "2", "--micro-batch", "3"]) == 0
+    assert "--seq-len 4096" in capsys.readouterr().err

@@ -52,6 +52,12 @@ PINNED += [
     layout_draw.Case(4, "small", "bf16", {"pp": 2, "fsdp": 2, "zero": 3, "microbatches": 2}, 2),
     # 3 MB of gradients: DDP's rebuilt buckets, the first capped at 1 MiB, make two all-reduces
     layout_draw.Case(2, "small", "fp32", {"dp": 2, "zero": 0}, 1),
+    # Ulysses where tiny's 2 KV heads do not split over cp (each query head gets its own K/V copy)
+    layout_draw.Case(4, "tiny", "fp32", {"tp": 2, "cp": 2, "cp_impl": "ulysses"}, 1),
+    layout_draw.Case(4, "tiny", "fp32", {"cp": 4, "cp_impl": "ulysses"}, 1),
+    # a data rank's 4 accumulated micro-batches run by the pipeline as 2 of twice the size (train's
+    # split): the plan is told the split the pipeline ran
+    layout_draw.Case(2, "tiny", "fp32", {"pp": 2, "pp_schedule": "1f1b", "microbatches": 2}, 4),
 ]
 CASES = layout_draw.draw(SEED, 30, WORLDS) + PINNED
 

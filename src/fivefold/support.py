@@ -143,6 +143,15 @@ def pipeline_micro_batch(layout: Layout, local: int) -> int:
     return local // layout.microbatches
 
 
+def step_split(layout: Layout, micro_batch: int, accumulation: int) -> tuple[int, int]:
+    """(sequences per micro-batch, micro-batches per step) of a data rank that accumulates
+    `accumulation` micro-batches of `micro_batch`: those, or with a pipeline its whole batch split into
+    the schedule's --microbatches, as train splits it (what `fivefold.plan.step` is to be told)."""
+    if layout.pp == 1:
+        return micro_batch, accumulation
+    return pipeline_micro_batch(layout, micro_batch * accumulation), layout.microbatches
+
+
 def check_microbatches(pp: int, m: int, schedule: str) -> None:
     need = min_microbatches(pp, schedule)
     if m < need:

@@ -98,8 +98,6 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise FivefoldError(f"--steps must be positive, got {args.steps}")
     base = layout_from_args(args)
-    if all(getattr(base, a) == 1 for a in ("dp", "fsdp", "tp", "pp", "cp")):
-        base = dataclasses.replace(base, dp=args.nproc)
     base.check_experts(spec)
     layout = base.resolve(args.nproc)
     train = TrainSpec(
@@ -121,6 +119,10 @@ def run(args: argparse.Namespace) -> int:
     accumulation = args.accumulation or (layout.microbatches if layout.pp > 1 else 1)
     rows = train.micro_batch * layout.dp * layout.fsdp * accumulation
     train = dataclasses.replace(train, global_batch=rows)
+    if layout.pp > 1:  # the batch against --microbatches, before any rank starts (as train checks it)
+        from fivefold.parallel.pipeline import check_pipeline_batch
+
+        check_pipeline_batch(layout, train)
     from fivefold.train.loop import check_batch_fits, check_model_state_fits
 
     check_model_state_fits(spec, train, args.nproc)  # out of memory in the ranks is no message
@@ -193,8 +195,11 @@ def judge(
     one-time collectives (`warmup`, why) has its communication shown, not judged."""
     from fivefold.plan.activations import counted_exactly, planned_activations
     from fivefold.plan.step import plan_step
+    from fivefold.support import step_split
 
     planner = planner or plan_step
+    # the pipeline runs the data rank's batch as its schedule's micro-batches, as train splits it
+    micro_batch, microbatches = step_split(layout, train.micro_batch, accumulation)
     table: list[Row] = []
     if reference is not None:
         table += _numerics(train, per_rank, reference)
@@ -203,9 +208,9 @@ def judge(
         planner(
             spec,
             layout,
-            train.micro_batch,
+            micro_batch,
             train.seq_len,
-            accumulation,
+            microbatches,
             train.dtype,
             r["coords"],
             r.get("rows_received"),
@@ -216,9 +221,7 @@ def judge(
     plan_ms = (time.perf_counter() - started) * 1e3 / len(per_rank)
     table += _communication(layout, per_rank, plans)
     acts = [
-        planned_activations(
-            spec, layout, train.micro_batch, train.seq_len, accumulation, train.dtype, r["coords"]
-        )
+        planned_activations(spec, layout, micro_batch, train.seq_len, microbatches, train.dtype, r["coords"])
         for r in per_rank
     ]
     table += _memory(per_rank, plans, acts, counted_exactly(layout))

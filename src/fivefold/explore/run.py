@@ -140,17 +140,13 @@ def planned_step(config: Path) -> list[dict[str, Any]]:
     `fivefold verify` checks a ledger against, beside the ledger's steady-step summary (balanced
     routing for MoE: the ledger counts the rows the router really sent)."""
     from fivefold.config import RunConfig
-    from fivefold.parallel.pipeline import check_pipeline_batch
     from fivefold.plan.step import plan_step
+    from fivefold.support import step_split
 
     cfg = RunConfig.from_toml(config)
     lay, train = cfg.layout.resolve(cfg.layout.world), cfg.train.validate()
-    accumulation = train.grad_accum(lay.dp * lay.fsdp)
-    micro_batch, microbatches = train.micro_batch, accumulation
-    if lay.pp > 1:  # the pipeline splits each data rank's batch into its schedule's micro-batches
-        check_pipeline_batch(lay, train)  # which a hand-edited config may not split into
-        microbatches = lay.microbatches
-        micro_batch = train.micro_batch * accumulation // microbatches
+    # a hand-edited config's batch may not split into its pipeline's micro-batches: one line, then
+    micro_batch, microbatches = step_split(lay, train.micro_batch, train.grad_accum(lay.dp * lay.fsdp))
     origin = dict.fromkeys(("dp", "fsdp", "cp", "tp", "pp", "ep", "fsdp_cp", "batch"), 0)  # rank 0
     step = plan_step(cfg.model, lay, micro_batch, train.seq_len, microbatches, train.dtype, origin)
     return [{"axis": a, "op": o, "count": c, "bytes": b} for (a, o), (c, b) in sorted(step.comm.items())]

@@ -10,7 +10,9 @@ run's dtypes (fp32 stream under autocast, matmul outputs in the compute dtype):
     input (the gathered sequence under SP; cast once to the compute dtype before attention and a
     dense MLP, per projection before an MoE layer under autocast);
   * attention: rotary q and k, v, the output and its copy into the output projection, and the
-    fp32 log-sum-exp (one per query head and token);
+    fp32 log-sum-exp (one per query head and token); under Ulysses the kernel's sequence-layout
+    q, k, v (K and V one per query head where the KV heads do not split over cp), the rotary q
+    beside them, and the two position orders;
   * SwiGLU: gate, silu(gate), up and their product (f/tp wide).
 Once per micro-batch: the token ids, the rotary table, and on the last stage the final norm, the logits and
 their log-softmax (fp32, vocab/tp wide). Selective recompute drops the attention core's saved
@@ -66,9 +68,17 @@ def layer_saved(run: RunShape, moe: bool, recomputed: bool | None = None) -> flo
     # the residual between the halves (and, under autocast, the block's output) in the stream dtype;
     # with bf16 weights the norms' fp32 input copies are what is kept
     stream = 0 if bf16_weights else n * h * st * (2 if run.autocast else 1)
-    q, k = t * heads * d, t * kv * d
+    # Ulysses gives each query head its own K/V copy where the KV heads do not split over cp
+    # (fivefold.parallel.context): the kernel then saves as many K and V heads as query heads
+    kv_saved = heads if lay.cp > 1 and lay.cp_impl == "ulysses" and kv % lay.cp else kv
+    q, k = t * heads * d, t * kv_saved * d
     qk = (q + k) * (2 if run.autocast else st)  # rotary q, k as the core saves them
     core = qk + k * mm + q * mm + 4 * t * heads  # + v, the output, the log-sum-exp
+    if lay.cp > 1 and lay.cp_impl == "ulysses":
+        # the kernel saves its own sequence-layout q, k, v (counted above); the rotary q in head layout
+        # stays saved beside them, and the two position orders (int64 over the whole sequence) too
+        # (measured: tiny at cp 2 and cp 4 to the byte; with tp 2, 3% under)
+        core += q * (2 if run.autocast else st) + 2 * 8 * run.seq_len
     if lay.recompute == "selective":
         core -= 4 * t * heads
     attn = core + (0 if run.autocast or bf16_weights else q * mm)  # the output's copy into o_proj

@@ -112,3 +112,29 @@ def test_killing_the_agent_without_the_store_ends_the_run_non_zero(tmp_path, cor
     assert elapsed < BOUND, elapsed
     assert "its launcher" in other_log and "is gone" in other_log, other_log[-2000:]
     assert "lost a peer rank" in host_log, host_log[-3000:]
+
+
+def _dies(rank: int, world: int, how: str) -> None:
+    """Rank 1 is killed (or raises); rank 0 waits for it in a collective and loses it."""
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise ValueError("the rank's own last words")
+    dist.all_reduce(torch.ones(1))
+
+
+@pytest.mark.parametrize(("how", "words"), [("kill", "rank 1 killed by SIGKILL"), ("raise", "rank 1 failed")])
+def test_a_lost_rank_of_verify_or_generate_is_one_line(how, words) -> None:
+    """verify and generate start their ranks through `spawn_ranks`: a rank killed or failing ends in
+    one line naming it (exit code 1: a fault, not bad input), not in the launcher's traceback."""
+    from fivefold.parallel.spawn import RankFailed, spawn_ranks
+
+    with pytest.raises(RankFailed) as exc:
+        spawn_ranks(_dies, 2, how)
+    assert words in str(exc.value) and exc.value.exit_code == 1
+    if how == "raise":
+        assert "the rank's own last words" in str(exc.value)
+    assert len(str(exc.value).splitlines()) == 1

@@ -290,15 +290,13 @@ def load_for_generation(
 
 def load_run(run_dir: Path, checkpoint: str = "latest", dtype: str | None = None, device: Any = "cpu"):
     """A run directory's model, with the weights of one of its checkpoints, in a single process."""
-    import warnings
 
     import torch
-    from torch.distributed.checkpoint.api import CheckpointException
 
     from fivefold.config import RunConfig
     from fivefold.model.hf import DTYPES, empty_model
     from fivefold.train.checkpoint import check_model_shapes, find_checkpoint
-    from fivefold.train.safe_metadata import read_metadata, safe_load
+    from fivefold.train.safe_metadata import load_weights, read_metadata
 
     config = RunConfig.from_toml(run_dir / "config.toml")
     path = find_checkpoint(run_dir, checkpoint)
@@ -319,16 +317,7 @@ def load_run(run_dir: Path, checkpoint: str = "latest", dtype: str | None = None
             f"missing e.g. {', '.join(missing[:3])}"
         )
     check_model_shapes(path, weights, stored, run_dir / "config.toml")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        try:
-            safe_load({"model": weights}, path)  # in place, cast to the model's dtype
-        except (
-            Exception,
-            CheckpointException,
-        ) as exc:  # a deleted or damaged shard: DCP raises several kinds
-            detail = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
-            raise FivefoldError(f"checkpoint {path} is corrupt or incomplete ({detail})") from None
+    load_weights(weights, path)  # in place, cast to the model's dtype
     with torch.no_grad():  # dcp.load may have replaced tensors in the dict instead of filling them
         for name, tensor in model.state_dict().items():
             if name in weights and weights[name] is not tensor:

@@ -244,7 +244,6 @@ def _tie_split_head(chunk: Any, spec: ModelSpec, seed: int) -> None:
 
 def _load_dcp(chunk: Any, spec: ModelSpec, source: ModelSource) -> None:
     """Read this rank's shards from a training checkpoint (DCP reshards any saved layout)."""
-    import warnings
 
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -253,7 +252,7 @@ def _load_dcp(chunk: Any, spec: ModelSpec, source: ModelSource) -> None:
     )
 
     from fivefold.train.checkpoint import find_checkpoint
-    from fivefold.train.safe_metadata import read_metadata, safe_load
+    from fivefold.train.safe_metadata import load_weights, read_metadata
 
     path = find_checkpoint(Path(source.path), source.checkpoint)
     try:
@@ -271,9 +270,7 @@ def _load_dcp(chunk: Any, spec: ModelSpec, source: ModelSource) -> None:
             f"checkpoint {path} does not hold the weights of this model; "
             f"missing e.g. {', '.join(missing[:3])}"
         )
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore")
-        safe_load({"model": weights}, path)
+    load_weights(weights, path)
     if "model.embed_tokens.weight" in weights and chunk.model.embed_tokens is None:
         weights["lm_head.weight"] = weights.pop("model.embed_tokens.weight")
     # a tied head is the embedding's tensor: filled with it, so it may be absent here

@@ -12,6 +12,7 @@ import datetime
 import logging
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import uuid
@@ -127,9 +128,15 @@ def local_launcher(nproc: int, own_signals: bool = False) -> Iterator[Any]:
 
 @contextlib.contextmanager
 def quiet_launcher() -> Iterator[None]:
-    """Silence the launcher's own log chatter; failures are reported once, by the caller."""
-    levels = {name: logging.getLogger(name).level for name in _QUIET}
-    for name in _QUIET:
+    """Silence the launcher's own log chatter; failures are reported once, by the caller. torch's
+    elastic modules set their own loggers' levels, so each one under the names is quieted, not only
+    the parents."""
+    import torch.distributed.elastic.agent.server.api  # noqa: F401 - its logger exists from here on
+
+    known = list(logging.root.manager.loggerDict)
+    names = [n for n in known if any(n == q or n.startswith(q + ".") for q in _QUIET)] + list(_QUIET)
+    levels = {name: logging.getLogger(name).level for name in names}
+    for name in names:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         yield
@@ -162,20 +169,76 @@ def _entry(fn: Callable[..., Any], args: tuple, backend: str = "gloo") -> Any:
         dist.destroy_process_group()
 
 
+class RanksStopped(FivefoldError):
+    """A signal stopped the ranks (they were terminated): one line, exit code 128 + the signal."""
+
+    label = "stopped"
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}; the ranks were stopped")
+        self.exit_code = 128 + signum
+
+
+class RankFailed(FivefoldError):
+    """A rank died or raised: one line naming it and its last words, exit code 1 (a fault, not bad
+    input)."""
+
+    exit_code = 1
+
+    def __init__(self, rank: int, failure: Any) -> None:
+        code = failure.exitcode
+        if code is not None and code < 0:  # killed by a signal: what the others lost
+            why = f"killed by {signal.Signals(-code).name}; the other ranks stopped because they lost it"
+        else:
+            words = last_words(failure)
+            why = f"failed: {words}" if words else f"exited with code {code}"
+        super().__init__(f"rank {rank} {why}")
+
+
+def last_words(failure: Any) -> str:
+    """The first line of what a failed rank reported (torch's error file holds it as text, or as a
+    dict with its text under "message")."""
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    lines = [line for line in str(message or "").splitlines() if line.strip()]
+    return lines[0].strip()[:300] if lines else ""
+
+
+# what a rank says when another rank went away first: not the cause of the failure
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "connection closed", "Broken pipe")
+
+
+def the_cause(failures: dict[int, Any]) -> tuple[int, Any]:
+    """Of the ranks that failed, the one that went first: a killed rank, else one that did not just
+    lose a peer, the earliest reported."""
+    ranked = sorted(
+        failures.items(),
+        key=lambda item: (
+            (item[1].exitcode or 0) >= 0,
+            any(w in last_words(item[1]) for w in LOST_PEER),
+            item[1].timestamp,
+            item[0],
+        ),
+    )
+    return ranked[0]
+
+
 def spawn_ranks(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gloo") -> list[Any]:
     """`fn(rank, world, *args)` on `nproc` ranks (fn at module level: it is pickled); results by rank.
 
     `backend`: gloo (CPU), or nccl with one GPU per rank."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     try:
         with local_launcher(nproc) as config:
             returned = elastic_launch(config, _entry)(fn, args, backend)
+    except SignalException as exc:  # Ctrl-C or SIGTERM: torch's launcher has stopped the ranks
+        raise RanksStopped(int(exc.sigval)) from None
     except ChildFailedError as exc:
-        rank, failure = next(iter(sorted(exc.failures.items())))
-        message = str(failure.message or f"exit code {failure.exitcode}").strip().splitlines()
-        raise RuntimeError(f"rank {rank} failed: {message[-1] if message else failure.exitcode}") from None
+        raise RankFailed(*the_cause(exc.failures)) from None
     results = [returned[r] for r in range(nproc)]
     for status, value in results:
         if status == "bad-input":

@@ -93,3 +93,21 @@ def read_metadata(path: str | Path) -> Metadata:
 def safe_load(state: dict[str, Any], path: str | Path) -> None:
     """`dcp.load(state, checkpoint_id=path)` without unpickling anything but DCP's own types."""
     dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
+
+
+def load_weights(weights: dict[str, Any], path: str | Path) -> None:
+    """`safe_load` of a model's weights (in place, cast to their dtype) for serving; a deleted or
+    damaged shard is one line naming the checkpoint, on every rank that reads it."""
+    import warnings
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from fivefold.errors import FivefoldError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore")
+            safe_load({"model": weights}, path)
+    except (Exception, CheckpointException) as exc:  # DCP raises several kinds; all mean the same here
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
+        raise FivefoldError(f"checkpoint {path} is corrupt or incomplete ({detail})") from None

@@ -303,3 +303,34 @@ def test_resume_with_a_hand_edited_model_names_config_toml(run_dir, tmp_path, ca
     _one_line_exit_2(capsys, argv, "does not describe this checkpoint")
     after = {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.is_file()}
     assert before == after, {k for k in after if before.get(k) != after[k]}
+
+
+def test_a_resume_with_nothing_left_to_train_leaves_the_run_alone(run_dir, tmp_path, capsys):
+    """--steps at or below the checkpoint's step: one line before anything starts, and the run's
+    config, ledger and trace as they were (they used to be rewritten empty, with exit code 0)."""
+    run = tmp_path / "copy"
+    shutil.copytree(run_dir, run)
+    before = {name: (run / name).read_bytes() for name in ("config.toml", "ledger.json", "trace.json")}
+    argv = ["train", "--run-dir", str(run), "--resume", "--steps", "1", "--no-progress"]
+    _one_line_exit_2(capsys, argv, "the checkpoint is at step 1, at or past --steps 1: nothing to train")
+    assert {name: (run / name).read_bytes() for name in before} == before
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "why"),
+    [
+        ("trainer.json", '{"step": -5}', "is not a step count"),
+        ("trainer.json", '{"step": 4.5}', "is not a step count"),
+        ("trainer.json", '{"step": true}', "is not a step count"),
+        ("shards.json", '{"0": {"__0_0.distcp": 1e400}}', "shards.json is unreadable"),
+        ("shards.json", '{"0": {"__0_0.distcp": -1}}', "shards.json is unreadable"),
+    ],
+)
+def test_a_checkpoint_with_impossible_bookkeeping_is_not_whole(run_dir, tmp_path, capsys, name, text, why):
+    """A step that is no count, or a shard size that is no size, makes the checkpoint incomplete: one
+    line naming it (it used to be an OverflowError, or a rank's ValueError, or a silent truncation)."""
+    run = tmp_path / "copy"
+    shutil.copytree(run_dir, run)
+    (run / "checkpoints" / "step_1" / name).write_text(text)
+    argv = ["train", "--run-dir", str(run), "--resume", "--steps", "3", "--no-progress"]
+    _one_line_exit_2(capsys, argv, why)

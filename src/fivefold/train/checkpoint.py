@@ -138,13 +138,25 @@ def _find_checkpoint(run_dir: Path, which: str, warn: bool) -> Path:
     )
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint was saved after, from its trainer.json (ValueError when that is not a
+    step count: a whole number >= 0)."""
+    try:
+        step = json.loads((Path(path) / "trainer.json").read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise ValueError("trainer.json is missing or unreadable") from exc
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"trainer.json's step {step!r} is not a step count")
+    return step
+
+
 def checkpoint_problem(path: Path) -> str | None:
     """Why `path` is not a whole checkpoint, or None. Reads only the index and the file sizes."""
     path = Path(path)
     try:
-        json.loads((path / "trainer.json").read_text())["step"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "trainer.json is missing or unreadable"
+        checkpoint_step(path)
+    except ValueError as exc:
+        return str(exc)
     try:
         metadata = read_metadata(path)
     except FileNotFoundError:
@@ -160,8 +172,10 @@ def checkpoint_problem(path: Path) -> str | None:
         try:
             for files in json.loads(manifest.read_text()).values():
                 for name, size in files.items():
-                    needed[name] = max(needed.get(name, 0), int(size))
-        except (ValueError, AttributeError, TypeError):
+                    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                        raise ValueError(f"size {size!r}")
+                    needed[name] = max(needed.get(name, 0), size)
+        except (OSError, ValueError, AttributeError, TypeError, RecursionError):
             return "shards.json is unreadable"
     for name, size in sorted(needed.items()):
         file = path / name
@@ -304,7 +318,7 @@ def load_checkpoint(
 
     try:
         trainer_state = json.loads(meta_file.read_text())
-        step = int(trainer_state["step"])
+        step = checkpoint_step(path)
         if not (path / ".metadata").exists():
             raise FileNotFoundError(f"{path / '.metadata'} is missing")
         stored = read_metadata(path).state_dict_metadata

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fivefold.config import AXES, Layout, ModelSpec, RunConfig, TrainSpec, check_seq_len
+from fivefold.config import Layout, ModelSpec, RunConfig, TrainSpec, check_seq_len
 from fivefold.errors import FivefoldError
 from fivefold.layout_math import numel, param_shapes
 from fivefold.measure.ledger import CommLedger
@@ -39,7 +39,13 @@ from fivefold.parallel.pipeline import check_pipeline_batch
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.support import check_trainable
 from fivefold.train import supervise
-from fivefold.train.checkpoint import broadcast_object, find_checkpoint, load_checkpoint, save_checkpoint
+from fivefold.train.checkpoint import (
+    broadcast_object,
+    checkpoint_step,
+    find_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from fivefold.train.data import (
     EVAL_STREAM,
     BatchPrefetcher,
@@ -102,18 +108,12 @@ def init_distributed(device: torch.device) -> bool:
     return True
 
 
-def default_layout(layout: Layout, world: int) -> Layout:
-    """Several ranks and no axis set: plain data parallelism over all of them."""
-    if world > 1 and all(getattr(layout, a) == 1 for a in AXES):
-        return replace(layout, dp=world)
-    return layout
-
-
 def runtime_layout(layout: Layout, world: int, model: ModelSpec, seq_len: int) -> Layout:
-    """The layout a training run uses: defaults filled, resolved, and checked (`check_trainable`, the
-    planner's check too) before any rank starts."""
+    """The layout a training run uses: resolved (the flags left out read as `layout_from_args` reads
+    them for every command: dp -1 fills the world) and checked (`check_trainable`, the planner's check
+    too) before any rank starts."""
     layout.check_experts(model)
-    lay = default_layout(layout, world).resolve(world)
+    lay = layout.resolve(world)
     check_trainable(model, lay, seq_len)
     check_seq_len(model, seq_len)
     return lay
@@ -139,7 +139,13 @@ def preflight(cfg: RunConfig, run_dir: Path, resume: str | None, world: int) -> 
         )
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 speaks for the run directory
         if resume is not None:
-            find_checkpoint(run_dir, resume, warn=False)
+            # a resume with nothing left to train would only rewrite the run's files: refused first
+            done = checkpoint_step(find_checkpoint(run_dir, resume, warn=False))
+            if done >= tspec.steps:
+                raise FivefoldError(
+                    f"the checkpoint is at step {done}, at or past --steps {tspec.steps}: nothing to train; "
+                    f"give --steps above {done} to continue the run"
+                )
         check_run_dir(run_dir, resume)
 
 

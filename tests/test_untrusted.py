@@ -277,7 +277,7 @@ def test_resume_refuses_a_damaged_run_directory_before_training(
     ("old", "new", "words"),
     [
         ("hidden = 32", "hidden = 64", "does not describe this checkpoint"),
-        ("vocab = 256", "vocab = 1000000000000", "weights take"),  # refused, not allocated
+        ("vocab = 256", "vocab = 1000000000", "weights take"),  # refused, not allocated
     ],
 )
 def test_generate_from_a_hand_edited_config(run_dir, tmp_path, capsys, old, new, words):
@@ -334,3 +334,61 @@ def test_a_checkpoint_with_impossible_bookkeeping_is_not_whole(run_dir, tmp_path
     (run / "checkpoints" / "step_1" / name).write_text(text)
     argv = ["train", "--run-dir", str(run), "--resume", "--steps", "3", "--no-progress"]
     _one_line_exit_2(capsys, argv, why)
+
+
+def _deep(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "argv", "words"),
+    [
+        # numbers Python will not convert (over 4,300 digits) and nesting deeper than its recursion
+        ("hw.toml", "peak_tflops = 1" + "0" * 5000 + "\n", ["plan", "--hardware"], "TOML"),
+        ("hw.toml", "x = " + _deep(100_000) + "\n", ["plan", "--hardware"], "TOML"),
+        ("runs.toml", "x = " + _deep(100_000) + "\n", ["plan", "--validate"], "not valid TOML"),
+        ("config.json", '{"hidden_size": 1' + "0" * 5000 + "}", ["plan", "--gpus", "8", "--model"], "JSON"),
+        ("config.json", _deep(100_000), ["plan", "--gpus", "8", "--model"], "JSON"),
+        # finite values far past any device or model: they overflowed the planner's arithmetic
+        ("hw.toml", 'name = "x"\ngpu_memory_gb = 1e300\npeak_tflops = 9', ["plan", "--hardware"], "at most"),
+        (
+            "m.toml",
+            "[model]\nlayers = 2\nhidden = 1e300\nheads = 4\nvocab = 256\n",
+            ["plan", "--gpus", "8", "--model"],
+            "hidden must be at most",
+        ),
+        # a runs file's counts: inf, or a batch of tokens under one sequence
+        (
+            "runs.toml",
+            '[[run]]\nid = "r"\nsource = "s"\nkind = "measured"\n[run.hardware]\ngpu = "H100"\n'
+            "[run.model]\nlayers = inf\nhidden = 4096\nheads = 32\nseq_len = 8192\n"
+            "[run.layout]\ngpus = 8\n[run.measured]\nmfu = 0.4\n",
+            ["plan", "--validate"],
+            "model.layers must be an integer",
+        ),
+    ],
+)
+def test_files_past_pythons_limits_are_one_line(tmp_path, capsys, name, text, argv, words):
+    path = tmp_path / name
+    path.write_text(text)
+    full = [*argv, str(path)] + (["--gpus", "8", "--model", "tiny"] if "--hardware" in argv else [])
+    _one_line_exit_2(capsys, full, words)
+
+
+def test_a_stale_torchrun_environment_is_one_line(tmp_path, capsys, monkeypatch):
+    """LOCAL_RANK and WORLD_SIZE left over without RANK (or a RANK that is no number) made train take
+    itself for a rank of a torchrun job and fail in the rendezvous with a traceback."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = ["train", "--model", "tiny", "--nproc", "2", "--steps", "1", "--run-dir", str(tmp_path / "run")]
+    _one_line_exit_2(capsys, argv, "unset them to start the ranks with --nproc")
+
+
+def test_a_pipeline_trace_without_a_rank_s_step_window_is_one_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    event = {"name": "F0", "ph": "X", "cat": "pipeline", "pid": 1, "ts": 0, "dur": 5}
+    event["args"] = {"kind": "F", "step": 0}
+    window = {**event, "name": "step", "pid": 0, "args": {"kind": "step", "step": 0}}
+    (run / "trace.json").write_text(json.dumps({"traceEvents": [window, {**event, "pid": 0}, event]}))
+    _one_line_exit_2(capsys, ["report", str(run)], "rank 1 has events of step 0 but no step window")

@@ -333,10 +333,14 @@ def _hf_eos_ids(source: Path) -> list[int] | None:
             continue
         try:
             eos = json.loads(file.read_text()).get("eos_token_id")
-        except json.JSONDecodeError as exc:
-            raise FivefoldError(f"malformed JSON in {file}: {exc}") from None
-        if eos is not None:
-            return [eos] if isinstance(eos, int) else [int(i) for i in eos]
+            ids = None if eos is None else [eos] if isinstance(eos, int) else [int(i) for i in eos]
+        except (OSError, ValueError, RecursionError, AttributeError, TypeError) as exc:
+            raise FivefoldError(
+                f"{file}: not a JSON object whose eos_token_id is a token id or a list of them "
+                f"({str(exc)[:200]})"
+            ) from None
+        if ids is not None:
+            return ids
     return None
 
 

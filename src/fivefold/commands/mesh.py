@@ -7,9 +7,11 @@ import json
 import os
 import sys
 from html import escape
+from pathlib import Path
 
 from fivefold.config import AXES, add_layout_arguments, check_gpus, layout_from_args
 from fivefold.errors import FivefoldError
+from fivefold.outputs import write_text_whole
 
 # dims shown in the picture and accepted by --axis
 PICTURE_DIMS = AXES + ("ep", "expert_fsdp", "fsdp_cp", "batch", "dp_fsdp_cp")
@@ -105,11 +107,7 @@ def _pick_axis(info, axis: str | None) -> str:
 
 
 def _write_svg(info, axis: str, path: str) -> None:
-    try:
-        with open(path, "w") as fh:
-            fh.write(render_svg(info, axis))
-    except OSError as exc:
-        raise FivefoldError(f"cannot write {path}: {exc}") from None
+    write_text_whole(Path(path), render_svg(info, axis), "--svg")  # no half-written file on a full disk
 
 
 def render_table(info) -> str:

@@ -108,8 +108,8 @@ def _read_metrics(path: Path) -> list[dict]:
         return []
     try:
         records = [json.loads(line) for line in _read_text(path).splitlines() if line.strip()]
-    except json.JSONDecodeError as exc:
-        raise FivefoldError(f"malformed {path}: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # not JSON, a 5000-digit number, deep nesting
+        raise FivefoldError(f"malformed {path}: {str(exc)[:200]}") from None
     for n, rec in enumerate(records, start=1):
         if not isinstance(rec, dict) or not _real(rec.get("step")) or not _real(rec.get("loss")):
             raise FivefoldError(f"malformed {path}: record {n} is not an object with a numeric step and loss")
@@ -123,8 +123,8 @@ def _read_json(path: Path) -> Any:
         return None
     try:
         return json.loads(_read_text(path))
-    except json.JSONDecodeError as exc:
-        raise FivefoldError(f"malformed {path}: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # not JSON, a 5000-digit number, deep nesting
+        raise FivefoldError(f"malformed {path}: {str(exc)[:200]}") from None
 
 
 def _check_ledger(ledger: Any, path: Path) -> Any:
@@ -154,6 +154,14 @@ def _check_events(events: list, path: Path) -> list[dict]:
             raise FivefoldError(
                 f"malformed {path}: pipeline event {i} needs a name, numeric pid, ts and dur, and args "
                 "with a kind and a numeric step"
+            )
+    # every rank's step is drawn and measured against that step's window on the rank
+    windows = {(e["pid"], e["args"]["step"]) for e in events if e["args"]["kind"] == "step"}
+    for e in events:
+        if (e["pid"], e["args"]["step"]) not in windows:
+            raise FivefoldError(
+                f"malformed {path}: rank {e['pid']} has events of step {e['args']['step']} but no step "
+                "window (an event of kind step) for them"
             )
     return events
 

@@ -17,7 +17,6 @@ import os
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any
 
 from fivefold.config import (
     Layout,
@@ -28,7 +27,7 @@ from fivefold.config import (
     add_layout_arguments,
     layout_from_args,
     load_model,
-    read_toml,
+    run_tables,
 )
 from fivefold.errors import FivefoldError
 from fivefold.parallel.compile import check_compile
@@ -120,24 +119,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_layout_arguments(parser)
 
 
-def _config_file(path: str) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    data = read_toml(path)
-    unknown = sorted(set(data) - {"model", "train", "layout"})
-    if unknown:
-        raise FivefoldError(
-            f"{path}: unknown table(s) {', '.join(unknown)}; a run config has model, train, layout"
-        )
-    model, train, layout = data.get("model"), data.get("train", {}), data.get("layout", {})
-    if model is not None and not isinstance(model, str | dict):
-        raise FivefoldError(
-            f"{path}: model must be a preset name, a model file path or a [model] table, got {model!r}"
-        )
-    for name, table in (("train", train), ("layout", layout)):
-        if not isinstance(table, dict):
-            raise FivefoldError(f"{path}: {name} must be a [{name}] table, got {table!r}")
-    return model, train, layout
-
-
 def build_run_config(
     args: argparse.Namespace, keep_layout: bool = True, refill_dp: bool = False
 ) -> RunConfig:
@@ -147,7 +128,7 @@ def build_run_config(
     dp fills what its other axes leave of the world, as if it had not been given."""
     model_entry, train_data, layout_data = (None, {}, {})
     if args.config:
-        model_entry, train_data, layout_data = _config_file(args.config)
+        model_entry, train_data, layout_data = run_tables(args.config)
     if args.model:
         spec = load_model(args.model)
     elif isinstance(model_entry, dict):
@@ -189,9 +170,23 @@ def default_run_dir(model_name: str) -> Path:
     return Path("runs") / f"{model_name}-{stamp}"
 
 
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
 def _launched() -> bool:
-    """Inside a rank that torchrun (or our own launcher) started."""
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+    """Inside a rank that torchrun (or our own launcher) started: all of its variables set, as whole
+    numbers. Some of them, or one that is not a number, is a stale environment: one line, not a rank
+    that cannot find its peers."""
+    found = {name: os.environ[name] for name in TORCHRUN_VARIABLES if name in os.environ}
+    if not found:
+        return False
+    if len(found) < len(TORCHRUN_VARIABLES) or not all(v.isdigit() for v in found.values()):
+        said = ", ".join(f"{k}={v!r}" for k, v in found.items())
+        raise FivefoldError(
+            f"the environment sets {said}: a rank torchrun starts has {', '.join(TORCHRUN_VARIABLES)} "
+            "all set to whole numbers; unset them to start the ranks with --nproc"
+        )
+    return True
 
 
 def run(args: argparse.Namespace) -> int:
@@ -203,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume is not None and args.config is None and args.model is None:
         saved = Path(args.run_dir) / "config.toml"
         # without the run's own model the default one would be built, and its checkpoint blamed
-        if not saved.exists() or (saved.is_file() and _config_file(str(saved))[0] is None):
+        if not saved.exists() or (saved.is_file() and run_tables(str(saved))[0] is None):
             what = "has no [model] table" if saved.exists() else "is missing"
             raise FivefoldError(
                 f"--resume: {saved} {what}, and resuming builds the run's model from it; "

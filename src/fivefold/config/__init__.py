@@ -22,7 +22,7 @@ from fivefold.config.layout import (
 )
 from fivefold.config.model import ModelSpec, check_seq_len
 from fivefold.config.presets import _preset_dir, load_hardware, load_model, preset_names
-from fivefold.config.run import DTYPES, RunConfig, TrainSpec
+from fivefold.config.run import DTYPES, RunConfig, TrainSpec, run_tables
 
 __all__ = [
     "ALL_AXES",
@@ -36,6 +36,7 @@ __all__ = [
     "PP_SCHEDULES",
     "RECOMPUTE",
     "RunConfig",
+    "run_tables",
     "T",
     "TrainSpec",
     "_HF_ARCH",

@@ -55,8 +55,8 @@ def _coerce(value: Any, f: dataclasses.Field, what: str) -> Any:
             if not isinstance(value, str) or value.lower() not in words:
                 raise ValueError
             return words[value.lower()]
-    except (TypeError, ValueError):
-        raise FivefoldError(f"{what}: {f.name} must be {kind}, got {value!r}") from None
+    except (TypeError, ValueError, OverflowError):  # OverflowError: a 400-digit int as a float
+        raise FivefoldError(f"{what}: {f.name} must be {kind}, got {str(value)[:40]!r}") from None
     return value
 
 
@@ -71,10 +71,10 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise FivefoldError(f"file not found: {p}")
     try:
         return tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise FivefoldError(f"malformed TOML in {p}: {exc}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise FivefoldError(f"cannot read {p}: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # not TOML, a 5000-digit number, nesting 10^5 deep
+        raise FivefoldError(f"malformed TOML in {p}: {str(exc)[:200]}") from None
 
 
 def dumps_toml(data: dict[str, Any]) -> str:

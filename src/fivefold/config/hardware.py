@@ -57,6 +57,10 @@ class HardwareSpec:
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise FivefoldError(f"hardware {self.name}: {f.name} must be a finite number, got {value}")
+            if isinstance(value, int | float) and not isinstance(value, bool) and value > MAX_VALUE:
+                raise FivefoldError(
+                    f"hardware {self.name}: {f.name} must be at most {MAX_VALUE:g}, got {value:g}"
+                )
         for name in POSITIVE:
             if getattr(self, name) <= 0:
                 raise FivefoldError(
@@ -76,6 +80,8 @@ class HardwareSpec:
         return self
 
 
+# every figure of a device (GB, TFLOP/s, GB/s, µs, W) is far below this; 1e300 overflowed the planner
+MAX_VALUE = 1e9
 POSITIVE = ("gpu_memory_gb", "peak_tflops", "gpus_per_node", "intra_node_gbps", "inter_node_gbps", "hbm_gbps")
 NON_NEGATIVE = (
     "intra_node_latency_us",

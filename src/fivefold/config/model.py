@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from fivefold.errors import FivefoldError, divisors, suggest
 
 MAX_LAYERS = 10_000  # published models have a few hundred at most
+# any width, count or length past this is a typo: the largest published models are 10^4-10^5 wide,
+# with vocabularies of 10^5-10^6; a width of 1e300 overflowed the planner's float arithmetic
+MAX_DIM = 2**30
 NON_NEGATIVE_COUNTS = (
     "experts",
     "experts_per_token",
@@ -100,6 +104,10 @@ class ModelSpec:
         for name in ("layers", "hidden", "heads", "vocab", "ffn_hidden", "kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise FivefoldError(f"model {self.name}: {name} must be positive, got {getattr(self, name)}")
+        for name in (f.name for f in dataclasses.fields(self)):
+            value = getattr(self, name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > MAX_DIM:
+                raise FivefoldError(f"model {self.name}: {name} must be at most {MAX_DIM:,}, got {value:.3g}")
         if self.layers > MAX_LAYERS:  # the planner and the runtime walk the layers one by one
             raise FivefoldError(
                 f"model {self.name}: layers must be at most {MAX_LAYERS:,}, got {self.layers:,}"

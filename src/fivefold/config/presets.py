@@ -37,10 +37,10 @@ def load_model(name_or_path: str) -> ModelSpec:
             raise FivefoldError(f"file not found: {path}")
         try:
             cfg = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise FivefoldError(f"malformed JSON in {path}: {exc}") from None
         except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not text
             raise FivefoldError(f"cannot read {path}: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # not JSON, a 5000-digit number, nesting 10^5 deep
+            raise FivefoldError(f"malformed JSON in {path}: {str(exc)[:200]}") from None
         return model_spec_from_hf(cfg, name=path.parent.name or "hf").validate()
     if path.suffix == ".toml" or path.exists():
         data = read_toml(path)

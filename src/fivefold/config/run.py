@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fivefold.config.files import _from_dict, dumps_toml, read_toml, to_dict
 from fivefold.config.layout import Layout
@@ -123,11 +124,37 @@ class RunConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path) -> RunConfig:
-        data = read_toml(path)
-        if "model" not in data:
+        model, train, layout = run_tables(path)
+        if model is None:
             raise FivefoldError(f"{path}: a run config needs a [model] table")
+        if isinstance(model, str):  # a preset name or a model file, as `train --config` reads it
+            from fivefold.config.presets import load_model
+
+            spec = load_model(model)
+        else:
+            spec = _from_dict(ModelSpec, model, f"{path} [model]").validate()
         return cls(
-            model=_from_dict(ModelSpec, data["model"], f"{path} [model]").validate(),
-            train=_from_dict(TrainSpec, data.get("train", {}), f"{path} [train]").validate(),
-            layout=_from_dict(Layout, data.get("layout", {}), f"{path} [layout]"),
+            model=spec,
+            train=_from_dict(TrainSpec, train, f"{path} [train]").validate(),
+            layout=_from_dict(Layout, layout, f"{path} [layout]"),
         )
+
+
+def run_tables(path: str | Path) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """A run config's (model, train, layout): the model a preset name, a model file or a table; the
+    others tables (empty where absent). One line on anything else."""
+    data = read_toml(path)
+    unknown = sorted(set(data) - {"model", "train", "layout"})
+    if unknown:
+        raise FivefoldError(
+            f"{path}: unknown table(s) {', '.join(unknown)}; a run config has model, train, layout"
+        )
+    model, train, layout = data.get("model"), data.get("train", {}), data.get("layout", {})
+    if model is not None and not isinstance(model, str | dict):
+        raise FivefoldError(
+            f"{path}: model must be a preset name, a model file path or a [model] table, got {model!r}"
+        )
+    for name, table in (("train", train), ("layout", layout)):
+        if not isinstance(table, dict):
+            raise FivefoldError(f"{path}: {name} must be a [{name}] table, got {table!r}")
+    return model, train, layout

@@ -24,6 +24,8 @@ def _load_json(path: Path) -> Any:
         raise FivefoldError(f"{path}: cannot be read ({exc.__class__.__name__})") from None
     except json.JSONDecodeError as exc:
         raise FivefoldError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    except (ValueError, RecursionError) as exc:  # a 5000-digit number, nesting 10^5 deep
+        raise FivefoldError(f"{path}: not valid JSON ({str(exc)[:200]})") from None
 
 
 def _number(value: Any) -> bool:
@@ -42,7 +44,7 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
             continue
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             if n == len(lines):  # a run killed mid-write leaves a half line at the end
                 continue
             raise FivefoldError(f"{path}: line {n} is not JSON: {line[:60]!r}") from None

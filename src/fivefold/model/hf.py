@@ -111,9 +111,12 @@ def safetensors_files(root: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
+            names = set(weight_map.values())
+            if not all(isinstance(name, str) for name in names):
+                raise ValueError("weight_map values must be file names")
+        except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError) as exc:
             raise FivefoldError(f"malformed shard index {index}: {exc}") from None
-        files = [root / f for f in sorted(set(weight_map.values()))]
+        files = [root / f for f in sorted(names)]
         absent = [f.name for f in files if not f.is_file()]
         if absent:
             raise FivefoldError(f"{index} names shard(s) that are not there: {', '.join(absent)}")
@@ -151,6 +154,11 @@ def _fivefold_tensors(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[t
             kind = _PER_EXPERT_KIND.get(match["kind"], match["kind"])
             per_expert[f"{match['layer']}.{kind}"][int(match["index"])] = tensor
         elif key.endswith(".mlp.experts.gate_up_proj"):
+            if tensor.dim() != 3 or tensor.shape[1] % 2:  # [experts, 2·ffn, hidden]
+                raise FivefoldError(
+                    f"{key}: a fused expert gate/up weight has 3 dimensions, the second 2 × ffn; "
+                    f"got shape {list(tensor.shape)}"
+                )
             gate, up = tensor.chunk(2, dim=1)
             yield key.replace("gate_up_proj", "gate_proj"), gate
             yield key.replace("gate_up_proj", "up_proj"), up

@@ -103,12 +103,12 @@ def load_runs(*paths: str | Path) -> list[dict[str, Any]]:
             raise FivefoldError(f"runs file {p}: not found")
         try:
             data = tomllib.loads(p.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as exc:
-            raise FivefoldError(f"runs file {p}: not valid TOML ({exc})") from None
         except (UnicodeDecodeError, OSError) as exc:
             raise FivefoldError(
                 f"runs file {p}: cannot be read as UTF-8 text ({exc.__class__.__name__})"
             ) from None
+        except (ValueError, RecursionError) as exc:  # not TOML, a 5000-digit number, deep nesting
+            raise FivefoldError(f"runs file {p}: not valid TOML ({str(exc)[:200]})") from None
         if not isinstance(data.get("run"), list) or not data["run"]:
             raise FivefoldError(f"runs file {p}: no [[run]] tables (format fivefold-reference-runs)")
         for i, run in enumerate(data["run"]):
@@ -167,11 +167,17 @@ def _int(run: dict[str, Any], table: str, key: str, value: Any) -> int:
         out = int(value)
         if isinstance(value, bool) or out != value and not isinstance(value, str):
             raise ValueError  # true, 2.5: not a count
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: inf
         raise FivefoldError(f"run {run['id']}: {table}.{key} must be an integer, got {value!r}") from None
     if out <= 0:
         raise FivefoldError(f"run {run['id']}: {table}.{key} must be positive, got {out}")
     return out
+
+
+def _count(run: dict[str, Any], table: str, key: str) -> int | None:
+    """A positive integer the run states under `table.key`, or None where it states none."""
+    value = (run.get(table) or {}).get(key) if table != "" else run.get(key)
+    return None if value is None else _int(run, table, key, value)
 
 
 # a runs file's [run.hardware] keys -> the HardwareSpec fields they set, and how they are read
@@ -202,7 +208,7 @@ def hardware(run: dict[str, Any]) -> HardwareSpec:
                 raise FivefoldError(f"run {run['id']}: hardware.{key} must be a number, got {value!r}")
             try:
                 changes[field_name] = kind(value)
-            except ValueError:
+            except (ValueError, OverflowError):  # "fast", or inf where a count belongs
                 raise FivefoldError(
                     f"run {run['id']}: hardware.{key} must be a number, got {value!r}"
                 ) from None
@@ -417,9 +423,14 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     if lt.get("global_batch"):
         batch = _int(run, "layout", "global_batch", lt["global_batch"])
     elif lt.get("global_batch_tokens"):
-        batch = int(lt["global_batch_tokens"]) // seq
+        batch = _int(run, "layout", "global_batch_tokens", lt["global_batch_tokens"]) // seq
+        if batch < 1:
+            raise FivefoldError(
+                f"run {rid}: layout.global_batch_tokens {lt['global_batch_tokens']} is less than one "
+                f"sequence of {seq} tokens"
+            )
     elif lt.get("local_batch"):
-        batch = int(lt["local_batch"]) * data
+        batch = _int(run, "layout", "local_batch", lt["local_batch"]) * data
     else:  # unpublished: the micro-batches a data rank accumulates (one, unless the run says)
         batch, batch_published = mb * data * accumulation, False
     if batch % data:
@@ -527,7 +538,7 @@ class Throughput:
 def throughput(run: dict[str, Any]) -> Throughput | None:
     """The most definition-free throughput the run publishes: tokens/s, then step time, then
     TFLOP/s, then MFU (the last two depend on a FLOP convention and a peak)."""
-    meas, gpus = measured_numbers(run), run.get("layout", {}).get("gpus")
+    meas, gpus = measured_numbers(run), _count(run, "layout", "gpus")
     if meas.get("tflops_basis", "model") not in ("model", "hardware"):
         basis = meas["tflops_basis"]
         raise FivefoldError(
@@ -604,12 +615,12 @@ def source_peak(run: dict[str, Any], hw: HardwareSpec, fp8: bool) -> float:
 def contradictions(run: dict[str, Any]) -> list[str]:
     """Stated facts of a run that disagree with each other by more than rounding (2%)."""
     meas, lt, out = measured_numbers(run), run.get("layout", {}), []
-    gpus = lt.get("gpus")
+    gpus = _count(run, "layout", "gpus")
     per, total = meas.get("tokens_per_s_per_gpu"), meas.get("tokens_per_s_total")
     if per and total and gpus and abs(per * gpus / total - 1) > 0.02:
         out.append(f"tokens_per_s_per_gpu × gpus = {per * gpus:.4g} but tokens_per_s_total = {total:.4g}")
-    step, seq = meas.get("iteration_time_s"), run.get("model", {}).get("seq_len")
-    batch = lt.get("global_batch")
+    step, seq = meas.get("iteration_time_s"), _count(run, "model", "seq_len")
+    batch = _count(run, "layout", "global_batch")
     if step and total and seq and batch and abs(batch * seq / step / total - 1) > 0.02:
         out.append(
             f"global_batch × seq_len / iteration_time_s = {batch * seq / step:.4g} tokens/s but "
@@ -692,7 +703,7 @@ def _measured_on(run_dir: Path, device: str) -> str:
 
     try:
         named = json.loads((run_dir / "run.json").read_text()).get("mfu_peak_from")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         named = None
     if isinstance(named, str) and named in GPU_PRESETS.values():  # a preset's name, nothing else
         return named
@@ -715,11 +726,15 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
             raise FivefoldError(f"run directory {p}: no {name} (a `fivefold train` run directory has both)")
     cfg = RunConfig.from_toml(p / "config.toml")
     times = []
-    for line in (p / "metrics.jsonl").read_text().splitlines():
+    try:
+        text = (p / "metrics.jsonl").read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FivefoldError(f"run directory {p}: cannot read metrics.jsonl ({type(exc).__name__})") from None
+    for line in text.splitlines():
         if line.strip():
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 raise FivefoldError(f"run directory {p}: metrics.jsonl has a line that is not JSON") from None
             if not isinstance(rec, dict):
                 raise FivefoldError(f"run directory {p}: metrics.jsonl has a line that is not a JSON object")

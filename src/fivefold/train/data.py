@@ -96,8 +96,8 @@ def jsonl_documents(path: Path) -> list[tuple[str, bytes]]:
             try:
                 obj = json.loads(line)
                 text = obj["text"]
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise FivefoldError(f"{path}:{lineno}: not a JSON object: {exc}") from None
+            except (ValueError, RecursionError) as exc:  # not JSON, not text, a 5000-digit number
+                raise FivefoldError(f"{path}:{lineno}: not a JSON object: {str(exc)[:200]}") from None
             except (KeyError, TypeError):
                 raise FivefoldError(f'{path}:{lineno}: each JSONL line needs a "text" field') from None
             if not isinstance(text, str):
@@ -112,6 +112,8 @@ def check_data_source(source: str) -> None:
     """The cheap part of reading `source`: it names something that is there."""
     if source != "stdlib" and not Path(source).exists():
         raise FivefoldError(f"data not found: {source} (use 'stdlib', a text file or folder, .jsonl or .bin)")
+    if source.endswith(".bin") and not Path(source).is_file():
+        raise FivefoldError(f"--data {source}: a .bin of token ids must be a file")
 
 
 def read_documents(source: str) -> list[tuple[str, bytes]]:
@@ -208,8 +210,8 @@ def read_bin(path: Path) -> np.ndarray:
     if sidecar.exists():
         try:
             dtype = json.loads(sidecar.read_text()).get("dtype", dtype)
-        except json.JSONDecodeError as exc:
-            raise FivefoldError(f"malformed JSON in {sidecar}: {exc}") from None
+        except (OSError, ValueError, RecursionError, AttributeError) as exc:  # a directory, not a JSON object
+            raise FivefoldError(f"{sidecar}: not a JSON object with a dtype ({str(exc)[:200]})") from None
     if dtype not in ("uint16", "uint32"):
         raise FivefoldError(f"{sidecar}: dtype must be uint16 or uint32, got {dtype!r}")
     size = path.stat().st_size

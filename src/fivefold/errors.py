@@ -12,6 +12,13 @@ class FivefoldError(Exception):
     label = "error"  # the word after the command in its one line
 
 
+def reason(exc: BaseException, limit: int = 200) -> str:
+    """An exception's first line for a one-line message, without the interpreter's own advice (a
+    number of 5,000 digits comes with "use sys.set_int_max_str_digits()")."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return text.split("; use sys.set_int_max_str_digits")[0][:limit]
+
+
 def suggest(values: Iterable[object], limit: int = 8) -> str:
     """Render a short 'valid choices' list for an error message."""
     items = [str(v) for v in values]

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.config import add_layout_arguments
-from fivefold.errors import FivefoldError
+from fivefold.errors import FivefoldError, reason
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -337,7 +337,7 @@ def _hf_eos_ids(source: Path) -> list[int] | None:
         except (OSError, ValueError, RecursionError, AttributeError, TypeError) as exc:
             raise FivefoldError(
                 f"{file}: not a JSON object whose eos_token_id is a token id or a list of them "
-                f"({str(exc)[:200]})"
+                f"({reason(exc)})"
             ) from None
         if ids is not None:
             return ids

@@ -13,7 +13,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from fivefold.errors import FivefoldError
+from fivefold.errors import FivefoldError, reason
 from fivefold.outputs import write_text_whole
 
 COLORS = {
@@ -109,7 +109,7 @@ def _read_metrics(path: Path) -> list[dict]:
     try:
         records = [json.loads(line) for line in _read_text(path).splitlines() if line.strip()]
     except (ValueError, RecursionError) as exc:  # not JSON, a 5000-digit number, deep nesting
-        raise FivefoldError(f"malformed {path}: {str(exc)[:200]}") from None
+        raise FivefoldError(f"malformed {path}: {reason(exc)}") from None
     for n, rec in enumerate(records, start=1):
         if not isinstance(rec, dict) or not _real(rec.get("step")) or not _real(rec.get("loss")):
             raise FivefoldError(f"malformed {path}: record {n} is not an object with a numeric step and loss")
@@ -124,7 +124,7 @@ def _read_json(path: Path) -> Any:
     try:
         return json.loads(_read_text(path))
     except (ValueError, RecursionError) as exc:  # not JSON, a 5000-digit number, deep nesting
-        raise FivefoldError(f"malformed {path}: {str(exc)[:200]}") from None
+        raise FivefoldError(f"malformed {path}: {reason(exc)}") from None
 
 
 def _check_ledger(ledger: Any, path: Path) -> Any:

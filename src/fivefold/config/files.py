@@ -8,7 +8,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fivefold.errors import FivefoldError, suggest
+from fivefold.errors import FivefoldError, reason, suggest
 
 T = TypeVar("T")
 
@@ -74,7 +74,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise FivefoldError(f"cannot read {p}: {exc}") from None
     except (ValueError, RecursionError) as exc:  # not TOML, a 5000-digit number, nesting 10^5 deep
-        raise FivefoldError(f"malformed TOML in {p}: {str(exc)[:200]}") from None
+        raise FivefoldError(f"malformed TOML in {p}: {reason(exc)}") from None
 
 
 def dumps_toml(data: dict[str, Any]) -> str:

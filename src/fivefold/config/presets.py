@@ -12,7 +12,7 @@ from fivefold.config.files import _from_dict, read_toml
 from fivefold.config.hardware import HardwareSpec
 from fivefold.config.hf import model_spec_from_hf
 from fivefold.config.model import ModelSpec
-from fivefold.errors import FivefoldError, suggest
+from fivefold.errors import FivefoldError, reason, suggest
 
 
 def _preset_dir(kind: str) -> Any:
@@ -40,7 +40,7 @@ def load_model(name_or_path: str) -> ModelSpec:
         except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not text
             raise FivefoldError(f"cannot read {path}: {exc}") from None
         except (ValueError, RecursionError) as exc:  # not JSON, a 5000-digit number, nesting 10^5 deep
-            raise FivefoldError(f"malformed JSON in {path}: {str(exc)[:200]}") from None
+            raise FivefoldError(f"malformed JSON in {path}: {reason(exc)}") from None
         return model_spec_from_hf(cfg, name=path.parent.name or "hf").validate()
     if path.suffix == ".toml" or path.exists():
         data = read_toml(path)

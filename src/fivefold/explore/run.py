@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fivefold.errors import FivefoldError
+from fivefold.errors import FivefoldError, reason
 
 MAX_TRACE_EVENTS = 4000
 CURVES = ("loss", "held_out_loss")
@@ -25,7 +25,7 @@ def _load_json(path: Path) -> Any:
     except json.JSONDecodeError as exc:
         raise FivefoldError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
     except (ValueError, RecursionError) as exc:  # a 5000-digit number, nesting 10^5 deep
-        raise FivefoldError(f"{path}: not valid JSON ({str(exc)[:200]})") from None
+        raise FivefoldError(f"{path}: not valid JSON ({reason(exc)})") from None
 
 
 def _number(value: Any) -> bool:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.config import CP_IMPLS, HardwareSpec, Layout, ModelSpec, load_hardware
-from fivefold.errors import FivefoldError
+from fivefold.errors import FivefoldError, reason
 from fivefold.plan.spec import TrainShape
 from fivefold.plan.trainers import TRAINERS, named_trainer, published_trainer, shape_facts
 
@@ -108,7 +108,7 @@ def load_runs(*paths: str | Path) -> list[dict[str, Any]]:
                 f"runs file {p}: cannot be read as UTF-8 text ({exc.__class__.__name__})"
             ) from None
         except (ValueError, RecursionError) as exc:  # not TOML, a 5000-digit number, deep nesting
-            raise FivefoldError(f"runs file {p}: not valid TOML ({str(exc)[:200]})") from None
+            raise FivefoldError(f"runs file {p}: not valid TOML ({reason(exc)})") from None
         if not isinstance(data.get("run"), list) or not data["run"]:
             raise FivefoldError(f"runs file {p}: no [[run]] tables (format fivefold-reference-runs)")
         for i, run in enumerate(data["run"]):

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fivefold.errors import FivefoldError
+from fivefold.errors import FivefoldError, reason
 from fivefold.train.tokenizer import ByteTokenizer, HFTokenizer
 
 HELD_OUT_PER_MILLE = 20  # documents whose name hashes below this (of 1000) are held out
@@ -97,7 +97,7 @@ def jsonl_documents(path: Path) -> list[tuple[str, bytes]]:
                 obj = json.loads(line)
                 text = obj["text"]
             except (ValueError, RecursionError) as exc:  # not JSON, not text, a 5000-digit number
-                raise FivefoldError(f"{path}:{lineno}: not a JSON object: {str(exc)[:200]}") from None
+                raise FivefoldError(f"{path}:{lineno}: not a JSON object: {reason(exc)}") from None
             except (KeyError, TypeError):
                 raise FivefoldError(f'{path}:{lineno}: each JSONL line needs a "text" field') from None
             if not isinstance(text, str):
@@ -211,7 +211,7 @@ def read_bin(path: Path) -> np.ndarray:
         try:
             dtype = json.loads(sidecar.read_text()).get("dtype", dtype)
         except (OSError, ValueError, RecursionError, AttributeError) as exc:  # a directory, not a JSON object
-            raise FivefoldError(f"{sidecar}: not a JSON object with a dtype ({str(exc)[:200]})") from None
+            raise FivefoldError(f"{sidecar}: not a JSON object with a dtype ({reason(exc)})") from None
     if dtype not in ("uint16", "uint32"):
         raise FivefoldError(f"{sidecar}: dtype must be uint16 or uint32, got {dtype!r}")
     size = path.stat().st_size

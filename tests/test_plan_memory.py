@@ -156,8 +156,17 @@ def test_v_shaped_schedules_put_both_ends_on_rank_zero() -> None:
     assert vee.memory.stage == "first+last"
     head = model.vocab * model.hidden
     layer = model.layer_params(0)
-    assert vee.memory.detail["params_on_rank"] == pytest.approx(8 * layer + 2 * head + model.hidden)
-    assert plain.memory.detail["params_on_rank"] == pytest.approx(8 * layer + head)
+    # the layers each rank holds, split as train splits them for 4K sequences
+    from fivefold.layout_math import rank_stages, stage_split
+
+    def layers_on_rank0(lay: Layout) -> int:
+        sizes = stage_split(model, lay, 4096)
+        return sum(sizes[s] for s in rank_stages(0, lay.pp, lay.virtual_stages, lay.pp_schedule))
+
+    v_layers, plain_layers = (layers_on_rank0(p.layout) for p in (vee, plain))
+    assert v_layers < plain_layers  # the folded rank holds the head's work too: fewer layers
+    assert vee.memory.detail["params_on_rank"] == pytest.approx(v_layers * layer + 2 * head + model.hidden)
+    assert plain.memory.detail["params_on_rank"] == pytest.approx(plain_layers * layer + head)
     assert vee.memory.detail["logits"] > 0 and plain.memory.stage == "first"
 
 
@@ -201,3 +210,41 @@ def test_recomputing_some_blocks_trades_memory_for_time_linearly() -> None:
     assert hfu == sorted(hfu) and hfu[3] == pytest.approx((hfu[0] + hfu[-1]) / 2, rel=1e-9)
     too_many = Layout(**base, recompute="full", recompute_layers=50).resolve(96)
     assert plan(model, hw, too_many, shape).memory.total == pytest.approx(full.memory.total, rel=1e-12)
+
+
+def test_moe_activations_split_over_tp_only_with_expert_tensor_parallelism() -> None:
+    """fivefold's MoE block runs whole on every tp rank: its experts' saved activations do not shrink
+    with tp; published runs (expert tensor parallelism) split them."""
+    model = load_model("mixtral-8x7b")
+    lay1, lay4 = (Layout(tp=t, sp=True).resolve(t) for t in (1, 4))
+    whole, split = (resolve_arch(model, "auto", "flash", expert_tp) for expert_tp in (False, True))
+
+    def experts(arch, lay) -> float:  # the MoE layer's bytes beyond the dense layer's
+        moe = layer_activations(model, arch, lay, 1, 4096, True, "none")
+        return moe - layer_activations(model, arch, lay, 1, 4096, False, "none")
+
+    assert experts(whole, lay4) > 0.9 * experts(whole, lay1)
+    assert experts(split, lay4) < 0.6 * experts(split, lay1)
+
+
+def test_a_serving_pipeline_counts_its_middle_ranks() -> None:
+    """DeepSeek-V3's dense layers sit on the first rank: the middle ranks hold only MoE layers and
+    are the fullest. The plan had checked the pipeline's two ends only (68.6 GB: 'fits')."""
+    model = load_model("deepseek-v3")
+    layout = Layout(tp=8, pp=16).resolve(128)
+    shape = InferenceShape(batch=1, context=8192, prompt=4096)
+    p = inference_plan(model, load_hardware("h100-80gb"), layout, shape)
+    assert p.total > 85e9 and not p.fits
+
+
+def test_a_pipeline_is_split_for_the_runs_sequence_length() -> None:
+    """The planner splits the layers over stages as train does, for the run's sequence (the head's
+    cost weighs more at 4K than at the model's 128K positions): the same plan as for a model whose
+    positions end at the run's length."""
+    model = load_model("llama3-8b")
+    layout = Layout(pp=4, dp=2).resolve(8)
+    shape = TrainShape(seq_len=4096, global_batch=32, micro_batch=1)
+    hw = load_hardware("h100-80gb")
+    short = dataclasses.replace(model, max_seq_len=4096)
+    planned = plan(model, hw, layout, shape).step_time_s
+    assert planned == pytest.approx(plan(short, hw, layout, shape).step_time_s)

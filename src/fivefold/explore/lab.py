@@ -218,7 +218,7 @@ def _add_fewest_blocks(
         tried[layout.recompute_layers] = plan(model, hw, layout, shape, gpus_per_node)
         return tried[layout.recompute_layers].fits
 
-    some = lightest_recompute(base, model, fits, ("full",))
+    some = lightest_recompute(base, model, fits, ("full",), shape.seq_len)
     if some is None or not some.recompute_layers:
         return
     factors, rest = lab_key(some, shape.micro_batch).split("|", 1)

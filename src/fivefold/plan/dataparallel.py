@@ -200,22 +200,20 @@ def data_parallel_traffic(
             )
         shards = [(pl, grp) for pl, grp in ((dense, n), (experts, n_exp)) if grp > 1 and pl > 0]
         units = max(units, 1)
-        # each unit's gather and reduction, issued by its hooks (their host dispatch included)
-        t_ag = {
-            grp: units
-            * collective_time(hw, ALL_GATHER, p * pl / units, grp, shard_link, per_node, shard_axis)[1]
-            for pl, grp in shards
-        }
-        t_rs = {
-            grp: units
-            * collective_time(hw, REDUCE_SCATTER, g * pl / units, grp, shard_link, per_node, shard_axis)[1]
-            for pl, grp in shards
-        }
+        # each unit's gather and reduction, issued by its hooks (their host dispatch included); one
+        # entry per shard (dense, experts), whose groups are the same size where ep is 1
+        t_ag, t_rs = (
+            [
+                units * collective_time(hw, op, b * pl / units, grp, shard_link, per_node, shard_axis)[1]
+                for pl, grp in shards
+            ]
+            for op, b in ((ALL_GATHER, p), (REDUCE_SCATTER, g))
+        )
         # torch's pipeline stage syncs FSDP gradients at the last backward of the step only (as
         # fivefold's ledger counts it): one reduce-scatter a step behind that backward, not m
         rs_each = not fsdp_sync_deferred(layout)
-        busy_f = sum(t_ag.values())
-        busy_b = bwd_gathers * busy_f + (sum(t_rs.values()) if rs_each else 0.0)
+        busy_f = sum(t_ag)
+        busy_b = bwd_gathers * busy_f + (sum(t_rs) if rs_each else 0.0)
         # gathers no prefetch can start early wait in line; the rest overlap the compute
         alone_f, alone_b = waiting_f * busy_f, waiting_b * busy_f
         if not hw.comm_overlap:  # nothing runs beside the compute: every gather and reduction waits
@@ -228,10 +226,10 @@ def data_parallel_traffic(
         gathers = (1 + bwd_gathers) * m
         if layout.pp > 1:
             gathers = m + 1 if z == 3 else 1
-        for payload, group in shards:
-            ag_exposed = t_ag[group] / busy_f * exposed_f
+        for i, (payload, group) in enumerate(shards):
+            ag_exposed = t_ag[i] / busy_f * exposed_f
             if busy_b > 0:
-                ag_exposed += bwd_gathers * t_ag[group] / busy_b * exposed_b
+                ag_exposed += bwd_gathers * t_ag[i] / busy_b * exposed_b
             add(
                 shard_axis,
                 ALL_GATHER,
@@ -253,7 +251,7 @@ def data_parallel_traffic(
                 group,
                 shard_link,
                 m * units,
-                exposed=t_rs[group] / busy_b * exposed_b * m,
+                exposed=t_rs[i] / busy_b * exposed_b * m,
                 overlap="micro-batch backward",
                 per_node=per_node,
             )

@@ -18,7 +18,7 @@ from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError
 from fivefold.plan.comm import collective_time, ep_link, ep_members_per_node, links, ring_nics
 from fivefold.plan.compute import Rates, layer_time
-from fivefold.plan.memory import stage_counts, stage_params
+from fivefold.plan.memory import stage_counts, stage_names, stage_params
 from fivefold.plan.result import capacity
 from fivefold.plan.spec import Arch, kv_heads_local, resolve_arch
 
@@ -137,9 +137,11 @@ def inference_plan(
     rates = Rates.of(hw)
     kinds = links(layout, gpn)
     worst_weights = worst_kv = 0.0
-    for stage in ["only"] if lay.pp == 1 else ["first", "last"]:
+    # every distinct rank of the pipeline (its ends and middle ranks; MoE layers may sit in the middle),
+    # its KV cache from the same split as its weights
+    for stage in stage_names(lay, model):
         dense, experts, _ = stage_params(model, arch, lay, stage)
-        n_dense, n_moe = stage_counts(model, lay.pp, stage)
+        n_dense, n_moe = stage_counts(model, lay.pp, stage, lay)
         weights = shape.weight_bytes * (dense + experts)
         kv = (
             kv_bytes_per_token(model, lay, shape.kv_bytes)

@@ -11,7 +11,8 @@ rank, hidden h, tp t, the tensors a layer keeps for its backward are
   norm/residual region (÷t only with SP): norm inputs 2·2Th, norm outputs 2·2Th, dropout masks 2·Th
   attention (÷t): q, k, v 2T(d_q + 2 d_kv); scores, softmax and dropout 5·a·s·T (materialised
       attention only; FlashAttention keeps the 4-byte log-sum-exp instead); output-projection input 2T·d_q
-  MLP (÷t): GeLU 2·2Tf, SwiGLU 3·2Tf; MoE: dispatched input and output 2·2kTh, experts 3·2kTf_e.
+  MLP (÷t): GeLU 2·2Tf, SwiGLU 3·2Tf; MoE: dispatched input and output 2·2kTh, experts 3·2kTf_e
+      (÷t only with expert tensor parallelism: fivefold's MoE block is whole on every tp rank).
 For a GPT block this is s·b·h·(10 + 24/t + 5as/(ht)) (no SP) and s·b·h·(34/t + 5as/(ht)) (SP).
 Selective recompute drops the attention-core term; full recompute keeps only each layer's input
 (with `recompute_layers`, only in the first blocks of each chunk: the others keep everything).
@@ -125,10 +126,12 @@ def layer_activations(
     else:
         core = 0.0 if recompute == "selective" else 5.0 * heads_local * seq_len * tokens
     if moe:
-        k, fe = model.experts_per_token, model.expert_ffn_hidden
-        mlp = BYTES * (2 * k * tokens * h + 3 * k * tokens * fe / t) + 4.0 * tokens * model.experts
+        # experts split over tp only with expert tensor parallelism (published runs); fivefold's MoE
+        # block runs whole on every tp rank (as `compute.layer_time` and the parameters count it)
+        k, fe, et = model.experts_per_token, model.expert_ffn_hidden, (t if arch.expert_tp else 1)
+        mlp = BYTES * (2 * k * tokens * h + 3 * k * tokens * fe / et) + 4.0 * tokens * model.experts
         if model.shared_experts:
-            mlp += BYTES * 3 * tokens * model.shared_experts * fe / t
+            mlp += BYTES * 3 * tokens * model.shared_experts * fe / et
     else:
         mlp = BYTES * (3 if arch.gated_mlp else 2) * tokens * model.ffn_hidden / t
     return norms + qkv + core + out_in + mlp
@@ -294,9 +297,12 @@ def recomputed_fraction(model: ModelSpec, layout: Layout, seq_len: int = 0) -> f
     return sum(recomputed_blocks("full", layout.recompute_layers, c) for c in counts) / model.layers
 
 
-def stage_params(model: ModelSpec, arch: Arch, layout: Layout, which: str) -> tuple[float, float, float]:
-    """(dense, expert, one-layer) parameters a rank of this stage holds after tp and ep."""
-    n_dense, n_moe = stage_counts(model, layout.pp, which, layout)
+def stage_params(
+    model: ModelSpec, arch: Arch, layout: Layout, which: str, seq_len: int = 0
+) -> tuple[float, float, float]:
+    """(dense, expert, one-layer) parameters a rank of this stage holds after tp and ep, its layers
+    split as for sequences of `seq_len` (the run's: `fivefold.layout_math.stage_split`)."""
+    n_dense, n_moe = stage_counts(model, layout.pp, which, layout, seq_len)
     dense = experts = biggest = 0.0
     for count, moe in ((n_dense, False), (n_moe, True)):
         if count:
@@ -327,7 +333,7 @@ def memory(
     `memo` (a dict the caller owns, for one model, arch and shape) caches per-layer pieces across
     layouts; the search passes one.
     """
-    stages = stage_names(layout, model)
+    stages = stage_names(layout, model, shape.seq_len)
     memo = {} if memo is None else memo
     return max(
         (_stage_memory(model, arch, layout, shape, microbatches, s, memo) for s in stages),
@@ -336,7 +342,7 @@ def memory(
 
 
 def cached_stage_params(
-    model: ModelSpec, arch: Arch, layout: Layout, which: str, memo: dict
+    model: ModelSpec, arch: Arch, layout: Layout, which: str, memo: dict, seq_len: int = 0
 ) -> tuple[float, float, float]:
     key = (
         "params",
@@ -349,14 +355,14 @@ def cached_stage_params(
         which,
     )
     if key not in memo:
-        memo[key] = stage_params(model, arch, layout, which)
+        memo[key] = stage_params(model, arch, layout, which, seq_len)
     return memo[key]
 
 
 def _stage_memory(
     model: ModelSpec, arch: Arch, layout: Layout, shape: TrainShape, m: int, which: str, memo: dict
 ) -> Memory:
-    dense, experts, biggest = cached_stage_params(model, arch, layout, which, memo)
+    dense, experts, biggest = cached_stage_params(model, arch, layout, which, memo, shape.seq_len)
     n = shard_group(layout)
     n_exp = max(n // layout.ep, 1)
     z = layout.zero
@@ -366,7 +372,7 @@ def _stage_memory(
             params = params * shape.param_bytes / MASTER_BYTES  # a 16-bit shard stays on the device
         optimizer = 0.0
 
-    n_dense, n_moe = stage_counts(model, layout.pp, which, layout)
+    n_dense, n_moe = stage_counts(model, layout.pp, which, layout, shape.seq_len)
     rc = layout.recompute
 
     def act(moe: bool, recompute: str) -> float:
@@ -377,7 +383,7 @@ def _stage_memory(
             )
         return memo[key] * shape.act_bytes / BYTES  # counted in 16-bit elements; fp32 runs keep twice
 
-    r_dense, r_moe = recomputed_counts(model, layout, which)
+    r_dense, r_moe = recomputed_counts(model, layout, which, shape.seq_len)
     # (layers, of them recomputed whole, MoE?)
     kinds = [(c, r, moe) for c, r, moe in ((n_dense, r_dense, False), (n_moe, r_moe, True)) if c]
     kept = "none" if rc == "full" else rc  # what a block full recompute leaves alone keeps

@@ -146,10 +146,10 @@ def sub_module_facts(
     return block_modules(model, arch, layout), recomputed_fraction(model, layout, shape.seq_len)
 
 
-def fsdp_units(model: ModelSpec, layout: Layout, which: str) -> int:
+def fsdp_units(model: ModelSpec, layout: Layout, which: str, seq_len: int = 0) -> int:
     """FSDP units a rank of this stage gathers one at a time (as fivefold.parallel.data wraps them):
     each block, the embedding, and the final norm with the head (with the embedding when tied)."""
-    n_dense, n_moe = stage_counts(model, layout.pp, which, layout)
+    n_dense, n_moe = stage_counts(model, layout.pp, which, layout, seq_len)
     first, last = holds_embedding(which), holds_head(which)
     return n_dense + n_moe + int(first) + int(last and not (model.tie_embeddings and first))
 
@@ -165,14 +165,14 @@ def step_lower_bound(
     """Step time with every collective free: never above `_plan`'s (the search's pruning bound)."""
     rates = Rates.of(hw, shape.fp8, shape.attention, shape.act_bytes)
     lt = layer_times(model, arch, layout, shape, rates, memo)
-    weights = stage_weights(layout, model)
+    weights = stage_weights(layout, model, shape.seq_len)
     times = []
     for which in weights:
-        n_dense, n_moe = stage_counts(model, layout.pp, which, layout)
+        n_dense, n_moe = stage_counts(model, layout.pp, which, layout, shape.seq_len)
         mix = [(n_dense, lt[False])] + ([(n_moe, lt[True])] if n_moe else [])
         f = _forward(lt, n_dense, n_moe)
         b = sum(c * x.bwd for c, x in mix)
-        b += _forward(lt, *recomputed_counts(model, layout, which))
+        b += _forward(lt, *recomputed_counts(model, layout, which, shape.seq_len))
         if layout.recompute == "selective":
             b += sum(c * x.redo(shape.sac) for c, x in mix)
         if holds_head(which):
@@ -257,11 +257,11 @@ def _plan(
     def stage_costs(which: str) -> tuple[float, float, float, float, list[tuple], tuple[float, float]]:
         """(t_f, t_b, compute, exposed comm) of one micro-batch through a stage, its collectives as
         (axis, op, payload, group, link, calls, exposed seconds, overlap), and one layer's (fwd, bwd)."""
-        n_dense, n_moe = stage_counts(model, layout.pp, which, layout)
+        n_dense, n_moe = stage_counts(model, layout.pp, which, layout, shape.seq_len)
         n = n_dense + n_moe
         per = max(n, 1)  # per-layer shares; a first or last stage may hold no layer (`--pp-split 0,32`)
         # full recompute runs the forward of its blocks (and their collectives) twice
-        r_dense, r_moe = recomputed_counts(model, layout, which)
+        r_dense, r_moe = recomputed_counts(model, layout, which, shape.seq_len)
         r = r_dense + r_moe
         again = r / per  # the share of the stage's per-layer forward collectives run again
         mix = [(n_dense, lt[False])] + ([(n_moe, lt[True])] if n_moe else [])
@@ -453,7 +453,7 @@ def _plan(
 
     # every distinct rank of the pipeline: the slowest sets the pace, the bubble is the others' fill
     # and drain (a rank-weighted mean)
-    weights = stage_weights(layout, model)
+    weights = stage_weights(layout, model, shape.seq_len)
     per_stage = {which: stage_costs(which) for which in weights}
     worst = max(per_stage, key=lambda k: per_stage[k][0] + per_stage[k][1])
     t_f, t_b, compute_mb, exposed_mb, recs, (layer_f, layer_b) = per_stage[worst]
@@ -488,7 +488,7 @@ def _plan(
             add("pp", ALL_REDUCE, tied, 2, pp_link, 1)
     tp_once = 0.0  # seconds of the step's once-a-step tp reductions (after the backward, exposed)
     if layout.tp > 1:  # once a step: partial weight gradients summed over tp
-        n_layers = sum(stage_counts(model, layout.pp, worst, layout))
+        n_layers = sum(stage_counts(model, layout.pp, worst, layout, shape.seq_len))
         if layout.sp:  # the norms' (replicated weights over sequence shards)
             norms = 2 * n_layers + int(holds_head(worst))
             # FSDP syncs every micro-batch's gradients (in the weights' dtype) outside a pipeline
@@ -512,7 +512,7 @@ def _plan(
     pipeline_time = m * (t_f + t_b) + bubble
 
     # --- data-parallel traffic: gradients, and parameters under ZeRO-1/3
-    dense, experts, _ = cached_stage_params(model, arch, layout, worst, memo)
+    dense, experts, _ = cached_stage_params(model, arch, layout, worst, memo, shape.seq_len)
     data_parallel_traffic(
         layout,
         shape,
@@ -525,7 +525,7 @@ def _plan(
         t_b,
         hw,
         *sub_module_facts(model, arch, layout, shape),
-        units=fsdp_units(model, layout, worst),
+        units=fsdp_units(model, layout, worst, shape.seq_len),
     )
     n = shard_group(layout)
     local = (dense / n + experts / max(n // layout.ep, 1)) if layout.zero >= 1 else dense + experts
@@ -539,7 +539,9 @@ def _plan(
     mflops = facts.model_flops
     if rc == "full":  # the recomputed share of the layers' forward on top of the plain step
         flops = facts.hardware_flops
-        hflops = flops["none"] + recomputed_fraction(model, layout) * (flops["full"] - flops["none"])
+        hflops = flops["none"] + recomputed_fraction(model, layout, shape.seq_len) * (
+            flops["full"] - flops["none"]
+        )
     else:
         hflops = facts.hardware_flops[rc]
     causal_flops = facts.causal_flops
@@ -626,10 +628,10 @@ def outside_layers(
             * shape.act_bytes
             / BYTES
         )
-        copies = 2 * m * sum(recomputed_counts(model, layout, worst)) * kept / HOST_LINK_BPS
+        copies = 2 * m * sum(recomputed_counts(model, layout, worst, shape.seq_len)) * kept / HOST_LINK_BPS
         out["the checkpoints' copies to the host and back"] = copies
     if shape.sharded_copies:
-        n_layers = sum(stage_counts(model, layout.pp, worst, layout))
+        n_layers = sum(stage_counts(model, layout.pp, worst, layout, shape.seq_len))
         ends = int(holds_embedding(worst)) + 2 * int(holds_head(worst))  # embedding; final norm, head
         gather = gather_copies_time(layout, shape, n_layers * shape.block_tensors + ends)
         out["the host's per-tensor copies of the sharded optimizer's gather"] = gather

@@ -44,6 +44,7 @@ def lightest_recompute(
     model: ModelSpec,
     fits: Callable[[Layout], bool],
     recomputes: tuple[str, ...] = RECOMPUTE_ORDER,
+    seq_len: int = 0,
 ) -> Layout | None:
     """`base` under the least recompute with which `fits` holds, or None: none, selective, then full
     recompute of the fewest blocks per chunk (`recompute_layers`, bisected: memory only falls as
@@ -58,7 +59,7 @@ def lightest_recompute(
             continue
         if not fits(lay):
             return None
-        most = most_chunk_layers(model, lay)
+        most = most_chunk_layers(model, lay, seq_len)
         lo, hi = 1, most  # hi blocks (all of the largest chunk) fit
         while lo < hi:
             trial = copy.copy(lay)
@@ -275,12 +276,12 @@ def search(
         pins["recompute_layers"] = pins.get("recompute_layers", 0)
     for base in candidates(model, hw, gpus, shape, gpn, pins):
         n = shard_group(base)
-        ends = tuple(stage_names(base, model))
+        ends = tuple(stage_names(base, model, shape.seq_len))
         key = (base.tp, base.pp, base.ep, base.zero, n, ends, base.virtual_stages, base.pp_schedule)
         if key not in state_cache:  # model state of the worst stage (the split decides it), no batch
             worst = 0.0
             for which in ends:
-                dense, experts, _ = stage_params(model, arch, base, which)
+                dense, experts, _ = stage_params(model, arch, base, which, shape.seq_len)
                 worst = max(
                     worst, sum(model_state(dense, experts, base.zero, n, max(n // base.ep, 1), shape))
                 )
@@ -323,7 +324,7 @@ def search(
                 lay.recompute, lay.recompute_layers = "full", pins["recompute_layers"]
                 chosen = lay if fits(lay) else None
             else:
-                chosen = lightest_recompute(base, model, fits, recomputes)
+                chosen = lightest_recompute(base, model, fits, recomputes, shape.seq_len)
             considered += len(tried)
             if chosen is None:
                 continue

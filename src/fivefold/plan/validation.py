@@ -248,7 +248,7 @@ def fill(inp: RunInputs, hw: HardwareSpec) -> RunInputs:
                 if lightest is not None:
                     chosen = lightest(lay, fits)
                 else:
-                    chosen = lightest_recompute(lay, inp.model, fits, recomputes)
+                    chosen = lightest_recompute(lay, inp.model, fits, recomputes, inp.shape.seq_len)
             except FivefoldError:
                 continue  # this schedule or micro-batch cannot run this model
             if chosen is None:  # by how much the heaviest recompute, the last tried, misses

@@ -248,3 +248,17 @@ def test_a_pipeline_is_split_for_the_runs_sequence_length() -> None:
     short = dataclasses.replace(model, max_seq_len=4096)
     planned = plan(model, hw, layout, shape).step_time_s
     assert planned == pytest.approx(plan(short, hw, layout, shape).step_time_s)
+
+
+def test_a_serving_ranks_experts_see_the_tokens_of_every_expert_parallel_replica() -> None:
+    """At batch 1, one replica routes 8 of qwen3's 128 experts a layer; under ep 8 a rank's 16
+    experts serve all 8 replicas' tokens (as many as one batch routes): most of them are read each
+    step, where the plan had read about one."""
+    model = load_model("qwen3-30b-a3b")
+    hw = load_hardware("h100-80gb")
+    shape = InferenceShape(batch=1, context=4096, prompt=2048)
+    alone = inference_plan(model, hw, Layout(fsdp=8).resolve(8), shape)
+    folded = inference_plan(model, hw, Layout(fsdp=8, ep=8).resolve(8), shape)
+    # a rank reads an eighth of the experts, but nearly all of that eighth: not an eighth of a replica's
+    reading = folded.decode_time_per_token_s - folded.comm["ep"]  # the dispatch and combine aside
+    assert reading > 0.7 * alone.decode_time_per_token_s

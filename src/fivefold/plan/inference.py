@@ -173,9 +173,11 @@ def inference_plan(
         shard_dense, shard_exp, _ = _layer_weights(model, arch, lay, moe)
         touched = shard_exp
         routed_flops = 0.0
-        if moe:  # decode reads only the local experts some routed token of the batch hits
-            touched = shard_exp * (1 - (1 - 1 / model.experts) ** (shape.batch * model.experts_per_token))
-            routed_flops = model.experts_per_token * model.expert_params() / (lay.tp * lay.ep)
+        if moe:  # decode reads only the local experts some routed token hits: with ep a rank's experts
+            # serve the tokens of all ep replicas, as many (balanced) as its own batch routes
+            routed = lay.ep * shape.batch * model.experts_per_token
+            touched = shard_exp * (1 - (1 - 1 / model.experts) ** routed)
+            routed_flops = model.experts_per_token * model.expert_params() / lay.tp
         read = shape.weight_bytes * (shard_dense + touched) + kv_token_layer
         flops = 2 * shape.batch * (shard_dense + routed_flops)
         decode += count * max(read / hbm, flops / rates.flops)

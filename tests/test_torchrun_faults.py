@@ -114,27 +114,38 @@ def test_killing_the_agent_without_the_store_ends_the_run_non_zero(tmp_path, cor
     assert "lost a peer rank" in host_log, host_log[-3000:]
 
 
-def _dies(rank: int, world: int, how: str) -> None:
-    """Rank 1 is killed (or raises); rank 0 waits for it in a collective and loses it."""
-    import torch
-    import torch.distributed as dist
+def _failure(exitcode: int, message: object, timestamp: int):
+    from types import SimpleNamespace
 
-    if rank == 1:
-        if how == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        raise ValueError("the rank's own last words")
-    dist.all_reduce(torch.ones(1))
+    return SimpleNamespace(exitcode=exitcode, message=message, timestamp=timestamp)
 
 
-@pytest.mark.parametrize(("how", "words"), [("kill", "rank 1 killed by SIGKILL"), ("raise", "rank 1 failed")])
-def test_a_lost_rank_of_verify_or_generate_is_one_line(how, words) -> None:
-    """verify and generate start their ranks through `spawn_ranks`: a rank killed or failing ends in
-    one line naming it (exit code 1: a fault, not bad input), not in the launcher's traceback."""
-    from fivefold.parallel.spawn import RankFailed, spawn_ranks
+LOST = "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:4242"
 
-    with pytest.raises(RankFailed) as exc:
-        spawn_ranks(_dies, 2, how)
-    assert words in str(exc.value) and exc.value.exit_code == 1
-    if how == "raise":
-        assert "the rank's own last words" in str(exc.value)
-    assert len(str(exc.value).splitlines()) == 1
+
+@pytest.mark.parametrize(
+    ("failures", "words"),
+    [
+        # rank 1 killed; rank 0 then lost it in a collective: the killed rank is the cause
+        ({0: _failure(1, {"message": LOST}, 10), 1: _failure(-9, "", 11)}, "rank 1 killed by SIGKILL"),
+        # rank 1 raised; rank 0 lost it after: not the first-numbered rank, the one that did not lose a peer
+        (
+            {0: _failure(1, {"message": LOST}, 10), 1: _failure(1, {"message": "ValueError: bad\n"}, 10)},
+            "rank 1 failed: ValueError: bad",
+        ),
+        # two ranks failing on their own: the earlier report
+        (
+            {0: _failure(1, "OSError: late", 12), 1: _failure(1, "OSError: early", 11)},
+            "rank 1 failed: OSError: early",
+        ),
+        ({3: _failure(1, "", 5)}, "rank 3 exited with code 1"),
+    ],
+)
+def test_a_lost_rank_of_verify_or_generate_is_named_in_one_line(failures, words) -> None:
+    """verify and generate start their ranks through `spawn_ranks`: of the ranks that failed it names
+    the one that went first (killed, or failing without having lost a peer), in one line with exit
+    code 1 (a fault, not bad input), where it had raised the launcher's traceback."""
+    from fivefold.parallel.spawn import RankFailed, the_cause
+
+    error = RankFailed(*the_cause(failures))
+    assert str(error).startswith(words) and error.exit_code == 1 and len(str(error).splitlines()) == 1

@@ -88,3 +88,15 @@ def test_the_assumed_batch_and_sequence_fit_the_flags_given(capsys) -> None:
     assert "--seq-len 256" in captured.err and "must be a multiple" not in captured.err
     assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--tp", "2", "--micro-batch", "3"]) == 0
     assert "--seq-len 4096" in capsys.readouterr().err
+
+
+def test_plan_and_explore_name_the_train_flags_of_a_pipelines_batch_split(tmp_path, capsys) -> None:
+    """A pipelined plan of 8 micro-batches of 2, where train would split the data rank's 16 sequences
+    into its default 2 × pp = 6 (and refuse): both faces name the flags that run the planned split."""
+    flags = [*COMMON[:2], "--hardware", "cpu", "--gpus", "6", "--tp", "2", "--pp", "3", "--seq-len", "48"]
+    flags += ["--micro-batch", "2", "--global-batch", "16"]
+    hint = "fivefold train runs this batch split with --micro-batch 2 --microbatches 8"
+    out = tmp_path / "page.html"
+    for argv in (["plan", *flags], ["explore", *flags, "--top", "0", "--no-lab", "--out", str(out)]):
+        assert main(argv) == 0
+        assert hint in capsys.readouterr().out

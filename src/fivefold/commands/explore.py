@@ -122,6 +122,13 @@ def run(args: argparse.Namespace) -> int:
     defaults.say_assumed(assumed)
     if resolved is not None and (refused := train_refuses(model, resolved, seq_len)):
         print(f"note: fivefold train refuses this layout: {refused}")
+    elif resolved is not None and not args.microbatches:  # as plan says it
+        from fivefold.plan import plan
+        from fivefold.plan.text import train_split_hint
+
+        gpn = args.gpus_per_node or hw.gpus_per_node
+        if hint := train_split_hint(plan(model, hw, resolved, shape, gpn)):
+            print(f"note: {hint}")
     print(f"wrote {out} ({len(html) / 1e3:.0f} kB): open it in a browser")
     return 0
 

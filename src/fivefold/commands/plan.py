@@ -228,12 +228,8 @@ def run(args: argparse.Namespace) -> int:
     p = plan(model, hw, layout, shape, gpn)
     if args.microbatches and layout.pp == 1:
         p.notes.append("--microbatches splits a pipeline's batch: with --pp 1 it does nothing, as in train")
-    if layout.pp > 1 and not args.microbatches and p.microbatches != layout.microbatches:
-        # train splits a data rank's batch into 2 × pp micro-batches unless told
-        p.notes.append(
-            f"fivefold train runs this batch split with --micro-batch {p.shape.micro_batch} --microbatches "
-            f"{p.microbatches} (untold, it splits a data rank's batch into {layout.microbatches})"
-        )
+    if not args.microbatches and (hint := view.train_split_hint(p)):
+        p.notes.append(hint)
     if args.trainer != "fivefold":
         p.notes.append(f"planned with the facts of {TRAINER_FLAGS[args.trainer]} (--trainer {args.trainer})")
     defaults.say_assumed(assumed)

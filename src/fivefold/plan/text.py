@@ -9,6 +9,17 @@ BAR_WIDTH = 48
 PARTS = (("params", "█"), ("grads", "▓"), ("optimizer", "▒"), ("activations", "░"), ("buffers", "·"))
 
 
+def train_split_hint(p: Plan) -> str:
+    """The flags with which `fivefold train` runs a pipelined plan's batch split, where its own default
+    (a data rank's batch in 2 × pp micro-batches, the plan's resolved layout) differs; else ""."""
+    if p.layout.pp == 1 or p.microbatches == p.layout.microbatches:
+        return ""
+    return (
+        f"fivefold train runs this batch split with --micro-batch {p.shape.micro_batch} --microbatches "
+        f"{p.microbatches} (untold, it splits a data rank's batch into {p.layout.microbatches})"
+    )
+
+
 def byte_unit(largest: float) -> tuple[float, str]:
     """(divisor, name) of the decimal unit a column of byte counts up to `largest` reads best in: a
     tiny model's state in MB or kB rather than a column of 0.00 GB."""

@@ -262,3 +262,15 @@ def test_a_serving_ranks_experts_see_the_tokens_of_every_expert_parallel_replica
     # a rank reads an eighth of the experts, but nearly all of that eighth: not an eighth of a replica's
     reading = folded.decode_time_per_token_s - folded.comm["ep"]  # the dispatch and combine aside
     assert reading > 0.7 * alone.decode_time_per_token_s
+
+
+def test_a_serving_plan_charges_context_parallelism_its_communication() -> None:
+    """Prefill at cp 8 came out exactly an eighth of cp 1 and cp's communication was 0. Decode now
+    sums each layer's partial outputs over the KV shards (an all-reduce across nodes here: tp 8
+    fills the node), which grows with cp; prefill's ring hides behind the attention at 128K."""
+    model, hw = load_model("llama3-70b"), load_hardware("h100-80gb")
+    shape = InferenceShape(batch=1, context=131072, prompt=128000)
+    plans = {cp: inference_plan(model, hw, Layout(tp=8, cp=cp).resolve(8 * cp), shape) for cp in (1, 2, 8)}
+    assert plans[1].comm["cp"] == 0 < plans[2].comm["cp"] < plans[8].comm["cp"]
+    assert plans[8].decode_time_per_token_s > plans[2].decode_time_per_token_s
+    assert plans[8].prefill_time_s >= plans[1].prefill_time_s / 8

@@ -5,7 +5,8 @@ context · batch / cp, with kv heads split by tp (replicated when tp > kv_heads)
 attention caches the compressed latent (kv_lora_rank + rope dim) per token instead, on every tp rank.
 Prefill is compute-bound: the layers' forward over batch × prompt tokens on the roofline. Decode is
 memory-bound: each new token reads the rank's weights (only the experts some token of the batch is
-routed to) and the whole KV cache, plus two tp all-reduces per layer that cost mostly latency.
+routed to) and the whole KV cache, plus two tp all-reduces per layer that cost mostly latency (with
+cp, one more over cp: the partial attention outputs of the KV shards).
 Pipeline stages run one after the other for one token, so their times add.
 """
 
@@ -161,6 +162,8 @@ def inference_plan(
 
     tp_link = kinds.get("tp", "intra")
     tp_nics = ring_nics(layout, ("tp",), tp_link, gpn)
+    cp_link = kinds.get("cp", "intra")
+    cp_nics = ring_nics(layout, ("cp",), cp_link, gpn)
     prefill = decode = 0.0
     comm = {"tp": 0.0, "pp": 0.0, "ep": 0.0, "cp": 0.0}
     hbm = rates.hbm
@@ -190,6 +193,18 @@ def inference_plan(
             prefill += count * t_pre
             decode += count * t_dec
             comm["tp"] += count * t_dec
+        if lay.cp > 1:
+            # prefill: ring attention passes each rank's K and V block round the cp ranks, behind the
+            # attention core of the block in hand; decode: each rank attends over its KV shard and the
+            # partial outputs (with their log-sum-exp) are summed over cp, once a layer
+            kv_block = 2 * BYTES * tokens * kv_heads_local(model, lay.tp) * model.head_dim
+            hop = collective_time(hw, "send-recv", kv_block, 2, cp_link)[1]
+            t_pre = max((lay.cp - 1) * hop - pre.attn_core_fwd, 0.0)
+            partial = BYTES * shape.batch * (model.heads // lay.tp) * (model.head_dim + 2)
+            t_dec = collective_time(hw, "all-reduce", partial, lay.cp, cp_link, cp_nics, "cp")[1]
+            prefill += count * t_pre
+            decode += count * t_dec
+            comm["cp"] += count * t_dec
         if moe and lay.ep > 1:  # dispatch and combine; tp ranks split the tokens they send
             link, local = ep_link(lay, gpn), ep_members_per_node(lay, gpn)
             per_token = BYTES * model.experts_per_token * model.hidden / lay.tp

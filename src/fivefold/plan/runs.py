@@ -176,7 +176,7 @@ def _int(run: dict[str, Any], table: str, key: str, value: Any) -> int:
 
 def _count(run: dict[str, Any], table: str, key: str) -> int | None:
     """A positive integer the run states under `table.key`, or None where it states none."""
-    value = (run.get(table) or {}).get(key) if table != "" else run.get(key)
+    value = (run.get(table) or {}).get(key)
     return None if value is None else _int(run, table, key, value)
 
 

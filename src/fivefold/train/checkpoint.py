@@ -138,16 +138,30 @@ def _find_checkpoint(run_dir: Path, which: str, warn: bool) -> Path:
     )
 
 
+def _whole(value: Any) -> bool:
+    """A whole number >= 0 as JSON gives it (not true, 4.5 or 1e400)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def step_of(trainer_state: Any) -> int:
+    """The step in a checkpoint's trainer.json contents (ValueError when it is not a step count)."""
+    try:
+        step = trainer_state["step"]
+    except (KeyError, TypeError) as exc:
+        raise ValueError("trainer.json is missing or unreadable") from exc
+    if not _whole(step):
+        raise ValueError(f"trainer.json's step {step!r} is not a step count")
+    return step
+
+
 def checkpoint_step(path: Path) -> int:
     """The step a checkpoint was saved after, from its trainer.json (ValueError when that is not a
     step count: a whole number >= 0)."""
     try:
-        step = json.loads((Path(path) / "trainer.json").read_text())["step"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        state = json.loads((Path(path) / "trainer.json").read_text())
+    except (OSError, ValueError, RecursionError) as exc:
         raise ValueError("trainer.json is missing or unreadable") from exc
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"trainer.json's step {step!r} is not a step count")
-    return step
+    return step_of(state)
 
 
 def checkpoint_problem(path: Path) -> str | None:
@@ -172,7 +186,7 @@ def checkpoint_problem(path: Path) -> str | None:
         try:
             for files in json.loads(manifest.read_text()).values():
                 for name, size in files.items():
-                    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                    if not _whole(size):
                         raise ValueError(f"size {size!r}")
                     needed[name] = max(needed.get(name, 0), size)
         except (OSError, ValueError, AttributeError, TypeError, RecursionError):
@@ -318,7 +332,7 @@ def load_checkpoint(
 
     try:
         trainer_state = json.loads(meta_file.read_text())
-        step = checkpoint_step(path)
+        step = step_of(trainer_state)
         if not (path / ".metadata").exists():
             raise FileNotFoundError(f"{path / '.metadata'} is missing")
         stored = read_metadata(path).state_dict_metadata

@@ -278,6 +278,9 @@ def test_resume_refuses_a_damaged_run_directory_before_training(
     [
         ("hidden = 32", "hidden = 64", "does not describe this checkpoint"),
         ("vocab = 256", "vocab = 1000000000", "weights take"),  # refused, not allocated
+        # every weight keeps its shape: without the recorded model it loaded and sampled wrongly
+        ("tie_embeddings = false", "tie_embeddings = true", "tie_embeddings = false, but"),
+        ("rope_theta = 10000.0", "rope_theta = 500000.0", "rope_theta = 10000.0, but"),
     ],
 )
 def test_generate_from_a_hand_edited_config(run_dir, tmp_path, capsys, old, new, words):
@@ -291,13 +294,24 @@ def test_generate_from_a_hand_edited_config(run_dir, tmp_path, capsys, old, new,
     )
 
 
-def test_resume_with_a_hand_edited_model_names_config_toml(run_dir, tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("hidden = 32", "hidden = 64"),
+        # the same shapes: an untied checkpoint resumed tied dropped its head quietly, and the
+        # other way round was called corrupt
+        ("tie_embeddings = false", "tie_embeddings = true"),
+        ("norm_eps = 1e-05", "norm_eps = 1e-06"),
+    ],
+)
+def test_resume_with_a_hand_edited_model_names_config_toml(run_dir, tmp_path, capsys, old, new):
     """A config.toml whose model no longer matches the checkpoint is named as the cause, not the
     checkpoint called corrupt; nothing is written."""
     run = tmp_path / "copy"
     shutil.copytree(run_dir, run)
     text = (run / "config.toml").read_text()
-    (run / "config.toml").write_text(text.replace("hidden = 32", "hidden = 64", 1))
+    assert old in text
+    (run / "config.toml").write_text(text.replace(old, new, 1))
     before = {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.is_file()}
     argv = ["train", "--run-dir", str(run), "--resume", "--steps", "99", "--no-progress"]
     _one_line_exit_2(capsys, argv, "does not describe this checkpoint")

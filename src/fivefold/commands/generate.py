@@ -295,7 +295,7 @@ def load_run(run_dir: Path, checkpoint: str = "latest", dtype: str | None = None
 
     from fivefold.config import RunConfig
     from fivefold.model.hf import DTYPES, empty_model
-    from fivefold.train.checkpoint import check_model_shapes, find_checkpoint
+    from fivefold.train.checkpoint import check_model_record, check_model_shapes, find_checkpoint, trainer_record
     from fivefold.train.safe_metadata import load_weights, read_metadata
 
     config = RunConfig.from_toml(run_dir / "config.toml")
@@ -306,6 +306,11 @@ def load_run(run_dir: Path, checkpoint: str = "latest", dtype: str | None = None
         reason = (str(exc).strip().splitlines() or [""])[0][:200]
         raise FivefoldError(f"checkpoint {path} is unreadable ({type(exc).__name__}: {reason})") from None
     check_weights_fit(config.model, dtype, device)  # config.toml may have been edited since
+    try:
+        saved = trainer_record(path).get("model")
+    except ValueError:
+        saved = None  # the weights' own checks below name what is wrong with such a checkpoint
+    check_model_record(path, saved, config.model, run_dir / "config.toml")
     model = empty_model(config.model, DTYPES[dtype or "fp32"], device)
     weights = model.state_dict()
     if config.model.tie_embeddings and "model.lm_head.weight" not in stored:

@@ -6,7 +6,8 @@ A checkpoint is a directory `checkpoints/step_<N>/` holding
     a checkpoint written by one layout loads into another, and each model chunk of a pipeline
     rank contributes its own names;
   * `trainer.json`: the step and the training state that is not a tensor (seed, data position —
-    batches are a function of (seed, step), so the step is the data state);
+    batches are a function of (seed, step), so the step is the data state), and the model it was
+    saved for (a resume or a load under an edited config.toml is refused, not misread);
   * `rng_rank<R>.pt`: each rank's torch RNG state.
 
 Complete or absent: everything is written into `step_<N>.tmp/`; each rank then reports the files it
@@ -89,6 +90,33 @@ def check_weight_layout(path: Path) -> None:
     )
 
 
+# model fields a resume may change: they do not alter what the saved weights compute
+RESUMABLE_MODEL_FIELDS = ("name", "max_seq_len", "init_std", "aux_loss_coef", "router_bias_rate")
+
+
+def model_record(spec: Any) -> dict[str, Any]:
+    """The model fields a checkpoint records (trainer.json's "model"), from a ModelSpec."""
+    return {k: v for k, v in vars(spec).items() if k not in RESUMABLE_MODEL_FIELDS}
+
+
+def check_model_record(path: Path, saved: Any, spec: Any, config_file: Path) -> None:
+    """Refuse, naming the fields, a model that differs from the one checkpoint `path` was saved for
+    (`saved`: trainer.json's "model"). Some edits keep every weight's shape and would load quietly:
+    tying the head to the embedding, the rotary base, the norm's epsilon."""
+    if not isinstance(saved, dict):
+        return  # written before checkpoints recorded their model: the shape check is what there is
+    now = model_record(spec)
+    changed = [k for k in now if k in saved and saved[k] != now[k]]
+    if changed:
+        was = ", ".join(f"{k} = {json.dumps(saved[k])}" for k in changed[:3])
+        now_says = ", ".join(f"{k} = {json.dumps(now[k])}" for k in changed[:3])
+        raise FivefoldError(
+            f"checkpoint {path} was saved for a model with {was}, but {config_file} now says {now_says}: "
+            "that config.toml does not describe this checkpoint (edited since it was saved?); put its "
+            "model back, or start a new run"
+        )
+
+
 def check_model_shapes(
     path: Path, weights: dict[str, Any], stored: dict[str, Any], config_file: Path
 ) -> None:
@@ -154,14 +182,21 @@ def step_of(trainer_state: Any) -> int:
     return step
 
 
-def checkpoint_step(path: Path) -> int:
-    """The step a checkpoint was saved after, from its trainer.json (ValueError when that is not a
-    step count: a whole number >= 0)."""
+def trainer_record(path: Path) -> dict[str, Any]:
+    """A checkpoint's trainer.json (ValueError when it is missing, unreadable or not an object)."""
     try:
         state = json.loads((Path(path) / "trainer.json").read_text())
     except (OSError, ValueError, RecursionError) as exc:
         raise ValueError("trainer.json is missing or unreadable") from exc
-    return step_of(state)
+    if not isinstance(state, dict):
+        raise ValueError("trainer.json is not a JSON object")
+    return state
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint was saved after, from its trainer.json (ValueError when that is not a
+    step count: a whole number >= 0)."""
+    return step_of(trainer_record(path))
 
 
 def checkpoint_problem(path: Path) -> str | None:
@@ -340,7 +375,9 @@ def load_checkpoint(
     except (Exception, CheckpointException) as exc:  # DCP raises several kinds; all mean the same here
         raise corrupt(exc) from None
     # a model of another shape is the run's config.toml edited since, not a damaged checkpoint
-    check_model_shapes(path, state["model"], stored, path.parent.parent / "config.toml")
+    config_file = path.parent.parent / "config.toml"
+    check_model_record(path, trainer_state.get("model"), model_parts[0].spec, config_file)
+    check_model_shapes(path, state["model"], stored, config_file)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")

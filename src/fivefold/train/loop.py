@@ -44,6 +44,7 @@ from fivefold.train.checkpoint import (
     checkpoint_step,
     find_checkpoint,
     load_checkpoint,
+    model_record,
     save_checkpoint,
 )
 from fivefold.train.data import (
@@ -535,7 +536,7 @@ def _train(
                 supervise.mark(step, "saving a checkpoint")
                 with tracer.span("checkpoint", cat="checkpoint", step=step):
                     saved = save_checkpoint(
-                        run_dir, step, parts, optimizers, {"seed": tspec.seed}, KEEP_CHECKPOINTS
+                        run_dir, step, parts, optimizers, {"seed": tspec.seed, "model": model_record(spec)}, KEEP_CHECKPOINTS
                     )
             supervise.mark(step, "agreeing whether to stop")
             signum = _stop_signal(device)
@@ -543,7 +544,7 @@ def _train(
                 if checkpoint_on_interrupt and saved is None:
                     supervise.mark(step, "saving a checkpoint on interrupt")
                     saved = save_checkpoint(
-                        run_dir, step, parts, optimizers, {"seed": tspec.seed}, KEEP_CHECKPOINTS
+                        run_dir, step, parts, optimizers, {"seed": tspec.seed, "model": model_record(spec)}, KEEP_CHECKPOINTS
                     )
                 raise supervise.Interrupted(signum, step, saved)
     finally:

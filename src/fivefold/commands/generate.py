@@ -295,7 +295,12 @@ def load_run(run_dir: Path, checkpoint: str = "latest", dtype: str | None = None
 
     from fivefold.config import RunConfig
     from fivefold.model.hf import DTYPES, empty_model
-    from fivefold.train.checkpoint import check_model_record, check_model_shapes, find_checkpoint, trainer_record
+    from fivefold.train.checkpoint import (
+        check_model_record,
+        check_model_shapes,
+        find_checkpoint,
+        trainer_record,
+    )
     from fivefold.train.safe_metadata import load_weights, read_metadata
 
     config = RunConfig.from_toml(run_dir / "config.toml")

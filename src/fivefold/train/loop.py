@@ -476,6 +476,7 @@ def _train(
         return sample_batch(data.train, tspec.seq_len, global_batch, tspec.seed, step, batch_rank, data_ranks)
 
     batches = BatchPrefetcher(fetch, device, tspec.steps)
+    saved_beside = {"seed": tspec.seed, "model": model_record(spec)}  # each checkpoint's trainer.json
     try:
         for step in range(start + 1, tspec.steps + 1):
             lr = lr_at(step, tspec)
@@ -535,17 +536,13 @@ def _train(
             if (step == tspec.steps and every >= 0) or (every > 0 and step % every == 0):
                 supervise.mark(step, "saving a checkpoint")
                 with tracer.span("checkpoint", cat="checkpoint", step=step):
-                    saved = save_checkpoint(
-                        run_dir, step, parts, optimizers, {"seed": tspec.seed, "model": model_record(spec)}, KEEP_CHECKPOINTS
-                    )
+                    saved = save_checkpoint(run_dir, step, parts, optimizers, saved_beside, KEEP_CHECKPOINTS)
             supervise.mark(step, "agreeing whether to stop")
             signum = _stop_signal(device)
             if signum and step < tspec.steps:
                 if checkpoint_on_interrupt and saved is None:
                     supervise.mark(step, "saving a checkpoint on interrupt")
-                    saved = save_checkpoint(
-                        run_dir, step, parts, optimizers, {"seed": tspec.seed, "model": model_record(spec)}, KEEP_CHECKPOINTS
-                    )
+                    saved = save_checkpoint(run_dir, step, parts, optimizers, saved_beside, KEEP_CHECKPOINTS)
                 raise supervise.Interrupted(signum, step, saved)
     finally:
         batches.close()

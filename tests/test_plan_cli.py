@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -9,6 +10,8 @@ import sys
 import pytest
 
 from fivefold.cli import main
+from fivefold.config import Layout, load_hardware, load_model
+from fivefold.plan import TrainShape, plan
 
 BASE = [
     "plan",
@@ -880,3 +883,12 @@ def test_a_calibration_is_anchored_at_the_devices_own_figures(capsys, tmp_path) 
     (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
     assert main(["plan", "--calibrate", str(run), "--out", str(tmp_path / "here.toml")]) == 0
     assert "cannot be told apart" in capsys.readouterr().err
+
+
+def test_the_mfu_band_stops_at_the_peak(capsys) -> None:
+    """An MFU band is a range of possible runs: none beats the peak, so its top is at most 1."""
+    model, hw = load_model("llama3-8b"), load_hardware("h100-80gb")
+    shape = TrainShape(seq_len=4096, global_batch=8, micro_batch=1)
+    high_mfu = dataclasses.replace(plan(model, hw, Layout(dp=8), shape), mfu=0.95)
+    low, high = high_mfu.mfu_band
+    assert low < 0.95 < high == 1.0

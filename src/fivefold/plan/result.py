@@ -64,7 +64,8 @@ class Plan:
 
     @property
     def mfu_band(self) -> tuple[float, float]:
-        return self.mfu * (1 - MFU_BAND), self.mfu * (1 + MFU_BAND)
+        # no run computes faster than the peak: the band stops at an MFU of 1
+        return self.mfu * (1 - MFU_BAND), min(1.0, self.mfu * (1 + MFU_BAND))
 
     def to_json(self) -> dict[str, object]:
         lay = self.layout

@@ -127,12 +127,23 @@ def data_parallel_traffic(
     shard_axis = "fsdp" if layout.fsdp > 1 else "dp"
     per_node = ring_nics(layout, sharded_axes, shard_link, hw.gpus_per_node)
 
+    # seconds of one micro-batch's forward and backward that no data-parallel collective covers yet:
+    # collectives queued behind the same pass share it, so a window hides each second only once
+    room = {"f": t_f, "b": t_b}
+
     def once(
-        axis: str, op: str, payload: float, group: int, link: str, window: float, pieces: int = 0
+        axis: str,
+        op: str,
+        payload: float,
+        group: int,
+        link: str,
+        window: str,
+        pieces: int = 0,
+        passes: int = 1,
     ) -> None:
-        """A step's gradient (or weight) traffic, issued in buckets as the backward frees them (or in
-        `pieces`, FSDP's units): each pays the ring's latency, and the last one cannot hide behind any
-        compute."""
+        """A step's gradient (or weight) traffic behind `passes` of the `window` pass ("f", "b"),
+        issued in buckets as the backward frees them (or in `pieces`, FSDP's units): each pays the
+        ring's latency, and the last one cannot hide behind any compute."""
         if group <= 1 or payload <= 0:
             return
         k = per_node if link == shard_link else 1
@@ -143,8 +154,9 @@ def data_parallel_traffic(
         else:
             buckets = max(1, math.ceil(payload / bucket_bytes(group)))
         t = buckets * collective_time(hw, op, payload / buckets, group, link, k, axis)[1]
-        hidden = window if overlap else 0.0
+        hidden = passes * room[window] if overlap else 0.0
         exposed = max(t - hidden, t / buckets)
+        room[window] = max(room[window] - (t - exposed) / passes, 0.0)
         add(
             axis,
             op,
@@ -161,17 +173,19 @@ def data_parallel_traffic(
     if z <= 1:
         for payload, group, link in ((dense, n, shard_link), (experts, n_exp, shard_link)):
             if z == 0:
-                once(shard_axis, ALL_REDUCE, g * payload, group, link, t_b)
+                once(shard_axis, ALL_REDUCE, g * payload, group, link, "b")
             else:
                 reduce = ALL_REDUCE if shape.sharded_copies else REDUCE_SCATTER
-                once(shard_axis, reduce, g * payload, group, link, t_b)
-                once(shard_axis, ALL_GATHER, p * payload, group, link, t_f)
+                once(shard_axis, reduce, g * payload, group, link, "b")
+                once(shard_axis, ALL_GATHER, p * payload, group, link, "f")
     elif z == 2 and shape.params_kept:
         # DeepSpeed's ZeRO-2: weights stay whole across micro-batches; gradients are reduce-scattered
         # every micro-batch behind its backward, the updated shards gathered once a step
         for payload, group in ((dense, n), (experts, n_exp)):
             if group > 1 and payload > 0:
                 t_rs = collective_time(hw, REDUCE_SCATTER, g * payload, group, shard_link, per_node)[1]
+                t_hid = min(t_rs, room["b"]) if overlap else 0.0
+                room["b"] -= t_hid
                 add(
                     shard_axis,
                     REDUCE_SCATTER,
@@ -179,11 +193,11 @@ def data_parallel_traffic(
                     group,
                     shard_link,
                     m,
-                    exposed=(max(t_rs - t_b, 0.0) + OVERLAP_DRAG * min(t_rs, t_b) if overlap else t_rs) * m,
+                    exposed=(t_rs - t_hid + OVERLAP_DRAG * t_hid) * m,
                     overlap="micro-batch backward",
                     per_node=per_node,
                 )
-                once(shard_axis, ALL_GATHER, p * payload, group, shard_link, t_f)
+                once(shard_axis, ALL_GATHER, p * payload, group, shard_link, "f")
     else:  # FSDP: gathers hide behind the micro-batch's forward, backward gathers and reduce-scatters
         # behind its backward (prefetching one layer ahead)
         # backward gather passes, and the passes that wait in line: one, all hidden, under torch
@@ -220,6 +234,8 @@ def data_parallel_traffic(
             alone_f, alone_b = busy_f, busy_b
         exposed_f = alone_f + max(busy_f - alone_f - t_f, 0.0) + OVERLAP_DRAG * min(busy_f - alone_f, t_f)
         exposed_b = alone_b + max(busy_b - alone_b - t_b, 0.0) + OVERLAP_DRAG * min(busy_b - alone_b, t_b)
+        room["f"] -= min(busy_f - alone_f, t_f)
+        room["b"] -= min(busy_b - alone_b, t_b)
         # inside a pipeline a ZeRO-3 unit stays gathered from a backward to the next forward (m + 1
         # gathers a step rather than 2m) and a ZeRO-2 unit from its first forward on (one gather),
         # as fsdp_gathers counts them for the ledger
@@ -242,7 +258,7 @@ def data_parallel_traffic(
                 per_node=per_node,
             )
             if not rs_each:
-                once(shard_axis, REDUCE_SCATTER, g * payload, group, shard_link, t_b, units)
+                once(shard_axis, REDUCE_SCATTER, g * payload, group, shard_link, "b", units)
                 continue
             add(
                 shard_axis,
@@ -263,7 +279,8 @@ def data_parallel_traffic(
                 syncs * g * (dense / n + experts / n_exp),
                 layout.dp,
                 kinds.get("dp", "inter"),
-                syncs * t_b,
+                "b",
+                passes=syncs,
             )
 
 

@@ -272,6 +272,7 @@ def _plan(
         wgrad = sum(c * x.wgrad for c, x in mix)
         recs: list[tuple] = []
         exp_f = exp_b = 0.0
+        not_again = 0.0  # forward collective seconds that a full recompute does not run again
         if layout.tp > 1:  # two collectives per layer and pass: all-reduce, or all-gather + reduce-scatter
             ops = (ALL_GATHER, REDUCE_SCATTER) if layout.sp else (ALL_REDUCE,)
             times = {op: t_of(op, act_bytes, layout.tp, tp_link, "tp") for op in ops}
@@ -295,6 +296,8 @@ def _plan(
                 # trainers) stops once the saved tensors are rebuilt, before the block's last one
                 again_calls = 2 * r if shape.tp_regather or op == ALL_GATHER else r
                 calls = 4 * n + again_calls
+                again_op = again * again_calls / (2 * r) if r else 0.0
+                not_again += share * (t_pass - hidden_f) * (again - again_op)
                 recs.append(
                     (
                         "tp",
@@ -303,7 +306,7 @@ def _plan(
                         layout.tp,
                         tp_link,
                         calls,
-                        share * ((1 + again) * (t_pass - hidden_f) + t_pass - hidden_b),
+                        share * ((1 + again_op) * (t_pass - hidden_f) + t_pass - hidden_b),
                         "matmuls (collective matmul)" if over else "weight-grad matmuls",
                     )
                 )
@@ -405,7 +408,7 @@ def _plan(
                 )
             )
         # per layer: one forward pass, its backward, and (full recompute) the forward's collectives again
-        exp_rc = exp_f * again
+        exp_rc = exp_f * again - not_again
         layer_f, layer_b = (f + exp_f) / per, (b + exp_b + exp_rc) / per
         if layout.tp > 1:  # the vocab-parallel embedding's output and the head's input
             emb, head = holds_embedding(which), holds_head(which)
@@ -533,6 +536,7 @@ def _plan(
     besides = outside_layers(model, arch, layout, shape, worst, m, dense + experts, rates)
     opt += sum(besides.values())
     exposed = sum(c.exposed_s for c in comms.values() if c.axis in ("dp", "fsdp", "pp")) + tp_once
+    exposed += nic_contention(comms, pipeline_time + exposed + opt)
     step = pipeline_time + exposed + opt
 
     facts = facts or model_facts(model, arch, shape.seq_len)
@@ -603,6 +607,22 @@ def _plan(
         },
         notes=notes,
     )
+
+
+def nic_contention(comms: dict[tuple[str, str], Collective], step: float) -> float:
+    """Seconds a step waits on its NIC beyond `step`: every collective that leaves the node goes
+    through the rank's NIC(s), one after another, so a step lasts at least their summed time, whatever
+    compute windows each hid behind on its own. The wait is charged to those collectives in proportion
+    to what they hid."""
+    off_node = [c for c in comms.values() if c.link == "inter"]
+    short = sum(c.time_s for c in off_node) - step
+    hidden = sum(c.time_s - c.exposed_s for c in off_node)
+    if short <= 0 or hidden <= 0:
+        return 0.0
+    short = min(short, hidden)
+    for c in off_node:
+        c.exposed_s += short * (c.time_s - c.exposed_s) / hidden
+    return short
 
 
 def outside_layers(

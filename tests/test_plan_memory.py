@@ -274,3 +274,18 @@ def test_a_serving_plan_charges_context_parallelism_its_communication() -> None:
     assert plans[1].comm["cp"] == 0 < plans[2].comm["cp"] < plans[8].comm["cp"]
     assert plans[8].decode_time_per_token_s > plans[2].decode_time_per_token_s
     assert plans[8].prefill_time_s >= plans[1].prefill_time_s / 8
+
+
+def test_selective_recompute_holds_one_layers_rebuilt_core_in_the_backward() -> None:
+    """Selective recompute drops each layer's attention core and rebuilds it in that layer's
+    backward: one layer's core (its s×s scores, where the kernel keeps them) is alive then, as full
+    recompute holds one rebuilt layer."""
+    model, hw = load_model("llama3-8b"), load_hardware("a100-80gb")
+    shape = TrainShape(seq_len=4096, global_batch=8, micro_batch=1, attention="materialized")
+    arch = resolve_arch(model, attention="materialized")
+    p = plan(model, hw, Layout(tp=8, sp=True, recompute="selective").resolve(8), shape)
+    args = (model, arch, p.layout, 1, 4096, False)
+    core = layer_activations(*args, "none") - layer_activations(*args, "selective")  # 16-bit bytes
+    assert core > 3e8  # 32 heads / tp 8 of 4096² scores, softmax and dropout mask
+    assert p.memory.detail["recompute_working"] == pytest.approx(core)
+    assert p.memory.buffers >= core

@@ -398,6 +398,9 @@ def _stage_memory(
     working = 0.0
     if r_dense + r_moe:  # during the backward one layer's activations are rebuilt at a time
         working = max(act(moe, "none") for c, r, moe in kinds if r)
+    elif rc == "selective" and kinds:  # and one layer's recomputed attention core (its scores, where
+        # the kernel materialises them), alive from its recompute to the end of its backward
+        working = max(act(moe, "none") - act(moe, "selective") for *_, moe in kinds)
     tokens = shape.micro_batch * shape.seq_len / layout.cp
     logits = 0.0
     if holds_head(which):  # 16-bit logits + fp32 softmax kept by the vocab-parallel loss

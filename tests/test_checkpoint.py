@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import shutil
 from pathlib import Path
 
@@ -91,6 +92,38 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_intact(tmp_path, cor
     assert resumed.first_step == 4 and len(resumed.losses) == 3
     assert not (run / "checkpoints" / "step_6.tmp").exists()
     assert first.losses == train(config(corpus, steps=3), tmp_path / "fresh", progress=False).losses
+
+
+@pytest.mark.parametrize("where", ["shards", "rng", "trainer.json"])
+def test_a_full_disk_stops_the_run_with_one_line_and_frees_what_it_wrote(
+    tmp_path, corpus, monkeypatch, where
+):
+    """No space for a checkpoint: the run stops (exit code 1, not 2: a fault, not bad input), the
+    partial step_<N>.tmp is removed, and the earlier checkpoint resumes."""
+    run = tmp_path / "run"
+    train(config(corpus, steps=3), run, progress=False)
+    full = OSError(errno.ENOSPC, "No space left on device")
+    if where == "shards":  # DCP's own files
+        monkeypatch.setattr(ckpt.dcp, "save", lambda state, checkpoint_id: (_ for _ in ()).throw(full))
+    elif where == "rng":
+        monkeypatch.setattr(ckpt.torch, "save", lambda *a, **k: (_ for _ in ()).throw(full))
+    else:
+        real_write = Path.write_text
+
+        def no_room_for_trainer_json(self, *a, **k):
+            if self.name == "trainer.json":
+                raise full
+            return real_write(self, *a, **k)
+
+        monkeypatch.setattr(Path, "write_text", no_room_for_trainer_json)
+    with pytest.raises(ckpt.CheckpointUnwritten) as caught:
+        train(config(corpus, steps=6), run, resume="latest", progress=False)
+    assert caught.value.exit_code == 1
+    assert "step_6 could not be written" in str(caught.value) and "No space left" in str(caught.value)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_3"]
+    monkeypatch.undo()
+    resumed = train(config(corpus, steps=6), run, resume="latest", progress=False)
+    assert resumed.first_step == 4
 
 
 def test_corrupt_or_missing_checkpoints_are_clear_errors(tmp_path, corpus):

@@ -218,3 +218,21 @@ def test_unsupported_axis_combinations_are_refused_by_train(flags: list[str], ax
     assert done.returncode == 2, done.stderr
     assert axis in done.stderr and "--zero 2" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "run").exists()  # refused before any rank started
+
+
+def test_a_full_disk_is_one_line_and_exit_code_1_in_any_command(tmp_path, monkeypatch, capsys):
+    """Storage without room is the machine's fault, not the input's: one line naming the file, exit
+    code 1, whichever command was writing."""
+    import errno
+
+    import fivefold.commands.explore as explore
+
+    out = tmp_path / "page.html"
+
+    def no_room(args):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out))
+
+    monkeypatch.setattr(explore, "run", no_room)
+    assert main(["explore", "--model", "tiny", "--gpus", "2", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"fivefold explore: error: No space left on device: {out}"]

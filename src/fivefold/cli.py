@@ -7,6 +7,7 @@ Bad input surfaces as `FivefoldError`: one line on stderr, exit code 2, no trace
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
@@ -82,6 +83,9 @@ def _top_parser() -> argparse.ArgumentParser:
     return parser
 
 
+STORAGE_FULL = (errno.ENOSPC, errno.EDQUOT)  # writes that fail for want of space, whatever the command
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
@@ -107,6 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as other tools do
         _silence_stdout()
         return 0
+    except OSError as exc:
+        if exc.errno not in STORAGE_FULL:
+            raise
+        # a fault of the machine, not of the input: one line naming the file, exit code 1
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"fivefold {name}: error: {exc.strerror}{where}", file=sys.stderr)
+        return 1
 
 
 def _silence_stdout() -> None:

@@ -271,28 +271,40 @@ def save_checkpoint(
         for stale in root.glob("step_*.deleting"):  # left by a kill during an earlier prune
             shutil.rmtree(stale, ignore_errors=True)
     _barrier()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # one process: fine
-        dcp.save(_state(model_parts, optimizers), checkpoint_id=str(tmp))
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save(rng, tmp / f"rng_rank{rank}.pt")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # one process
+            dcp.save(_state(model_parts, optimizers), checkpoint_id=str(tmp))
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        torch.save(rng, tmp / f"rng_rank{rank}.pt")
+    except (OSError, CheckpointException) as exc:  # a full disk, a quota, storage gone read-only
+        raise _unwritten(final, tmp, rank, exc) from None
     shards = _gather(_own_files(tmp, rank))  # every rank's files as it sees them: names and sizes
-    problem = None
+    problem = unwritten = None
     if rank == 0:
-        (tmp / "shards.json").write_text(json.dumps({str(r): f for r, f in enumerate(shards)}, indent=1))
-        problem = _unseen(tmp, shards)
-    problem = broadcast_object(problem)
+        try:
+            (tmp / "shards.json").write_text(json.dumps({str(r): f for r, f in enumerate(shards)}, indent=1))
+        except OSError as exc:
+            unwritten = _first_cause(exc)
+        else:
+            problem = _unseen(tmp, shards)
+    problem, unwritten = broadcast_object((problem, unwritten))
+    if unwritten is not None:
+        raise _unwritten(final, tmp, rank, OSError(unwritten))
     if problem is not None:
         raise FivefoldError(
             f"checkpoint {final.name} is incomplete from rank 0's view: {problem}; the run directory "
             f"must be on storage every rank shares (the previous checkpoint is kept)"
         )
     if rank == 0:
-        (tmp / "trainer.json").write_text(
-            json.dumps(dict(trainer_state, step=step, **WEIGHT_LAYOUT), indent=1)
-        )
+        try:
+            (tmp / "trainer.json").write_text(
+                json.dumps(dict(trainer_state, step=step, **WEIGHT_LAYOUT), indent=1)
+            )
+        except OSError as exc:
+            raise _unwritten(final, tmp, rank, exc) from None
         replaced = _retire(final) if final.exists() else None  # the same step saved again
         os.replace(tmp, final)
         _fsync_dir(root)
@@ -302,6 +314,23 @@ def save_checkpoint(
                 shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+class CheckpointUnwritten(FivefoldError):
+    """A checkpoint the storage would not take: a fault of the run, not bad input (exit code 1)."""
+
+    exit_code = 1
+
+
+def _unwritten(final: Path, tmp: Path, rank: int, exc: BaseException) -> CheckpointUnwritten:
+    """The one line for a checkpoint that could not be written; rank 0 removes what was written of it,
+    which frees the space it took (resume never reads a `.tmp`, and the previous checkpoint stays)."""
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return CheckpointUnwritten(
+        f"checkpoint {final} could not be written ({_first_cause(exc)}); earlier checkpoints are kept "
+        "and the run stopped: free space (or fix the storage) and resume"
+    )
 
 
 def _own_files(directory: Path, rank: int) -> dict[str, int]:

@@ -108,8 +108,10 @@ def check_model_record(path: Path, saved: Any, spec: Any, config_file: Path) -> 
     now = model_record(spec)
     changed = [k for k in now if k in saved and saved[k] != now[k]]
     if changed:
-        was = ", ".join(f"{k} = {json.dumps(saved[k])}" for k in changed[:3])
-        now_says = ", ".join(f"{k} = {json.dumps(now[k])}" for k in changed[:3])
+        was = ", ".join(
+            f"{k} = {json.dumps(saved[k])[:40]}" for k in changed[:3]
+        )  # a crafted value stays short
+        now_says = ", ".join(f"{k} = {json.dumps(now[k])[:40]}" for k in changed[:3])
         raise FivefoldError(
             f"checkpoint {path} was saved for a model with {was}, but {config_file} now says {now_says}: "
             "that config.toml does not describe this checkpoint (edited since it was saved?); put its "

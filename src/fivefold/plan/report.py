@@ -388,7 +388,7 @@ def _plan(
                     layout.ep,
                     exp_link,
                     2 * (2 * n_moe + r_moe),
-                    e2_f + e2_b if hidden else (2 + r_moe / n_moe) * t2,
+                    e2_f * (1 + again) + e2_b if hidden else (2 + r_moe / n_moe) * t2,
                     "paired chunk (DualPipe)" if hidden else "none",
                 )
             )

@@ -144,7 +144,14 @@ def collective_time(
         nvlink = link_params(hw, "intra")[1]
         seconds = max(payload * (n - g) / n / net, payload * (g - 1) / n / nvlink)
         return wire, steps * alpha + seconds + host_dispatch(hw, axis, op)
-    return wire, steps * alpha + wire / beta + host_dispatch(hw, axis, op)
+    seconds = steps * alpha + wire / beta
+    if op.replace("-", "_") == ALL_REDUCE and link != "intra" and n > 2:
+        # across nodes NCCL also runs all-reduce down and up a (double binary) tree: 2·log2(n) hops
+        # of latency where the ring pays 2(n-1), each rank sending its whole buffer up and down; its
+        # tuner takes whichever is faster, which at thousands of ranks and small buckets is the tree
+        tree = 2 * math.ceil(math.log2(n)) * alpha + 2 * payload / beta
+        seconds = min(seconds, tree)
+    return wire, seconds + host_dispatch(hw, axis, op)
 
 
 @lru_cache(maxsize=4096)

@@ -38,6 +38,7 @@ HARDWARE_PRESETS = [
     "v100-32gb",
     "mi250x",
     "mi300x",
+    "tpu-v3",
     "tpu-v4",
     "tpu-v5p",
     "cpu",

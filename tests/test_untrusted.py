@@ -294,6 +294,29 @@ def test_generate_from_a_hand_edited_config(run_dir, tmp_path, capsys, old, new,
     )
 
 
+def test_generate_on_ranks_refuses_a_hand_edited_model_before_they_start(run_dir, tmp_path, capsys):
+    """`generate --nproc 2` reads the checkpoint in each rank: a config.toml that no longer describes it
+    is named before any rank starts."""
+    run = tmp_path / "copy"
+    shutil.copytree(run_dir, run)
+    text = (run / "config.toml").read_text()
+    (run / "config.toml").write_text(text.replace("tie_embeddings = false", "tie_embeddings = true", 1))
+    argv = [
+        "generate",
+        "--from",
+        str(run),
+        "--prompt",
+        "x",
+        "--max-new-tokens",
+        "2",
+        "--nproc",
+        "2",
+        "--tp",
+        "2",
+    ]
+    _one_line_exit_2(capsys, argv, "tie_embeddings = false, but")
+
+
 @pytest.mark.parametrize(
     ("old", "new"),
     [

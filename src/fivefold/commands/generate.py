@@ -18,6 +18,7 @@ tensor-parallel shards, pipeline stages and data-parallel replicas, gloo on CPU,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -153,11 +154,18 @@ def _run_ranks(args: argparse.Namespace, tp: int, pp: int, dp: int) -> int:
             eos_ids = _hf_eos_ids(path)
         elif (path / "config.toml").is_file():
             from fivefold.config import RunConfig
-            from fivefold.train.checkpoint import find_checkpoint
+            from fivefold.train.checkpoint import check_model_record, find_checkpoint, trainer_record
 
-            find_checkpoint(path, args.checkpoint)  # a missing checkpoint is refused before any rank starts
+            # a missing checkpoint, or one saved for another model than config.toml now describes, is
+            # refused before any rank starts
+            found = find_checkpoint(path, args.checkpoint)
+            config = RunConfig.from_toml(path / "config.toml")
+            with contextlib.suppress(ValueError):  # an unreadable trainer.json: the ranks' loader names it
+                check_model_record(
+                    found, trainer_record(found).get("model"), config.model, path / "config.toml"
+                )
             source = ModelSource("run", str(path), checkpoint=args.checkpoint, dtype=args.dtype)
-            tokenizer_name = RunConfig.from_toml(path / "config.toml").train.tokenizer
+            tokenizer_name = config.train.tokenizer
             eos_ids = None
         else:
             load_for_generation(path)  # raises the one-line reason

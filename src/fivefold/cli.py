@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # a fault of the machine, not of the input: one line naming the file, exit code 1
         where = f": {exc.filename}" if exc.filename else ""
-        print(f"fivefold {name}: error: {exc.strerror}{where}", file=sys.stderr)
+        print(f"fivefold {name}: error: {exc.strerror or os.strerror(exc.errno)}{where}", file=sys.stderr)
         return 1
 
 

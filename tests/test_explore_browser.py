@@ -366,6 +366,14 @@ def test_inference_view_is_the_planners(lab_page) -> None:
     want = plan_json(lab_page.inner_text("#inferenceMemory code"))
     assert rows[0][2:5] == [fbytes(want["memory"][k]) for k in ("params", "kv_cache", "total")]
     assert rows[0][6:8] == [fsecs(want["prefill_time_s"]), fsecs(want["decode_time_per_token_s"])]
+    # the row shown first, in bold, is the one the serving search ranks first for latency
+    best = plan_json(
+        "fivefold plan --model llama3-8b --hardware h100-80gb --gpus 16 --mode inference --search "
+        "--batch 8 --context 2048 --json"
+    )["plans"][0]["layout"]
+    lab_page.evaluate("renderInference()")  # drawn afresh: the row it shows first
+    assert lab_page.inner_text("#inferenceTable tr[data-best] td") == f"tp {best['tp']} · pp {best['pp']}"
+    assert lab_page.inner_text("#inferenceMemory div").startswith(f"tp {best['tp']} · pp {best['pp']},")
 
 
 @pytest.fixture(scope="module")

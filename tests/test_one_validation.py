@@ -69,15 +69,53 @@ def test_every_command_reads_the_layout_flags_alike(flags, refusal, tmp_path, ca
         assert all(refusal in message for _, message in verdicts.values()), verdicts
 
 
-def test_a_layout_only_other_frameworks_run_is_planned_with_a_note(tmp_path, capsys, monkeypatch):
-    """plan and explore still predict a layout train refuses (ZeRO-1 over tensor-parallel shards runs
-    in Megatron), and both say that train refuses it, and why."""
+REFUSED_BY_TRAIN = [
+    # ZeRO-1 over tensor-parallel shards: Megatron runs it, torch's ZeroRedundancyOptimizer does not
+    (["--tp", "2", "--dp", "2", "--zero", "1"], "--zero 1"),
+    # HSDP with dp inside fsdp: torch slices FSDP's (dp, fsdp) mesh only in the world's own order
+    (["--dp", "2", "--fsdp", "2", "--zero", "3", "--order", "dp,fsdp"], "--dp 2 with --fsdp 2 (HSDP)"),
+    # a split backward re-runs full recompute's forwards and their tp collectives uncountably often
+    (
+        [
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--pp-schedule",
+            "zero-bubble",
+            "--microbatches",
+            "2",
+            "--recompute",
+            "full",
+        ],
+        "--pp-schedule zero-bubble with --recompute full",
+    ),
+]
+
+
+@pytest.mark.parametrize(("layout", "why"), REFUSED_BY_TRAIN, ids=[w for _, w in REFUSED_BY_TRAIN])
+def test_a_layout_only_other_frameworks_run_is_planned_with_a_note(
+    layout, why, tmp_path, capsys, monkeypatch
+):
+    """plan and explore still predict a layout train refuses, and both say that train refuses it, and
+    why; train and verify refuse it before any rank starts."""
+    import fivefold.parallel.spawn
+    import fivefold.train.launch
+
+    monkeypatch.setattr(fivefold.train.launch, "elastic_launch", _started)  # no rank ever starts
+    monkeypatch.setattr(fivefold.parallel.spawn, "spawn_ranks", _started)
     monkeypatch.chdir(tmp_path)
-    flags = [*COMMON, "--hardware", "cpu", "--gpus", "4", "--tp", "2", "--dp", "2", "--zero", "1"]
+    flags = [*COMMON, "--hardware", "cpu", "--gpus", "4", *layout]
     for argv in (["plan", *flags], ["explore", *flags, "--top", "0", "--no-lab", "--out", "page.html"]):
         assert main(argv) == 0
-        assert "note: fivefold train refuses this layout: --zero 1" in capsys.readouterr().out
-    assert "your layout (fivefold train refuses it: --zero 1" in (tmp_path / "page.html").read_text()
+        assert f"note: fivefold train refuses this layout: {why}" in capsys.readouterr().out
+    assert f"your layout (fivefold train refuses it: {why}" in (tmp_path / "page.html").read_text()
+    for argv in (
+        ["train", *COMMON, "--nproc", "4", "--steps", "1", "--run-dir", str(tmp_path / "run"), *layout],
+        ["verify", *COMMON, "--nproc", "4", "--steps", "1", *layout],
+    ):
+        verdict, message = _verdict(argv, capsys)
+        assert verdict == "refused" and why in message, message
 
 
 def test_the_assumed_batch_and_sequence_fit_the_flags_given(capsys) -> None:

@@ -58,6 +58,15 @@ PINNED += [
     # a data rank's 4 accumulated micro-batches run by the pipeline as 2 of twice the size (train's
     # split): the plan is told the split the pipeline ran
     layout_draw.Case(2, "tiny", "fp32", {"pp": 2, "pp_schedule": "1f1b", "microbatches": 2}, 4),
+    # ep over exactly cp's ranks, both spanning the world: torch gives both the default group, and
+    # the experts' grad-norm reduction is credited to cp
+    layout_draw.Case(2, "tiny-moe", "fp32", {"cp": 2, "ep": 2}, 1),
+    # sequence-parallel norms' partial gradients in bf16 where FSDP or replicate casts the weights
+    # and one micro-batch's gradient is reduced, in fp32 where several accumulated first
+    layout_draw.Case(4, "tiny", "bf16", {"fsdp": 2, "tp": 2, "sp": True, "zero": 2}, 1),
+    layout_draw.Case(4, "tiny", "bf16", {"dp": 2, "tp": 2, "sp": True}, 2),
+    # all-gather cp at cp 4: the gathered whole-sequence K, V and the causal mask are saved
+    layout_draw.Case(4, "tiny", "fp32", {"cp": 4, "cp_impl": "allgather"}, 1),
 ]
 CASES = layout_draw.draw(SEED, 30, WORLDS) + PINNED
 

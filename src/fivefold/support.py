@@ -8,10 +8,15 @@ Refused on purpose (torch cannot, or not exactly):
   * split-backward schedules (zero-bubble, zbv, dualpipev) with FSDP at ZeRO-3: the weight-gradient
     pass walks the graph from the parameters, which ZeRO-3 has swapped back to shards by then;
   * DualPipeV with full recompute: torch's schedule detaches a view in place;
+  * zero-bubble and ZB-V with full recompute and per-layer collectives (tp, cp, ep): the last stage
+    re-runs recomputed forwards for its weight-gradient pass, their collectives with them, more
+    often than the plan (and the ledger it is checked against) can count;
   * split-backward schedules over tensor-parallel weights replicated by torch's `replicate`
     (tp with dp or cp replicas and no fsdp): its unsharded parameters are not the ones the
     weight-gradient pass looks up;
-  * ZeRO-1 (ZeroRedundancyOptimizer) over tensor-parallel or expert-parallel shards (DTensors).
+  * ZeRO-1 (ZeroRedundancyOptimizer) over tensor-parallel or expert-parallel shards (DTensors);
+  * HSDP with dp inside fsdp or cp in --order: torch slices FSDP's (dp, fsdp×cp) mesh only in the
+    world mesh's own order.
 """
 
 from __future__ import annotations
@@ -41,10 +46,27 @@ def check_trainable(model: ModelSpec, layout: Layout, seq_len: int | None = None
             f"--zero 1 (ZeroRedundancyOptimizer) broadcasts plain tensors, not the expert shards of "
             f"--ep {layout.ep}; use --fsdp (--zero 2 or 3) for the data-parallel ranks, or --zero 0"
         )
+    check_hsdp_order(layout)
     if layout.pp > 1:
         check_pipeline_shape(model, layout)
         if layout.microbatches > 0:
             check_microbatches(layout.pp, layout.microbatches, layout.pp_schedule)
+
+
+def check_hsdp_order(layout: Layout) -> None:
+    """HSDP shards inside each replica: FSDP's 2-D (dp, fsdp×cp) mesh is a slice of the world's, which
+    torch takes only with dp outside the sharded axes, so --order must list fsdp and cp before dp."""
+    if layout.dp == 1 or layout.fsdp == 1:
+        return
+    order = layout.order_list
+    inside = [a for a in ("fsdp", "cp") if getattr(layout, a) > 1 and order.index(a) > order.index("dp")]
+    if inside:
+        fixed = [a for a in order if a != "dp"]
+        fixed.insert(max(fixed.index(a) for a in inside) + 1, "dp")
+        raise FivefoldError(
+            f"--dp {layout.dp} with --fsdp {layout.fsdp} (HSDP) shards inside each replica, so --order "
+            f"must list {' and '.join(inside)} before dp (innermost first); e.g. --order {','.join(fixed)}"
+        )
 
 
 def check_tensor_shapes(model: ModelSpec, tp: int) -> None:
@@ -110,6 +132,13 @@ def check_pipeline_shape(model: ModelSpec, layout: Layout) -> None:
             f"--pp-schedule {sched} computes weight gradients in a pass of their own, which torch's "
             f"replicate (tensor-parallel weights replicated over dp×cp = {replicas}) does not track; "
             "shard them instead (--fsdp with --zero 2), or use gpipe, 1f1b or interleaved-1f1b"
+        )
+    per_layer = [f"--{a} {getattr(layout, a)}" for a in ("tp", "cp", "ep") if getattr(layout, a) > 1]
+    if sched in ("zero-bubble", "zbv") and layout.recompute == "full" and per_layer:
+        raise FivefoldError(
+            f"--pp-schedule {sched} with --recompute full re-runs recomputed forwards, and their "
+            f"per-layer collectives ({', '.join(per_layer)}), in its separate weight-gradient pass, more "
+            "often than the plan can count; use --recompute selective, or 1f1b or interleaved-1f1b"
         )
     if sched == "dualpipev" and layout.recompute == "full":
         what = "--recompute full"

@@ -79,6 +79,11 @@ def layer_saved(run: RunShape, moe: bool, recomputed: bool | None = None) -> flo
         # stays saved beside them, and the two position orders (int64 over the whole sequence) too
         # (measured: tiny at cp 2 and cp 4 to the byte; with tp 2, 3% under)
         core += q * (2 if run.autocast else st) + 2 * 8 * run.seq_len
+    if lay.cp > 1 and lay.cp_impl == "allgather":
+        # the kernel saves the gathered whole-sequence K and V (the rest of them beyond this rank's
+        # shard, counted above) and the boolean causal mask of this shard's rows over every column
+        rest = run.micro_batch * run.seq_len - t
+        core += rest * kv * d * ((2 if run.autocast else st) + mm) + run.seq_len // lay.cp * run.seq_len
     if lay.recompute == "selective":
         core -= 4 * t * heads
     attn = core + (0 if run.autocast or bf16_weights else q * mm)  # the output's copy into o_proj

@@ -108,6 +108,9 @@ def clip_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
             ep_axis = "ep"
             if lay.fsdp > 1 and lay.fsdp * lay.cp > lay.ep:
                 shardings.add(("expert_fsdp", ep_axis))
+            elif lay.fsdp == 1 and lay.ep == lay.cp == lay.world:  # ep and cp both span the world:
+                # torch gives both the default group, which the runtime's mesh names after cp
+                shardings.add(("cp",))
             else:
                 same = fsdp_axis is not None and lay.ep == lay.fsdp * lay.cp
                 shardings.add((fsdp_axis,) if same else (ep_axis,))

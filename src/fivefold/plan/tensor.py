@@ -12,7 +12,8 @@ Per micro-batch and b·s·h activation A (this rank's sequence shard under cp):
     the inputs of attention and dense MLPs are cast to bf16 before they are gathered.
   * the loss on vocabulary shards (loss_parallel): three all_reduces of one fp32 value per token
     forward (max logit, sum of exponentials, target logit).
-  * once a step: partial weight gradients of SP norms (fp32) and of replicated K/V projections
+  * with each gradient sync: partial weight gradients of SP norms (one micro-batch's in the weights'
+    dtype, an accumulated one in fp32), and, in the backward, of replicated K/V projections
     (tp > kv heads; in the weights' dtype).
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 from fivefold.layout_math import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from fivefold.plan.runshape import Chunk, RunShape, Traffic
 
-GRAD_BYTES = 4  # gradients are fp32 (master weights), whatever the compute dtype
+FP32_BYTES = 4  # an accumulated gradient's reduce dtype, whatever the compute dtype
 
 
 def tensor_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
@@ -61,10 +62,13 @@ def tensor_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
             out.add("tp", ALL_REDUCE, 3 * m, run.tokens * 4)
         if lay.sp:  # norm weights' partial gradients, once a step, or with each FSDP sync
             norms = 2 * len(chunk.layers) + int(chunk.last)
-            if lay.fsdp > 1 and run.fsdp_syncs > 1:  # every micro-batch's, in the weights' dtype
-                out.add("tp", ALL_REDUCE, norms * run.fsdp_syncs, spec.hidden * run.weight_bytes)
-            else:  # the accumulated fp32 gradient's
-                out.add("tp", ALL_REDUCE, norms, spec.hidden * GRAD_BYTES)
+            # reduced with each gradient sync: every micro-batch's with FSDP (outside a pipeline),
+            # else once a step. One micro-batch's gradient is in the weights' compute dtype (bf16
+            # where FSDP's or replicate's mixed precision casts them); one accumulated over several
+            # without a sync is kept in the reduce dtype, fp32
+            syncs = run.fsdp_syncs if lay.fsdp > 1 else 1
+            width = run.weight_bytes if run.microbatches == syncs else FP32_BYTES
+            out.add("tp", ALL_REDUCE, norms * syncs, spec.hidden * width)
         if lay.tp > spec.kv_heads:  # replicated K/V projections' partial gradients, reduced in the
             # backward in the weights' dtype (bf16 under FSDP's mixed precision)
             kv = spec.kv_heads * spec.head_dim * spec.hidden * run.weight_bytes

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from fivefold.config import Layout, ModelSpec
 from fivefold.errors import FivefoldError, divisors, suggest
-from fivefold.layout_math import SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED
+from fivefold.layout_math import SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, parse_split
 
 
 def check_trainable(model: ModelSpec, layout: Layout, seq_len: int | None = None) -> None:
@@ -113,6 +113,8 @@ def check_pipeline_shape(model: ModelSpec, layout: Layout) -> None:
             f"--pp {pp} × --virtual-stages {v} = {chunks} chunks exceeds the {model.layers} layers of "
             f"{model.name}; valid virtual stages for pp {pp}: {suggest(ok)}"
         )
+    if layout.pp_split:  # its counts (a middle chunk with no layer, say) before any rank starts
+        parse_split(layout.pp_split, model.layers, chunks)
     if not layout.pp_split and v > 1 and model.layers % chunks:
         ok = [d for d in divisors(model.layers) if d % pp == 0]
         raise FivefoldError(

@@ -30,6 +30,8 @@ CASES = [
     (["--pp", "2", "--virtual-stages", "2", "--microbatches", "2"], None),
     # the model's positions bound a sequence in the planner too
     (["--seq-len", "1024"], "max_seq_len"),
+    # sequence parallelism over a sequence tp does not divide: DTensor would pad every shard
+    (["--tp", "2", "--sp", "--seq-len", "31"], "--sp shards each sequence"),
     # a split with a middle chunk of no layer: refused by verify before its ranks start, as by plan
     (
         ["--pp", "2", "--virtual-stages", "2", "--pp-split", "2,0,1,1", "--microbatches", "4"],

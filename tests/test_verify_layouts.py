@@ -67,6 +67,11 @@ PINNED += [
     layout_draw.Case(4, "tiny", "bf16", {"dp": 2, "tp": 2, "sp": True}, 2),
     # all-gather cp at cp 4: the gathered whole-sequence K, V and the causal mask are saved
     layout_draw.Case(4, "tiny", "fp32", {"cp": 4, "cp_impl": "allgather"}, 1),
+    # K/V projections replicated over tp 4 (tiny has 2 KV heads): their partial gradients are
+    # reduced with each of FSDP's syncs, here every micro-batch
+    layout_draw.Case(8, "tiny", "fp32", {"fsdp": 2, "tp": 4, "zero": 2}, 2),
+    # fsdp×cp beside tp: the loss is reduced on the runner's dp×fsdp×cp group, its own group here
+    layout_draw.Case(8, "tiny", "fp32", {"fsdp": 2, "cp": 2, "tp": 2, "zero": 2}, 1),
 ]
 CASES = layout_draw.draw(SEED, 30, WORLDS) + PINNED
 

@@ -290,3 +290,11 @@ class Layout:
                     f"--cp-impl ulysses splits heads: cp×tp = {self.cp * self.tp} must divide "
                     f"{model.heads} heads"
                 )
+        if seq_len is not None and self.sp and self.tp > 1 and (seq_len // self.cp) % self.tp:
+            # uneven shards would be padded by DTensor, in every collective and every pipeline send
+            need = math.lcm(self.tp * self.cp, 2 * self.cp if self.cp > 1 and self.cp_impl == "ring" else 1)
+            near = sorted({max(need, seq_len // need * need), -(-seq_len // need) * need})
+            raise FivefoldError(
+                f"--sp shards each sequence's {seq_len // self.cp} tokens (per cp rank) over --tp "
+                f"{self.tp}: --seq-len must be a multiple of {need}, e.g. {' or '.join(map(str, near))}"
+            )

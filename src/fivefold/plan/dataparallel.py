@@ -403,5 +403,9 @@ def loss_traffic(run: RunShape) -> Traffic:
     lay = run.layout
     out = Traffic()
     dims = ("dp", "fsdp", "cp") if lay.cp > 1 else ("dp", "fsdp")
-    out.add(replica_axis(lay, dims), ALL_REDUCE, 1, 4)
+    axis = replica_axis(lay, dims)
+    if axis == "fsdp_cp" and lay.fsdp * lay.cp < lay.world:  # the runner's dp×fsdp×cp group, which
+        # torch makes apart from FSDP's fsdp×cp one unless both are the whole world's default group
+        axis = "dp_fsdp_cp"
+    out.add(axis, ALL_REDUCE, 1, 4)
     return out

@@ -72,5 +72,6 @@ def tensor_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
         if lay.tp > spec.kv_heads:  # replicated K/V projections' partial gradients, reduced in the
             # backward in the weights' dtype (bf16 under FSDP's mixed precision)
             kv = spec.kv_heads * spec.head_dim * spec.hidden * run.weight_bytes
-            out.add("tp", ALL_REDUCE, 2 * len(chunk.layers), kv)
+            syncs = run.fsdp_syncs if lay.fsdp > 1 else 1  # with each of FSDP's gradient syncs
+            out.add("tp", ALL_REDUCE, 2 * len(chunk.layers) * syncs, kv)
     return out

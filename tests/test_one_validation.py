@@ -81,6 +81,8 @@ REFUSED_BY_TRAIN = [
     (["--tp", "2", "--dp", "2", "--zero", "1"], "--zero 1"),
     # HSDP with dp inside fsdp: torch slices FSDP's (dp, fsdp) mesh only in the world's own order
     (["--dp", "2", "--fsdp", "2", "--zero", "3", "--order", "dp,fsdp"], "--dp 2 with --fsdp 2 (HSDP)"),
+    # ZeRO-2 over plain dp replicas: DeepSpeed shards there, fivefold's FSDP needs --fsdp
+    (["--dp", "4", "--zero", "2"], "--zero 2 shards gradients with FSDP"),
     # a split backward re-runs full recompute's forwards and their tp collectives uncountably often
     (
         [

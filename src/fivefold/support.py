@@ -46,6 +46,16 @@ def check_trainable(model: ModelSpec, layout: Layout, seq_len: int | None = None
             f"--zero 1 (ZeroRedundancyOptimizer) broadcasts plain tensors, not the expert shards of "
             f"--ep {layout.ep}; use --fsdp (--zero 2 or 3) for the data-parallel ranks, or --zero 0"
         )
+    if layout.fsdp == 1 and layout.zero >= 2 and layout.dp * layout.cp > 1:
+        # ZeRO-2/3 is FSDP's sharding here: plain dp replicas (DDP) or cp ranks would hold everything
+        # whole (published runs that shard over cp alone, torchtitan's, are still planned)
+        what = "gradients and parameters" if layout.zero == 3 else "gradients"
+        shard = f"--fsdp {layout.dp} --dp 1 --zero {layout.zero}" if layout.dp > 1 else "--fsdp N"
+        raise FivefoldError(
+            f"--zero {layout.zero} shards {what} with FSDP, and with --fsdp 1 the dp×cp = "
+            f"{layout.dp * layout.cp} data ranks would hold them whole: use {shard}, or --zero 1 (a "
+            "sharded optimizer) or 0"
+        )
     check_hsdp_order(layout)
     if layout.pp > 1:
         check_pipeline_shape(model, layout)

@@ -163,7 +163,8 @@ def _pinned_data_modes(
         zeros = (
             [pins["zero"]] if "zero" in pins else ([2, 3] if d == 1 and f > 1 else [3] if f > 1 else [plain])
         )
-        out += [(d, f, z) for z in zeros if not (f > 1 and z < 2)]  # sharded weights: zero 2 or 3
+        # sharded weights: zero 2 or 3, which only FSDP shards
+        out += [(d, f, z) for z in zeros if not (f > 1 and z < 2) and not (f == 1 and z >= 2 and d * cp > 1)]
     return out
 
 

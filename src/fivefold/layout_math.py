@@ -72,6 +72,13 @@ def wire_bytes(op: str, payload: float, n: int) -> float:
     return (n - 1) / n * payload
 
 
+def one_world_group(layout: Layout, ranks: int) -> bool:
+    """Whether mesh dims over the same `ranks` ranks share one process group: torch hands every dim
+    that spans the whole world the default group, and makes each other dim a group of its own (the
+    ledger then names a shared group after its first axis in AXIS_PRIORITY)."""
+    return ranks == layout.world
+
+
 def replica_axis(layout: Layout, dims: tuple[str, ...]) -> str | None:
     """The ledger's name for a flattened group over `dims`: the one split axis, or the flat name."""
     names = {("dp", "fsdp"): "batch", ("fsdp", "cp"): "fsdp_cp", ("dp", "fsdp", "cp"): "dp_fsdp_cp"}

@@ -18,7 +18,6 @@ tensor-parallel shards, pipeline stages and data-parallel replicas, gloo on CPU,
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 from pathlib import Path
@@ -154,16 +153,13 @@ def _run_ranks(args: argparse.Namespace, tp: int, pp: int, dp: int) -> int:
             eos_ids = _hf_eos_ids(path)
         elif (path / "config.toml").is_file():
             from fivefold.config import RunConfig
-            from fivefold.train.checkpoint import check_model_record, find_checkpoint, trainer_record
+            from fivefold.train.checkpoint import check_saved_model, find_checkpoint
 
             # a missing checkpoint, or one saved for another model than config.toml now describes, is
             # refused before any rank starts
             found = find_checkpoint(path, args.checkpoint)
             config = RunConfig.from_toml(path / "config.toml")
-            with contextlib.suppress(ValueError):  # an unreadable trainer.json: the ranks' loader names it
-                check_model_record(
-                    found, trainer_record(found).get("model"), config.model, path / "config.toml"
-                )
+            check_saved_model(found, config.model, path / "config.toml")
             source = ModelSource("run", str(path), checkpoint=args.checkpoint, dtype=args.dtype)
             tokenizer_name = config.train.tokenizer
             eos_ids = None
@@ -303,12 +299,7 @@ def load_run(run_dir: Path, checkpoint: str = "latest", dtype: str | None = None
 
     from fivefold.config import RunConfig
     from fivefold.model.hf import DTYPES, empty_model
-    from fivefold.train.checkpoint import (
-        check_model_record,
-        check_model_shapes,
-        find_checkpoint,
-        trainer_record,
-    )
+    from fivefold.train.checkpoint import check_model_shapes, check_saved_model, find_checkpoint
     from fivefold.train.safe_metadata import load_weights, read_metadata
 
     config = RunConfig.from_toml(run_dir / "config.toml")
@@ -319,11 +310,7 @@ def load_run(run_dir: Path, checkpoint: str = "latest", dtype: str | None = None
         reason = (str(exc).strip().splitlines() or [""])[0][:200]
         raise FivefoldError(f"checkpoint {path} is unreadable ({type(exc).__name__}: {reason})") from None
     check_weights_fit(config.model, dtype, device)  # config.toml may have been edited since
-    try:
-        saved = trainer_record(path).get("model")
-    except ValueError:
-        saved = None  # the weights' own checks below name what is wrong with such a checkpoint
-    check_model_record(path, saved, config.model, run_dir / "config.toml")
+    check_saved_model(path, config.model, run_dir / "config.toml")
     model = empty_model(config.model, DTYPES[dtype or "fp32"], device)
     weights = model.state_dict()
     if config.model.tie_embeddings and "model.lm_head.weight" not in stored:

@@ -23,6 +23,7 @@ from fivefold.layout_math import (
     is_expert,
     names_by_layer,
     numel,
+    one_world_group,
     padded,
     param_shapes,
     replica_axis,
@@ -404,8 +405,8 @@ def loss_traffic(run: RunShape) -> Traffic:
     out = Traffic()
     dims = ("dp", "fsdp", "cp") if lay.cp > 1 else ("dp", "fsdp")
     axis = replica_axis(lay, dims)
-    if axis == "fsdp_cp" and lay.fsdp * lay.cp < lay.world:  # the runner's dp×fsdp×cp group, which
-        # torch makes apart from FSDP's fsdp×cp one unless both are the whole world's default group
+    if axis == "fsdp_cp" and not one_world_group(lay, lay.fsdp * lay.cp):  # the runner's dp×fsdp×cp
+        # group, a group of its own beside FSDP's fsdp×cp one over the same ranks
         axis = "dp_fsdp_cp"
     out.add(axis, ALL_REDUCE, 1, 4)
     return out

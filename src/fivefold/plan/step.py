@@ -16,6 +16,7 @@ from fivefold.layout_math import (
     chunk_param_shapes,
     chunk_rows,
     end_ranks,
+    one_world_group,
     param_shapes,
     replica_axis,
     tp_local_shape,
@@ -108,8 +109,8 @@ def clip_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
             ep_axis = "ep"
             if lay.fsdp > 1 and lay.fsdp * lay.cp > lay.ep:
                 shardings.add(("expert_fsdp", ep_axis))
-            elif lay.fsdp == 1 and lay.ep == lay.cp == lay.world:  # ep and cp both span the world:
-                # torch gives both the default group, which the runtime's mesh names after cp
+            elif lay.fsdp == 1 and lay.ep == lay.cp and one_world_group(lay, lay.cp):  # ep's group is
+                # cp's, which the ledger names after cp
                 shardings.add(("cp",))
             else:
                 same = fsdp_axis is not None and lay.ep == lay.fsdp * lay.cp

@@ -60,18 +60,17 @@ def tensor_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
             out.add("tp", ALL_REDUCE, m * ends, st)
         if chunk.last:  # loss_parallel's reductions over the vocabulary shards
             out.add("tp", ALL_REDUCE, 3 * m, run.tokens * 4)
-        if lay.sp:  # norm weights' partial gradients, once a step, or with each FSDP sync
+        # partial weight gradients are reduced with each gradient sync: every micro-batch's with FSDP
+        # (outside a pipeline), else once a step
+        syncs = run.fsdp_syncs if lay.fsdp > 1 else 1
+        if lay.sp:  # the norm weights': one micro-batch's gradient is in the weights' compute dtype
+            # (bf16 where FSDP's or replicate's mixed precision casts them); one accumulated over
+            # several without a sync is kept in the reduce dtype, fp32
             norms = 2 * len(chunk.layers) + int(chunk.last)
-            # reduced with each gradient sync: every micro-batch's with FSDP (outside a pipeline),
-            # else once a step. One micro-batch's gradient is in the weights' compute dtype (bf16
-            # where FSDP's or replicate's mixed precision casts them); one accumulated over several
-            # without a sync is kept in the reduce dtype, fp32
-            syncs = run.fsdp_syncs if lay.fsdp > 1 else 1
             width = run.weight_bytes if run.microbatches == syncs else FP32_BYTES
             out.add("tp", ALL_REDUCE, norms * syncs, spec.hidden * width)
         if lay.tp > spec.kv_heads:  # replicated K/V projections' partial gradients, reduced in the
             # backward in the weights' dtype (bf16 under FSDP's mixed precision)
             kv = spec.kv_heads * spec.head_dim * spec.hidden * run.weight_bytes
-            syncs = run.fsdp_syncs if lay.fsdp > 1 else 1  # with each of FSDP's gradient syncs
             out.add("tp", ALL_REDUCE, 2 * len(chunk.layers) * syncs, kv)
     return out

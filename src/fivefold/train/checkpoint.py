@@ -108,15 +108,24 @@ def check_model_record(path: Path, saved: Any, spec: Any, config_file: Path) -> 
     now = model_record(spec)
     changed = [k for k in now if k in saved and saved[k] != now[k]]
     if changed:
-        was = ", ".join(
-            f"{k} = {json.dumps(saved[k])[:40]}" for k in changed[:3]
-        )  # a crafted value stays short
+        # each value cut to 40 characters: a crafted one stays short
+        was = ", ".join(f"{k} = {json.dumps(saved[k])[:40]}" for k in changed[:3])
         now_says = ", ".join(f"{k} = {json.dumps(now[k])[:40]}" for k in changed[:3])
         raise FivefoldError(
             f"checkpoint {path} was saved for a model with {was}, but {config_file} now says {now_says}: "
             "that config.toml does not describe this checkpoint (edited since it was saved?); put its "
             "model back, or start a new run"
         )
+
+
+def check_saved_model(path: Path, spec: Any, config_file: Path) -> None:
+    """`check_model_record` against checkpoint `path`'s own trainer.json, for the loaders that read no
+    other part of it (generate); an unreadable trainer.json is left to the weights' own checks."""
+    try:
+        saved = trainer_record(path).get("model")
+    except ValueError:
+        return
+    check_model_record(path, saved, spec, config_file)
 
 
 def check_model_shapes(
@@ -282,7 +291,7 @@ def save_checkpoint(
             rng["cuda"] = torch.cuda.get_rng_state()
         torch.save(rng, tmp / f"rng_rank{rank}.pt")
     except (OSError, CheckpointException) as exc:  # a full disk, a quota, storage gone read-only
-        raise _unwritten(final, tmp, rank, exc) from None
+        raise _unwritten(final, tmp, rank, _first_cause(exc)) from None
     shards = _gather(_own_files(tmp, rank))  # every rank's files as it sees them: names and sizes
     problem = unwritten = None
     if rank == 0:
@@ -294,7 +303,7 @@ def save_checkpoint(
             problem = _unseen(tmp, shards)
     problem, unwritten = broadcast_object((problem, unwritten))
     if unwritten is not None:
-        raise _unwritten(final, tmp, rank, OSError(unwritten))
+        raise _unwritten(final, tmp, rank, unwritten)
     if problem is not None:
         raise FivefoldError(
             f"checkpoint {final.name} is incomplete from rank 0's view: {problem}; the run directory "
@@ -306,7 +315,7 @@ def save_checkpoint(
                 json.dumps(dict(trainer_state, step=step, **WEIGHT_LAYOUT), indent=1)
             )
         except OSError as exc:
-            raise _unwritten(final, tmp, rank, exc) from None
+            raise _unwritten(final, tmp, rank, _first_cause(exc)) from None
         replaced = _retire(final) if final.exists() else None  # the same step saved again
         os.replace(tmp, final)
         _fsync_dir(root)
@@ -324,13 +333,14 @@ class CheckpointUnwritten(FivefoldError):
     exit_code = 1
 
 
-def _unwritten(final: Path, tmp: Path, rank: int, exc: BaseException) -> CheckpointUnwritten:
-    """The one line for a checkpoint that could not be written; rank 0 removes what was written of it,
-    which frees the space it took (resume never reads a `.tmp`, and the previous checkpoint stays)."""
+def _unwritten(final: Path, tmp: Path, rank: int, why: str) -> CheckpointUnwritten:
+    """The one line for a checkpoint that could not be written (`why`: the storage's reason); rank 0
+    removes what was written of it, which frees the space it took (resume never reads a `.tmp`, and
+    the previous checkpoint stays)."""
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     return CheckpointUnwritten(
-        f"checkpoint {final} could not be written ({_first_cause(exc)}); earlier checkpoints are kept "
+        f"checkpoint {final} could not be written ({why}); earlier checkpoints are kept "
         "and the run stopped: free space (or fix the storage) and resume"
     )
 

@@ -892,3 +892,11 @@ def test_the_mfu_band_stops_at_the_peak(capsys) -> None:
     high_mfu = dataclasses.replace(plan(model, hw, Layout(dp=8), shape), mfu=0.95)
     low, high = high_mfu.mfu_band
     assert low < 0.95 < high == 1.0
+
+
+def test_a_flag_for_an_axis_of_one_is_named_not_silently_dropped(capsys) -> None:
+    code, out, err = run_cli(capsys, "--fsdp", "64", "--sp", "--cp-impl", "ulysses", "--json")
+    assert code == 0 and json.loads(out)["layout"]["sp"] is False  # stdout stays clean for --json
+    assert "--sp" in err and "tp is 1" in err and "--cp-impl" in err and "cp is 1" in err
+    code, _, err = run_cli(capsys, "--tp", "8", "--cp", "2", "--sp", "--cp-impl", "ulysses", "--json")
+    assert code == 0 and "note" not in err

@@ -141,7 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from fivefold.config import check_seq_len, layout_from_args, load_hardware, load_model
+    from fivefold.config import check_seq_len, layout_from_args, load_hardware, load_model, say_idle_flags
     from fivefold.errors import FivefoldError
     from fivefold.mesh import resolve_layout
 
@@ -212,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
         _print_search(result, args.json, view.search_text, seconds=result.seconds)
         return 0
     layout = resolve_layout(layout_from_args(args), args.gpus, gpn, model, args.seq_len)
+    say_idle_flags(args, layout)
     data = layout.data_parallel
     if args.microbatches and layout.pp > 1 and args.global_batch % data == 0:
         # as train reads it: a data rank's batch for the step split into that many pipeline micro-batches;

@@ -28,6 +28,7 @@ from fivefold.config import (
     layout_from_args,
     load_model,
     run_tables,
+    say_idle_flags,
 )
 from fivefold.errors import FivefoldError
 from fivefold.parallel.compile import check_compile
@@ -222,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
         watchdog=args.watchdog,
         checkpoint_on_interrupt=args.checkpoint_on_interrupt,
     )
+    if int(os.environ.get("RANK", "0")) == 0:
+        say_idle_flags(args, cfg.layout)
     return start(job, 1 if _launched() else args.nproc)
 
 

@@ -40,6 +40,7 @@ from fivefold.config import (
     check_seq_len,
     layout_from_args,
     load_model,
+    say_idle_flags,
 )
 from fivefold.errors import FivefoldError
 
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         raise FivefoldError(f"--steps must be positive, got {args.steps}")
     base = layout_from_args(args)
     base.check_experts(spec)
+    say_idle_flags(args, base)
     layout = base.resolve(args.nproc)
     train = TrainSpec(
         seed=args.seed,

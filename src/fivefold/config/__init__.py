@@ -4,7 +4,7 @@ Each concern has its module; everything is re-exported here, so callers import f
 `fivefold.config` alone."""
 
 from fivefold.config.files import T, _coerce, _from_dict, dumps_toml, read_toml, to_dict
-from fivefold.config.flags import add_layout_arguments, layout_from_args
+from fivefold.config.flags import add_layout_arguments, layout_from_args, say_idle_flags
 from fivefold.config.hardware import HardwareSpec
 from fivefold.config.hf import _HF_ARCH, _model_spec_from_hf, _qwen3_moe_spec, model_spec_from_hf
 from fivefold.config.layout import (
@@ -52,6 +52,7 @@ __all__ = [
     "complete_order",
     "dumps_toml",
     "layout_from_args",
+    "say_idle_flags",
     "load_hardware",
     "load_model",
     "model_spec_from_hf",

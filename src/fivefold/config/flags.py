@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from collections.abc import Collection
 from dataclasses import fields
 
@@ -112,3 +113,23 @@ def layout_from_args(
     if virtual and virtual > 1 and getattr(args, "pp_schedule", None) is None and lay.pp_schedule == "1f1b":
         lay.pp_schedule = "interleaved-1f1b"
     return lay
+
+
+# Flags that refine one axis, and say nothing while that axis has size 1.
+_REFINES = (
+    ("sp", "tp", "--sp shards the activations tensor parallelism replicates"),
+    ("cp_impl", "cp", "--cp-impl picks how context-parallel ranks share K and V"),
+    ("pp_schedule", "pp", "--pp-schedule orders a pipeline's micro-batches"),
+)
+
+
+def say_idle_flags(args: argparse.Namespace, layout: Layout) -> None:
+    """One line on stderr for each refining flag given for an axis `layout` leaves at 1 (tp, cp and pp
+    are never filled from the world, so an unresolved layout will do): the layout is still valid, the
+    flag has nothing to act on, but whoever typed it expected it to act."""
+    for flag, axis, what in _REFINES:
+        value = getattr(args, flag, None)
+        if value in (None, False) or getattr(layout, axis) != 1:
+            continue
+        note = f"note: {what}; {axis} is 1 here, so it has no effect (add --{axis} 2 or more)"
+        print(note, file=sys.stderr)

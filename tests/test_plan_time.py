@@ -422,6 +422,7 @@ def test_the_plan_names_its_collectives_as_the_ledger_does(name: str, axes: dict
         ({"tp": 2, "sp": True, "fsdp": 2, "zero": 3}, 4),
         ({"tp": 4, "sp": True}, 4),  # 4 KV heads over tp 4, and over tp 8 below: replicated, reduced
         ({"tp": 8, "sp": True}, 8),
+        ({"tp": 8, "fsdp": 2, "zero": 3}, 16),  # replicated K/V reduced with each of FSDP's syncs
     ],
 )
 def test_tp_collectives_are_counted_as_the_ledger_counts_them(axes: dict, world: int) -> None:

@@ -489,13 +489,13 @@ def _plan(
             shards = layout.fsdp * layout.cp if layout.fsdp > 1 else 1
             tied = model.vocab / layout.tp / shards * model.hidden * shape.grad_bytes
             add("pp", ALL_REDUCE, tied, 2, pp_link, 1)
-    tp_once = 0.0  # seconds of the step's once-a-step tp reductions (after the backward, exposed)
-    if layout.tp > 1:  # once a step: partial weight gradients summed over tp
+    tp_once = 0.0  # seconds of the tp reductions of replicated weights' gradients (after each sync, exposed)
+    if layout.tp > 1:  # partial weight gradients summed over tp with each gradient sync
         n_layers = sum(stage_counts(model, layout.pp, worst, layout, shape.seq_len))
+        # FSDP syncs every micro-batch's gradients (in the weights' dtype) outside a pipeline
+        syncs = m if layout.fsdp > 1 and not fsdp_sync_deferred(layout) else 1
         if layout.sp:  # the norms' (replicated weights over sequence shards)
             norms = 2 * n_layers + int(holds_head(worst))
-            # FSDP syncs every micro-batch's gradients (in the weights' dtype) outside a pipeline
-            syncs = m if layout.fsdp > 1 and not fsdp_sync_deferred(layout) else 1
             width = shape.param_bytes if syncs > 1 else shape.grad_bytes
             if shape.tp_regather:  # Megatron: every norm's in one call
                 tp_once += syncs * add(
@@ -511,7 +511,8 @@ def _plan(
         tp_once += add("tp", ALL_REDUCE, 8, layout.tp, tp_link, 1)
         if layout.tp > model.kv_heads and not shape.tp_regather:  # K/V projections replicated over tp
             kv = model.kv_heads * model.head_dim * model.hidden * shape.param_bytes
-            tp_once += 2 * n_layers * add("tp", ALL_REDUCE, kv, layout.tp, tp_link, 2 * n_layers)
+            calls = 2 * n_layers * syncs  # with each of FSDP's syncs, as the norms'
+            tp_once += calls * add("tp", ALL_REDUCE, kv, layout.tp, tp_link, calls)
     pipeline_time = m * (t_f + t_b) + bubble
 
     # --- data-parallel traffic: gradients, and parameters under ZeRO-1/3

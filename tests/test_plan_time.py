@@ -746,6 +746,25 @@ def test_no_collective_shows_more_time_than_it_takes(model: str, gpus: int, flag
     assert sum(c.exposed_s for c in p.comm) == pytest.approx(p.exposed_comm_s)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
+def test_a_short_pipelines_fill_and_drain_wait_in_the_bubble_not_in_its_sends(schedule: str) -> None:
+    """Two micro-batches through 8 stages: the fill and drain cross 7 boundaries each, more than the
+    4 transfers this rank makes. The rest is a wait on other ranks' links, in the bubble; the step
+    does not change."""
+    spec, hw = load_model("llama3-8b"), load_hardware("h100-80gb")
+    v = 2 if schedule == "interleaved-1f1b" else 1
+    layout = Layout(pp=8, pp_schedule=schedule, virtual_stages=v).resolve(8)
+    p = plan(spec, hw, layout, TrainShape(seq_len=4096, global_batch=2, micro_batch=1))
+    sends = [c for c in p.comm if c.axis == "pp"]
+    assert sends and all(c.exposed_s <= c.time_s * (1 + 1e-9) for c in sends)
+    # the critical path's hops are all in the step: the bubble holds those this rank does not make
+    long = plan(spec, hw, layout, TrainShape(seq_len=4096, global_batch=64, micro_batch=1))
+    assert sum(c.exposed_s for c in long.comm if c.axis == "pp") > sum(c.exposed_s for c in sends)
+    assert p.step_time_s == pytest.approx(
+        p.compute_time_s + p.bubble_time_s + p.exposed_comm_s + p.optimizer_time_s
+    )
+
+
 @pytest.mark.parametrize(
     ("model", "hardware", "axes"),
     [

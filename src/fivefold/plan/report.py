@@ -471,16 +471,13 @@ def _plan(
         pp_payload = act_bytes / (layout.tp if layout.sp else 1)
         pp_link = kinds.get("pp", "inter")
         t_p2p = collective_time(hw, SEND, pp_payload, 2, pp_link)[1]
-        crit = p2p_on_critical_path(layout.pp_schedule, layout.pp, v)
+        on_path = p2p_on_critical_path(layout.pp_schedule, layout.pp, v) * t_p2p
+        # the fill and drain cross every stage boundary; with fewer micro-batches than that this rank
+        # sends less than the path carries, and the rest is a wait on other ranks' links: bubble
+        own = min(on_path, 2 * m * v * t_p2p)
+        bubble += on_path - own
         add(
-            "pp",
-            SEND,
-            pp_payload,
-            layout.pp,
-            pp_link,
-            2 * m * v,
-            exposed=crit * t_p2p,
-            overlap="steady-state compute",
+            "pp", SEND, pp_payload, layout.pp, pp_link, 2 * m * v, exposed=own, overlap="steady-state compute"
         )
         first, last = end_ranks(layout)
         if model.tie_embeddings and first != last:  # the embedding and its tied head on two pp ranks,

@@ -597,6 +597,32 @@ def test_a_measured_run_without_a_throughput_is_named_not_dropped_silently(tmp_p
     assert judged["id"] in captured.out and silent["id"] not in captured.out
 
 
+def test_a_tp_that_does_not_divide_the_sequence_is_planned_without_sp_or_named(tmp_path, capsys) -> None:
+    """PaLM's tp 12 over 2,048 tokens: SP, unstated, is not assumed (it splits each sequence evenly);
+    a run that states it is left out with its reason, and the other runs of the file are still judged."""
+    import tomli_w
+
+    from fivefold.cli import main
+
+    rows = [r for p in builtin_paths() for r in load_runs(p) if r["id"].startswith("megatron-a100-2021-")]
+    unstated, stated, judged = ({k: v for k, v in r.items() if not k.startswith("_")} for r in rows[:3])
+    for run in (unstated, stated):
+        run["model"] = {**run["model"], "heads": 48, "kv_heads": 48, "hidden": 6144, "seq_len": 2048}
+        run["layout"] = {**run["layout"], "tp": 12, "pp": 1}
+        run["layout"]["gpus"] = 12 * run["layout"].get("dp", 1)
+        run["layout"].pop("sequence_parallel", None)
+        run["unknown"] = [k for k in run.get("unknown", []) if k != "sequence_parallel"]
+    stated["id"], stated["layout"]["sequence_parallel"] = "stated-sp", True
+    path = tmp_path / "runs.toml"
+    path.write_text(tomli_w.dumps({"run": [unstated, stated, judged]}))
+    assert main(["plan", "--validate", str(path)]) == 0
+    captured = capsys.readouterr()
+    rows = {line.split()[0]: line for line in captured.out.splitlines() if line.strip()}
+    assert unstated["id"] in rows and judged["id"] in rows and "stated-sp" not in rows
+    assert "run stated-sp: left out, its facts contradict: sequence_parallel" in captured.err
+    assert "not a multiple of 12" in captured.err
+
+
 @pytest.mark.parametrize(
     ("stated", "planned"),
     [

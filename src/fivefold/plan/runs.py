@@ -419,6 +419,10 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     if not seq:
         raise FivefoldError(f"run {rid}: model.seq_len is missing (needed to plan it)")
     seq = _int(run, "model", "seq_len", seq)
+    if lt.get("sequence_parallel") is None and layout.sp and (seq // layout.cp) % layout.tp:
+        # Megatron's SP splits each sequence evenly over tp: a run whose tp does not divide it (PaLM's
+        # tp 12 over 2,048 tokens) shards its activations some other way, or not at all
+        layout = dataclasses.replace(layout, sp=False)
     data = layout.dp * layout.fsdp
     mb = _int(run, "layout", "micro_batch", lt.get("micro_batch", FILL["micro_batch"]))
     accumulation = _int(run, "layout", "grad_accum", lt.get("grad_accum", 1))
@@ -495,6 +499,10 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     if "zero_stage" not in lt and layout.dp > 1 and layout.fsdp == 1 and not megatron_like:
         free.append("zero_stage")  # a distributed optimizer, and whether it also shards gradients
     interleaved = bool(trainer.get("interleaved", True))
+    try:  # what no framework runs (heads tp does not divide, more stages than layers): this run, named
+        layout.check_model(model, seq)
+    except FivefoldError as exc:
+        raise FivefoldError(f"run {rid}: {exc}") from None
     return RunInputs(
         model, hardware(run), layout, shape, recompute_known, offload_known, tuple(free), interleaved
     )
@@ -636,6 +644,13 @@ def contradictions(run: dict[str, Any]) -> list[str]:
             world *= a if isinstance(a, int) and a > 0 else 1
         if world != gpus:
             out.append(f"dp×fsdp×tp×pp×cp = {world} but gpus = {gpus}")
+    tp, cp = _count(run, "layout", "tp") or 1, _count(run, "layout", "cp") or 1
+    if lt.get("sequence_parallel") is True and tp > 1 and seq and (seq // cp) % tp:
+        per_rank = f" ({seq // cp} per cp rank)" if cp > 1 else ""
+        out.append(
+            f"sequence_parallel splits each sequence evenly over tp {tp}, but seq_len {seq}{per_rank} "
+            f"is not a multiple of {tp}"
+        )
     out.extend(_utilisation_mismatch(run, meas))
     return out
 

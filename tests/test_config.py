@@ -51,6 +51,8 @@ HARDWARE_PRESETS = [
     "gaudi2",
     "gaudi3",
     "l40s",
+    "h100-pcie",
+    "h100-nvl",
 ]
 
 

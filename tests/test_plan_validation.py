@@ -465,6 +465,8 @@ def test_export_and_other_accelerators_get_their_own_presets(tmp_path) -> None:
         "h20": "H20 96GB",
         "v5e": "TPU v5e",
         "h100_96": "H100 96GB HBM2e",
+        "pcie": "NVIDIA H100 PCIe",
+        "nvl": "H100 NVL",
     }
     path = tmp_path / "runs.toml"
     path.write_text("".join(ONE_GPU_NAME.format(id=k, gpu=g) for k, g in names.items()))
@@ -476,6 +478,9 @@ def test_export_and_other_accelerators_get_their_own_presets(tmp_path) -> None:
     assert (hw["h200"].name, hw["gh200"].name, hw["h20"].name) == ("h200", "h100-80gb", "h20")
     assert (hw["h20"].peak_tflops, hw["h20"].gpu_memory_gb, family(hw["h20"])) == (148, 96, "hopper")
     assert (hw["v5e"].name, family(hw["v5e"])) == ("tpu-v5e", "other")
+    # the PCIe and NVL cards: their own clocks and memory, the H100's knobs
+    assert (hw["pcie"].peak_tflops, hw["pcie"].gpu_memory_gb, family(hw["pcie"])) == (756, 80, "hopper")
+    assert (hw["nvl"].peak_tflops, hw["nvl"].gpu_memory_gb, family(hw["nvl"])) == (835, 94, "hopper")
     # a preset's name follows the memory the run states, and keeps its generation's knobs
     assert (hw["h100_96"].name, hw["h100_96"].gpu_memory_gb, family(hw["h100_96"])) == (
         "h100-96gb",

@@ -32,6 +32,10 @@ GPU_PRESETS = {  # a substring of the run's GPU name -> preset; the more specifi
     "A100": "a100-80gb",
     "A800": "a800-80gb",
     "GH200": "h100-80gb",  # the H100 die; no preset of its own (its nodes' links vary by system)
+    "H100 PCIE": "h100-pcie",  # before "H100": the PCIe and NVL cards run slower clocks
+    "H100-PCIE": "h100-pcie",
+    "H100 NVL": "h100-nvl",
+    "H100-NVL": "h100-nvl",
     "H100": "h100-80gb",
     "H800": "h800",
     "HOPPER": "h100-80gb",

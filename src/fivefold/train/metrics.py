@@ -19,7 +19,14 @@ import torch
 from fivefold.config import ModelSpec, load_hardware
 from fivefold.flops import model_flops_per_token
 
-_GPU_PRESETS = (("B200", "b200"), ("H200", "h200"), ("H100", "h100-80gb"), ("A100", "a100-80gb"))
+_GPU_PRESETS = (
+    ("B200", "b200"),
+    ("H200", "h200"),
+    ("H100 PCIE", "h100-pcie"),  # torch names the cards "NVIDIA H100 PCIe" and "NVIDIA H100 NVL"
+    ("H100 NVL", "h100-nvl"),
+    ("H100", "h100-80gb"),
+    ("A100", "a100-80gb"),
+)
 
 
 def hardware_preset_for(device: torch.device) -> str:

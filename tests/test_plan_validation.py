@@ -336,6 +336,43 @@ def test_unseen_runs_are_predicted_as_shipped_and_unknowns_filled(tmp_path, caps
     assert "as shipped" in out and "in-sample" not in out
 
 
+def test_validation_and_calibration_speak_json(tmp_path, capsys) -> None:
+    """--json gives one object on stdout: each run's prediction beside the constant's, the summaries,
+    the knobs, and the runs left out; the same numbers as the tables."""
+    import json
+
+    import tomli_w
+
+    from fivefold.cli import main
+    from fivefold.plan import validation as V
+    from fivefold.plan.runs import source_of
+
+    path = tmp_path / "runs.toml"
+    path.write_text(UNSEEN)
+    assert main(["plan", "--validate", str(path), "--json"]) == 0
+    shipped = json.loads(capsys.readouterr().out)["as_shipped"]
+    cases = V.cases(load_runs(path))
+    assert [r["predicted"] for r in shipped["runs"]] == [V.predict(c).predicted for c in cases]
+    assert shipped["all"]["runs"] == len(cases) and shipped["all"]["mean"] == pytest.approx(
+        sum(abs(r["error"]) for r in shipped["runs"]) / len(cases)
+    )
+    # two sources are enough to leave each out in turn; a run without a throughput is named
+    rows = [r for r in load_runs_all() if r["id"].startswith(("megatron-a100-2021-", "korthikanti"))]
+    rows = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows[:3] + rows[-3:]]
+    assert len({source_of(r) for r in rows}) == 2
+    silent = {**rows[0], "id": "no-throughput", "measured": {}}
+    two = tmp_path / "two.toml"
+    two.write_text(tomli_w.dumps({"run": [*rows, silent]}))
+    assert main(["plan", "--cross-validate", str(two), "--json"]) == 0
+    both = json.loads(capsys.readouterr().out)
+    assert set(both) == {"in_sample", "leave_one_source_out", "left_out"}
+    assert len(both["leave_one_source_out"]["knobs"]) == 2
+    assert len(both["in_sample"]["runs"]) == len(both["leave_one_source_out"]["runs"]) == len(V.cases(rows))
+    assert any(line.startswith("run no-throughput: left out") for line in both["left_out"])
+    assert main(["plan", "--calibrate", str(path), "--json"]) == 2  # two GPUs: one line, no JSON
+    assert capsys.readouterr().out == ""
+
+
 ACCUMULATION_ONLY = """
 [[run]]
 id = "zero3-batch-unstated"

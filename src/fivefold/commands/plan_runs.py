@@ -74,10 +74,19 @@ def run_runs(args: argparse.Namespace) -> int:
             cases = V.on_hardware(cases, load_hardware(given))
             title = f"on --hardware {given} (the constant is the bundled runs' median MFU)"
         shipped = V.as_shipped(cases, _runs([])[0])
+        if args.json:
+            _print_json({"as_shipped": shipped.to_json()}, left_out)
+            return 0
         print(V.per_run_table(shipped))
         print(V.source_table(shipped, title))
         return 0
     inside = V.in_sample(cases)
+    if args.json:
+        out = {"in_sample": inside.to_json()}
+        if cross:
+            out["leave_one_source_out"] = V.cross_validate(cases).to_json()
+        _print_json(out, left_out)
+        return 0
     print(V.per_run_table(inside) if not cross else "")
     print(V.source_table(inside, "in-sample (knobs fitted on every run)"))
     print(V.knobs_table(inside))
@@ -88,6 +97,12 @@ def run_runs(args: argparse.Namespace) -> int:
         print(V.source_table(loso, "leave-one-source-out (knobs fitted without the source)"))
         print(V.knobs_table(loso))
     return 0
+
+
+def _print_json(out: dict, left_out: list[str]) -> None:
+    import json
+
+    print(json.dumps({**out, "left_out": left_out}))
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -125,6 +140,9 @@ def _calibrate(args: argparse.Namespace) -> int:
         )
     if args.out:
         write_text_whole(Path(args.out), text)
+    if args.json:  # the fitted hardware and how well it fits, whether or not a file was written
+        _print_json({"hardware": data, "fit": s, "runs": result.to_json()["runs"], "out": args.out}, left_out)
+    elif args.out:
         print(f"wrote {args.out} (mean |error| {s['mean']:.1%} over {s['runs']} run(s))")
     else:
         print(text)

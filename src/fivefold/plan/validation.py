@@ -474,6 +474,35 @@ class Validation:
             "not_fitting": sum(not p.fits for p in preds),
         }
 
+    def to_json(self) -> dict[str, Any]:
+        """Every prediction with the constant's error beside it, the summaries per source and over
+        all runs (and over the runs without an `uncertain` note), and the knobs each fit used."""
+        runs = [
+            {
+                "run": p.run,
+                "source": p.source,
+                "metric": p.metric,
+                "published": p.published,
+                "predicted": p.predicted,
+                "error": p.error,
+                "constant_error": self.constant_errors[p.run],
+                "mfu": p.mfu,
+                "fits": p.fits,
+                "margin_gb": p.margin_gb,
+                "recompute": p.recompute,
+                "uncertain": p.uncertain,
+                "filled": p.filled,
+            }
+            for p in self.predictions
+        ]
+        return {
+            "runs": runs,
+            "sources": {source: self.summary(preds) for source, preds in self.by_source().items()},
+            "all": self.summary(),
+            "all_certain": self.summary(self.certain()),
+            "knobs": {source: k.to_dict() for source, k in self.knobs.items()},
+        }
+
 
 def in_sample(all_cases: list[Case], knobs: Knobs | None = None) -> Validation:
     """Knobs fitted on every case (or the given ones), every case predicted with them."""

@@ -894,9 +894,12 @@ def test_the_mfu_band_stops_at_the_peak(capsys) -> None:
     assert low < 0.95 < high == 1.0
 
 
-def test_a_flag_for_an_axis_of_one_is_named_not_silently_dropped(capsys) -> None:
+def test_a_flag_for_an_axis_of_one_is_named_not_silently_dropped(capsys, tmp_path) -> None:
     code, out, err = run_cli(capsys, "--fsdp", "64", "--sp", "--cp-impl", "ulysses", "--json")
     assert code == 0 and json.loads(out)["layout"]["sp"] is False  # stdout stays clean for --json
     assert "--sp" in err and "tp is 1" in err and "--cp-impl" in err and "cp is 1" in err
     code, _, err = run_cli(capsys, "--tp", "8", "--cp", "2", "--sp", "--cp-impl", "ulysses", "--json")
     assert code == 0 and "note" not in err
+    page = ["explore", "--model", "tiny", "--gpus", "2", "--fsdp", "2", "--top", "0", "--no-lab"]
+    assert main([*page, "--pp-schedule", "gpipe", "--out", str(tmp_path / "page.html")]) == 0
+    assert "--pp-schedule orders" in capsys.readouterr().err

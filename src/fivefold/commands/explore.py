@@ -6,7 +6,7 @@ import argparse
 from dataclasses import fields
 
 from fivefold.commands import defaults
-from fivefold.config import Layout, add_layout_arguments, check_gpus
+from fivefold.config import Layout, add_layout_arguments, check_gpus, say_idle_flags
 from fivefold.outputs import write_text_whole
 
 # every layout field has its flag (config.flags): any of them given draws that layout
@@ -120,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
     )
     write_text_whole(out, html)
     defaults.say_assumed(assumed)
+    if resolved is not None:
+        say_idle_flags(args, resolved)
     if resolved is not None and (refused := train_refuses(model, resolved, seq_len)):
         print(f"note: fivefold train refuses this layout: {refused}")
     elif resolved is not None and not args.microbatches:  # as plan says it

@@ -641,10 +641,12 @@ def test_a_measured_run_without_a_throughput_is_named_not_dropped_silently(tmp_p
 
 def test_a_tp_that_does_not_divide_the_sequence_is_planned_without_sp_or_named(tmp_path, capsys) -> None:
     """PaLM's tp 12 over 2,048 tokens: SP, unstated, is not assumed (it splits each sequence evenly);
-    a run that states it is left out with its reason, and the other runs of the file are still judged."""
+    a run that states it is left out with its reason, and the other runs of the file are still judged;
+    under JAX (XLA pads a short shard) SP stays on."""
     import tomli_w
 
     from fivefold.cli import main
+    from fivefold.plan.runs import contradictions
 
     rows = [r for p in builtin_paths() for r in load_runs(p) if r["id"].startswith("megatron-a100-2021-")]
     unstated, stated, judged = ({k: v for k, v in r.items() if not k.startswith("_")} for r in rows[:3])
@@ -663,6 +665,16 @@ def test_a_tp_that_does_not_divide_the_sequence_is_planned_without_sp_or_named(t
     assert unstated["id"] in rows and judged["id"] in rows and "stated-sp" not in rows
     assert "run stated-sp: left out, its facts contradict: sequence_parallel" in captured.err
     assert "not a multiple of 12" in captured.err
+    # XLA's partitioner pads a short shard: a JAX run keeps its activations sharded over tp, stated or not
+    from fivefold.plan import validation as V
+
+    xla = [{**run, "layout": {**run["layout"], "framework": "jax"}} for run in (unstated, stated)]
+    assert not contradictions(xla[1])
+    cases = V.cases(xla)
+    assert [c.inputs.layout.sp for c in cases] == [True, True]
+    megatron = V.cases([unstated])[0]
+    assert not megatron.inputs.layout.sp
+    assert V.predict(cases[0]).margin_gb > V.predict(megatron).margin_gb  # its activations over tp
 
 
 @pytest.mark.parametrize(

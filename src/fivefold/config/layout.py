@@ -251,8 +251,9 @@ class Layout:
                 "or pick a model with experts: tiny-moe, mixtral-8x7b, qwen3-30b-a3b, deepseek-v3)"
             )
 
-    def check_model(self, model: ModelSpec, seq_len: int | None = None) -> None:
-        """Constraints that depend on the model's shape."""
+    def check_model(self, model: ModelSpec, seq_len: int | None = None, even_sp: bool = True) -> None:
+        """Constraints that depend on the model's shape. `even_sp`: SP splits each sequence evenly over
+        tp, as fivefold's runtime and Megatron do (XLA's partitioner pads; its published runs say no)."""
         if model.heads % self.tp:
             raise FivefoldError(
                 f"--tp {self.tp} must divide the {model.heads} attention heads of {model.name}; "
@@ -290,7 +291,7 @@ class Layout:
                     f"--cp-impl ulysses splits heads: cp×tp = {self.cp * self.tp} must divide "
                     f"{model.heads} heads"
                 )
-        if seq_len is not None and self.sp and self.tp > 1 and (seq_len // self.cp) % self.tp:
+        if even_sp and seq_len is not None and self.sp and self.tp > 1 and (seq_len // self.cp) % self.tp:
             # uneven shards would be padded by DTensor, in every collective and every pipeline send
             need = math.lcm(self.tp * self.cp, 2 * self.cp if self.cp > 1 and self.cp_impl == "ring" else 1)
             near = sorted({max(need, seq_len // need * need), -(-seq_len // need) * need})

@@ -65,7 +65,7 @@ from fivefold.plan.spec import (
 def check_plan_inputs(model: ModelSpec, layout: Layout, shape: TrainShape) -> None:
     """What the model allows (a plan may predict layouts other frameworks run, e.g. ZeRO-1 with tp);
     the search also applies `check_trainable`, so it proposes only what `train` runs."""
-    layout.check_model(model, shape.seq_len)
+    layout.check_model(model, shape.seq_len, even_sp=not shape.sp_any_length)
     if layout.pp > 1 and layout.pp_schedule == "interleaved-1f1b" and layout.virtual_stages < 2:
         raise FivefoldError(
             "--pp-schedule interleaved-1f1b needs --virtual-stages >= 2 (model chunks per rank)"

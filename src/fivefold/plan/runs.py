@@ -423,10 +423,6 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     if not seq:
         raise FivefoldError(f"run {rid}: model.seq_len is missing (needed to plan it)")
     seq = _int(run, "model", "seq_len", seq)
-    if lt.get("sequence_parallel") is None and layout.sp and (seq // layout.cp) % layout.tp:
-        # Megatron's SP splits each sequence evenly over tp: a run whose tp does not divide it (PaLM's
-        # tp 12 over 2,048 tokens) shards its activations some other way, or not at all
-        layout = dataclasses.replace(layout, sp=False)
     data = layout.dp * layout.fsdp
     mb = _int(run, "layout", "micro_batch", lt.get("micro_batch", FILL["micro_batch"]))
     accumulation = _int(run, "layout", "grad_accum", lt.get("grad_accum", 1))
@@ -458,6 +454,11 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     gated = any(w in arch for w in ("swiglu", "geglu", "swi-glu"))
     plain = any(w in arch for w in ("gelu", "relu", "mpt")) or arch.startswith("gpt")
     facts = shape_facts(trainer)
+    uneven = (seq // layout.cp) % layout.tp
+    if lt.get("sequence_parallel") is None and layout.sp and uneven and not facts["sp_any_length"]:
+        # Megatron's SP splits each sequence evenly over tp: a run whose tp does not divide it shards
+        # its activations some other way, or not at all (XLA's partitioner pads: `sp_any_length`)
+        layout = dataclasses.replace(layout, sp=False)
     facts["fused"] = bool(lt.get("torch_compile", facts["fused"]))
     facts["tp_overlap"] = bool(lt.get("async_tp", facts["tp_overlap"]))
     shape = TrainShape(
@@ -504,7 +505,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         free.append("zero_stage")  # a distributed optimizer, and whether it also shards gradients
     interleaved = bool(trainer.get("interleaved", True))
     try:  # what no framework runs (heads tp does not divide, more stages than layers): this run, named
-        layout.check_model(model, seq)
+        layout.check_model(model, seq, even_sp=not facts["sp_any_length"])
     except FivefoldError as exc:
         raise FivefoldError(f"run {rid}: {exc}") from None
     return RunInputs(
@@ -649,7 +650,8 @@ def contradictions(run: dict[str, Any]) -> list[str]:
         if world != gpus:
             out.append(f"dp×fsdp×tp×pp×cp = {world} but gpus = {gpus}")
     tp, cp = _count(run, "layout", "tp") or 1, _count(run, "layout", "cp") or 1
-    if lt.get("sequence_parallel") is True and tp > 1 and seq and (seq // cp) % tp:
+    xla = "jax" in str(lt.get("framework", "")).lower()  # pads uneven shards (`sp_any_length`)
+    if lt.get("sequence_parallel") is True and tp > 1 and seq and (seq // cp) % tp and not xla:
         per_rank = f" ({seq // cp} per cp rank)" if cp > 1 else ""
         out.append(
             f"sequence_parallel splits each sequence evenly over tp {tp}, but seq_len {seq}{per_rank} "

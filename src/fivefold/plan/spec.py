@@ -74,6 +74,9 @@ class TrainShape:
     # norms' partial gradients are summed over tp in one call; DTensor (fivefold, torchtitan) keeps
     # the gathered input and sums each norm's gradient on its own. Published Megatron-family runs set it
     tp_regather: bool = False
+    # activations sharded over tp whatever the sequence length: XLA's partitioner pads a short shard or
+    # splits another dimension, where fivefold's DTensor (and Megatron) need tp to divide each sequence
+    sp_any_length: bool = False
     # the input-gradient collective of a tp matmul runs beside its weight-gradient matmul (Megatron's
     # asynchronous grad-input communication); DTensor's (fivefold's, torchtitan's eager) is waited on
     # by the next op of the backward. Published Megatron-family runs set it

@@ -114,6 +114,7 @@ def shape_facts(trainer: dict[str, Any]) -> dict[str, Any]:
         "sharded_copies": bool(trainer.get("sharded_copies", False)),
         "fp32_accumulate_pass": bool(trainer.get("fp32_accumulate_pass", False)),
         "block_tensors": int(trainer.get("block_tensors", 9)),
+        "sp_any_length": bool(trainer.get("sp_any_length", False)),
     }
 
 
@@ -162,7 +163,7 @@ def published_trainer(name: str, gpu: str, framework: str, year: int | None) -> 
     trainer = trainer_facts(name, hopper)
     if "jax" in framework.lower():
         # XLA fuses elementwise ops; MaxText's GPU attention is cuDNN's fused kernel (cudnn_flash_te)
-        trainer = {"fused": True, "tp_overlap": False, "attention": "flash3"}
+        trainer = {"fused": True, "tp_overlap": False, "attention": "flash3", "sp_any_length": True}
     if name not in TRAINERS and hopper and (year or 0) >= FIRST_FLASH3_YEAR:
         # a trainer we know nothing of, on Hopper since 2024: the large stacks publishing such runs
         # (Transformer Engine's, XLA's, in-house ones) run FlashAttention-3 class kernels

@@ -709,7 +709,9 @@ def test_a_runs_files_schedule_name_is_read_as_the_planner_names_it(stated: str,
     [
         ("NVIDIA/NeMo performance summary", "", "NVIDIA/NeMo"),  # a bundled source, as it is
         ("Jiang et al. 2024, Megatron-LM baseline", "", "NVIDIA/Megatron-LM"),
-        ("BigScience 2022", "Megatron-DeepSpeed", "NVIDIA/Megatron-LM"),
+        ("BigScience 2022", "Megatron-DeepSpeed", "microsoft/Megatron-DeepSpeed"),
+        ("Smith et al. 2022, Megatron DeepSpeed", "", "microsoft/Megatron-DeepSpeed"),
+        ("microsoft/DeepSpeed ZeRO-3 blog", "", "microsoft/DeepSpeed"),
         ("Some blog 2025", "torchtitan", "pytorch/torchtitan"),
         ("NeMo 24.07 recipes", "", "NVIDIA/NeMo"),
         ("Nemotron report 2024", "", "Nemotron"),  # not the framework's word
@@ -722,6 +724,26 @@ def test_the_trainer_is_read_from_what_a_run_names(source: str, framework: str, 
 
     run = {"id": "r", "source": source, "layout": {"framework": framework} if framework else {}}
     assert trainer_name(run) == trainer
+
+
+def test_deepspeeds_pipeline_engine_is_filled_with_1f1b_and_zero1(tmp_path) -> None:
+    """Megatron-DeepSpeed's pipeline runs 1F1B only, and ZeRO-2/3 refuse a pipeline there: an MT-NLG
+    shaped run that leaves both unstated is planned so; a trainer the run does not name may do either."""
+    from fivefold.plan import validation as V
+
+    run = {
+        "id": "mtnlg-like",
+        "source": "a 2022 report",
+        "kind": "measured",
+        "hardware": {"gpu": "A100 80GB", "gpus_per_node": 8},
+        "model": {"layers": 105, "hidden": 20480, "heads": 128, "vocab": 51200, "seq_len": 2048},
+        "layout": {"gpus": 3360, "tp": 8, "pp": 35, "dp": 12, "global_batch": 1920, "micro_batch": 1},
+        "measured": {"tflops_per_gpu": 113},
+    }
+    deepspeed = {**run, "layout": {**run["layout"], "framework": "Megatron-DeepSpeed"}}
+    ds, other = (V.cases([r])[0].inputs.layout for r in (deepspeed, run))
+    assert (ds.pp_schedule, ds.virtual_stages, ds.zero, ds.fsdp) == ("1f1b", 1, 1, 1)
+    assert (other.pp_schedule, other.zero) == ("interleaved-1f1b", 2)  # faster, and not DeepSpeed's
 
 
 def test_an_unknown_hopper_trainer_since_2024_is_planned_with_flash3_class_attention() -> None:

@@ -501,7 +501,9 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     ):
         free.append("virtual_stages")  # interleaved, with the chunk count its authors tuned unpublished
     megatron_like = trainer.get("grad_bytes") == 2 or name in ("NVIDIA/Megatron-LM", "Korthikanti")
-    if "zero_stage" not in lt and layout.dp > 1 and layout.fsdp == 1 and not megatron_like:
+    # DeepSpeed's pipeline engine takes ZeRO-1 at most: with a pipeline the stage is not the planner's pick
+    pinned = layout.pp > 1 and trainer.get("zero_with_pipeline") == 1
+    if "zero_stage" not in lt and layout.dp > 1 and layout.fsdp == 1 and not megatron_like and not pinned:
         free.append("zero_stage")  # a distributed optimizer, and whether it also shards gradients
     interleaved = bool(trainer.get("interleaved", True))
     try:  # what no framework runs (heads tp does not divide, more stages than layers): this run, named

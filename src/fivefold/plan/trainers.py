@@ -53,6 +53,10 @@ TRAINERS = {
         "fp32_accumulate_pass": True,
         "block_tensors": 6,
     },
+    # Megatron's model and kernels under DeepSpeed's pipeline engine, which runs 1F1B only (no
+    # interleaved chunks) and, with a pipeline, shards no more than the optimizer state (ZeRO-1: its
+    # stages 2 and 3 refuse pipeline parallelism). BLOOM and MT-NLG were trained with it
+    "microsoft/Megatron-DeepSpeed": {"interleaved": False, "zero_with_pipeline": 1},
     # fivefold's own run directories (`framework = "fivefold"`): DTensor's sequence parallelism
     "fivefold": {
         "tp_regather": False,
@@ -125,11 +129,12 @@ LAST_MATERIALIZED_YEAR = 2022
 
 
 # A runs file from elsewhere names its trainer in its own words ("... Megatron-LM baseline",
-# framework = "torchtitan"): the first of these a source or framework names is the trainer. Megatron
-# before DeepSpeed: Megatron-DeepSpeed runs Megatron's kernels (with DeepSpeed's ZeRO-1 and pipeline).
+# framework = "torchtitan"): the first of these a source or framework names is the trainer.
+# Megatron-DeepSpeed first: Megatron's kernels with DeepSpeed's ZeRO-1 and pipeline engine.
 TRAINER_WORDS = (
     (r"dgxc", "NVIDIA/dgxc-benchmarking"),
     (r"\bnemo\b", "NVIDIA/NeMo"),
+    (r"megatron[- ]?deepspeed", "microsoft/Megatron-DeepSpeed"),
     (r"megatron", "NVIDIA/Megatron-LM"),
     (r"torchtitan", "pytorch/torchtitan"),
     (r"llm-foundry|mosaicml|\bcomposer\b", "mosaicml/llm-foundry"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import fields
 
 from fivefold.commands import defaults
@@ -46,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from fivefold.config import RunConfig, check_seq_len, layout_from_args, load_hardware, load_model
+    from fivefold.config import RunConfig, check_seq_len, layout_from_args, load_hardware, load_model_shape
     from fivefold.errors import FivefoldError
     from fivefold.explore import build_page, train_refuses
     from fivefold.mesh import resolve_layout
@@ -64,7 +65,9 @@ def run(args: argparse.Namespace) -> int:
         except FivefoldError as exc:
             raise FivefoldError(f"{cfg_path}: {exc}") from None
     if args.model:
-        model = load_model(args.model)
+        model, shape_note = load_model_shape(args.model)
+        if shape_note:
+            print(f"note: {shape_note}", file=sys.stderr)
     elif base:
         model = base.model
     else:

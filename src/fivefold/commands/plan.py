@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 from fivefold.commands import defaults
 from fivefold.config import add_layout_arguments, check_gpus, check_pins
@@ -141,7 +142,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from fivefold.config import check_seq_len, layout_from_args, load_hardware, load_model, say_idle_flags
+    from fivefold.config import (
+        check_seq_len,
+        layout_from_args,
+        load_hardware,
+        load_model_shape,
+        say_idle_flags,
+    )
     from fivefold.errors import FivefoldError
     from fivefold.mesh import resolve_layout
 
@@ -152,7 +159,9 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("model", "gpus"):
         if getattr(args, flag) is None:
             raise FivefoldError(f"--{flag} is required (unless --validate, --cross-validate or --calibrate)")
-    model = load_model(args.model)
+    model, shape_note = load_model_shape(args.model)
+    if shape_note:
+        print(f"note: {shape_note}", file=sys.stderr)
     check_gpus(args.gpus)
     for flag in ("gpus_per_node", "seq_len", "global_batch", "micro_batch", "context"):
         value = getattr(args, flag, None)

@@ -37,6 +37,7 @@ from fivefold.config import (
     ModelSpec,
     TrainSpec,
     add_layout_arguments,
+    check_buildable,
     check_seq_len,
     layout_from_args,
     load_model,
@@ -90,6 +91,7 @@ class Row:
 
 def run(args: argparse.Namespace) -> int:
     spec = load_model(args.model)
+    check_buildable(spec)
     from fivefold.parallel.spawn import MAX_LOCAL_RANKS
 
     if args.nproc < 2 or args.nproc > MAX_LOCAL_RANKS:

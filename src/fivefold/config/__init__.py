@@ -20,8 +20,8 @@ from fivefold.config.layout import (
     complete_order,
     recomputed_blocks,
 )
-from fivefold.config.model import ModelSpec, check_seq_len
-from fivefold.config.presets import _preset_dir, load_hardware, load_model, preset_names
+from fivefold.config.model import ModelSpec, check_buildable, check_seq_len
+from fivefold.config.presets import _preset_dir, load_hardware, load_model, load_model_shape, preset_names
 from fivefold.config.run import DTYPES, RunConfig, TrainSpec, run_tables
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "add_layout_arguments",
     "check_gpus",
     "check_pins",
+    "check_buildable",
     "check_seq_len",
     "complete_order",
     "dumps_toml",
@@ -55,6 +56,7 @@ __all__ = [
     "say_idle_flags",
     "load_hardware",
     "load_model",
+    "load_model_shape",
     "model_spec_from_hf",
     "preset_names",
     "recomputed_blocks",

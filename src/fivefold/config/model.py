@@ -25,6 +25,17 @@ NON_NEGATIVE_COUNTS = (
 )
 POSITIVE_REALS = ("rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "norm_eps")
 NON_NEGATIVE_REALS = ("init_std", "aux_loss_coef", "router_bias_rate")
+MLPS = ("swiglu", "gelu")
+
+
+def check_buildable(spec: ModelSpec) -> None:
+    """Refuse a model the runtime cannot build exactly (it plans, but `train`, `verify` and `generate`
+    would run a different network): today an MLP other than SwiGLU."""
+    if spec.mlp != "swiglu":
+        raise FivefoldError(
+            f"model {spec.name} has a two-matrix {spec.mlp.upper()} MLP: fivefold plans it (plan, explore) "
+            'but builds SwiGLU blocks only; train a model with mlp = "swiglu"'
+        )
 
 
 @dataclass
@@ -53,6 +64,9 @@ class ModelSpec:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm on each head's q and k
+    # the MLP: swiglu (gate, up and down matrices; what fivefold builds) or gelu (up and down, GPT-2's,
+    # GPT-NeoX's, Falcon's), which the planner plans and the runtime refuses (`check_buildable`)
+    mlp: str = "swiglu"
     attention_bias: bool = False
     init_std: float = 0.02
     # mixture of experts (experts = 0: dense)
@@ -121,6 +135,8 @@ class ModelSpec:
             raise FivefoldError(f"model {self.name}: head_dim ({self.head_dim}) must be even for RoPE")
         if self.rope_scaling not in ("none", "llama3"):
             raise FivefoldError(f"model {self.name}: rope_scaling must be none or llama3")
+        if self.mlp not in MLPS:
+            raise FivefoldError(f"model {self.name}: mlp must be one of {', '.join(MLPS)}, got {self.mlp!r}")
         if self.experts:
             if not 0 < self.experts_per_token <= self.experts:
                 raise FivefoldError(

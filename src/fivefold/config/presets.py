@@ -10,7 +10,7 @@ from typing import Any
 
 from fivefold.config.files import _from_dict, read_toml
 from fivefold.config.hardware import HardwareSpec
-from fivefold.config.hf import model_spec_from_hf
+from fivefold.config.hf import NotBuilt, model_spec_from_hf, model_spec_from_hf_shape
 from fivefold.config.model import ModelSpec
 from fivefold.errors import FivefoldError, reason, suggest
 
@@ -30,18 +30,9 @@ def load_model(name_or_path: str) -> ModelSpec:
         data = tomllib.loads((_preset_dir("models") / f"{name_or_path}.toml").read_text())
         data.setdefault("name", name_or_path)
         return _from_dict(ModelSpec, data, f"model preset {name_or_path}").validate()
-    if path.is_dir() and (path / "config.json").exists():
-        path = path / "config.json"
-    if path.suffix == ".json":
-        if not path.exists():
-            raise FivefoldError(f"file not found: {path}")
-        try:
-            cfg = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not text
-            raise FivefoldError(f"cannot read {path}: {exc}") from None
-        except (ValueError, RecursionError) as exc:  # not JSON, a 5000-digit number, nesting 10^5 deep
-            raise FivefoldError(f"malformed JSON in {path}: {reason(exc)}") from None
-        return model_spec_from_hf(cfg, name=path.parent.name or "hf").validate()
+    hf = _hf_json(path)
+    if hf is not None:
+        return model_spec_from_hf(hf[0], name=hf[1]).validate()
     if path.suffix == ".toml" or path.exists():
         data = read_toml(path)
         data = data.get("model", data)
@@ -53,6 +44,41 @@ def load_model(name_or_path: str) -> ModelSpec:
         f"unknown model {name_or_path!r}: not a preset, a .toml, a config.json or an HF directory; "
         f"presets: {suggest(preset_names('models'), 20)}"
     )
+
+
+def _hf_json(path: Path) -> tuple[Any, str] | None:
+    """(the parsed config, the model's name) where `path` is an HF config.json or a folder holding one."""
+    if path.is_dir() and (path / "config.json").exists():
+        path = path / "config.json"
+    if path.suffix != ".json":
+        return None
+    if not path.exists():
+        raise FivefoldError(f"file not found: {path}")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not text
+        raise FivefoldError(f"cannot read {path}: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # not JSON, a 5000-digit number, nesting 10^5 deep
+        raise FivefoldError(f"malformed JSON in {path}: {reason(exc)}") from None
+    return cfg, path.parent.name or "hf"
+
+
+def load_model_shape(name_or_path: str) -> tuple[ModelSpec, str]:
+    """A model to plan: what `load_model` reads, or an HF config.json it does not (another architecture:
+    Gemma, Qwen2, GPT-2, Falcon, ...) read by its shape, with a line saying so ("" otherwise)."""
+    try:
+        return load_model(name_or_path), ""
+    except NotBuilt as strict:  # a malformed config is refused as `load_model` refuses it
+        hf = _hf_json(Path(name_or_path))
+        if hf is None:
+            raise
+        cfg, name = hf
+        spec = model_spec_from_hf_shape(cfg, name=name).validate()
+        arch = ", ".join(map(str, cfg.get("architectures") or [])) or cfg.get("model_type") or name
+        return (
+            spec,
+            f"{arch} is planned by its shape (layers, widths, heads, experts); train refuses it: {strict}",
+        )
 
 
 def load_hardware(name_or_path: str) -> HardwareSpec:

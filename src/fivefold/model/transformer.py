@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.config import ModelSpec
+from fivefold.config import ModelSpec, check_buildable
 from fivefold.model.attention import Attention, KVCache, RMSNorm, Rope, RotaryEmbedding
 from fivefold.model.mlp import SwiGLU
 from fivefold.model.moe import MoE
@@ -165,6 +165,7 @@ def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
 
 def build_model(spec: ModelSpec, device: str | torch.device = "meta") -> Transformer:
     """Construct on `device` (meta by default: no memory until a rank materialises its part)."""
+    check_buildable(spec)  # a GELU MLP is planned, never built as a SwiGLU one
     with torch.device(device):
         return Transformer(spec.validate())
 

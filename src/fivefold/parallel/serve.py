@@ -97,8 +97,10 @@ def resolve_degrees(nproc: int, tp: int, pp: int, dp: int | None) -> tuple[int, 
 
 def check_job(spec: ModelSpec, job: ServeJob) -> None:
     """Everything that can be refused before any rank starts."""
+    from fivefold.config import check_buildable
     from fivefold.parallel.tensor import check_tensor_parallel
 
+    check_buildable(spec)
     if job.tp > 1:
         check_tensor_parallel(spec, job.tp)
     if job.pp > spec.layers:

@@ -162,6 +162,10 @@ class Arch:
 def resolve_arch(
     model: ModelSpec, block: str = "auto", attention: str = "flash", expert_tp: bool = False
 ) -> Arch:
+    if block == "auto" and model.mlp == "gelu":  # a GPT-2 / NeoX / Falcon block: untied where it says
+        flash = attention != "materialized"
+        tied = model.tie_embeddings
+        return Arch("gpt", gated_mlp=False, dropout=not flash, flash=flash, tied=tied, expert_tp=expert_tp)
     if block == "auto":
         classic = (
             not model.is_moe

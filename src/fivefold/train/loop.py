@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fivefold.config import Layout, ModelSpec, RunConfig, TrainSpec, check_seq_len
+from fivefold.config import Layout, ModelSpec, RunConfig, TrainSpec, check_buildable, check_seq_len
 from fivefold.errors import FivefoldError
 from fivefold.layout_math import numel, param_shapes
 from fivefold.measure.ledger import CommLedger
@@ -123,6 +123,7 @@ def runtime_layout(layout: Layout, world: int, model: ModelSpec, seq_len: int) -
 def preflight(cfg: RunConfig, run_dir: Path, resume: str | None, world: int) -> None:
     """What can be checked before any rank starts, so bad input never costs a launch."""
     spec, tspec = cfg.model.validate(), cfg.train.validate()
+    check_buildable(spec)
     layout = runtime_layout(cfg.layout, world, spec, tspec.seq_len)
     tspec.grad_accum(layout.dp * layout.fsdp)
     if layout.pp > 1:  # the batch against --microbatches, which the ranks would find only after a launch

@@ -144,7 +144,11 @@ class ActivationMeter:
             self.live_bytes += self._sizes[key]
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         self._holders[key] += 1
-        saved = _Saved(t)
+        # a detached alias (same storage and version counter): an op that saves its own output would
+        # otherwise hold its node through the handle, a cycle through C++ that only a backward's
+        # release breaks; a split backward's input pass retains the graph, so the nodes it alone
+        # runs would never let go, and the meter would count them (and keep them) to the end
+        saved = _Saved(t.detach())
         weakref.finalize(saved, self._release, key)
         return saved
 

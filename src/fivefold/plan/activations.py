@@ -148,24 +148,29 @@ def micro_batch_saved(run: RunShape, chunk: Chunk) -> float:
     if chunk.last:  # final norm, the head's input (and autocast's weight copy), fp32 log-softmax
         total += 4 * n + 4 * n * h + (2 * n * h if bf16_weights else 0)
         total += _linear_inputs(run, t, h, 1) + _weights(run, spec.vocab * h / lay.tp)
-        total += 4 * t * spec.vocab // lay.tp + 8 * t + 4
+        total += loss_saved(run, chunk)
     return total
+
+
+def loss_saved(run: RunShape, chunk: Chunk) -> float:
+    """What the loss itself saves on the last chunk (the fp32 log-softmax over the vocabulary shard,
+    the targets, the count): the one part of a micro-batch a split backward's input pass frees,
+    since it detaches the loss; every node below it waits for the weight pass."""
+    if not chunk.last:
+        return 0.0
+    t = run.tokens
+    return 4 * t * run.spec.vocab // run.layout.tp + 8 * t + 4
 
 
 def counted_exactly(layout: Layout) -> bool:
     """Whether `planned_activations` counts this layout's peak (what `fivefold verify` judges within
-    10%). Not yet: pipelines that split the backward (zero-bubble, ZB-V, DualPipeV: what the
-    input-gradient half frees before the weight-gradient half), pipelines with full recompute, and
-    a first or last stage without blocks (`--pp-split 0,4`), whose few saved bytes are the token ids:
-    views of the whole local batch, which the meter counts by storage, not per micro-batch."""
+    10%). Not yet: pipelines with full recompute, and a first or last stage without blocks
+    (`--pp-split 0,4`), whose few saved bytes are the token ids: views of the whole local batch,
+    which the meter counts by storage, not per micro-batch."""
     if layout.pp == 1:
         return True
     empty_end = any(int(count) == 0 for count in split_fields(layout.pp_split))
-    return (
-        layout.pp_schedule in ("gpipe", "1f1b", "interleaved-1f1b")
-        and layout.recompute != "full"
-        and not empty_end
-    )
+    return layout.recompute != "full" and not empty_end
 
 
 def planned_activations(
@@ -184,27 +189,34 @@ def planned_activations(
     per = [micro_batch_saved(run, c) for c in chunks]
     if layout.pp == 1:
         return per[0]
-    # interleaved chunks: each chunk's micro-batches in flight from the schedule's own table; the
-    # schedules that split the backward free part of a micro-batch at its input-gradient half and
-    # the rest at the weight-gradient half, which is not counted yet
-    if layout.pp_schedule == "interleaved-1f1b" and layout.recompute != "full":
-        return schedule_peak(
-            layout, coords.get("pp", 0), microbatches, {c.stage: b for c, b in zip(chunks, per)}
-        )
+    # interleaved chunks and split backwards: what each chunk holds as the schedule's own table runs
+    if layout.pp_schedule in TABLED and layout.recompute != "full":
+        saved = {c.stage: b for c, b in zip(chunks, per)}
+        loss = {c.stage: loss_saved(run, c) for c in chunks}
+        return schedule_peak(layout, coords.get("pp", 0), microbatches, saved, loss)
     flight = in_flight(layout, coords.get("pp", 0), microbatches)
     return sum(p * f for p, f in zip(per, flight))
 
 
-def schedule_peak(layout: Layout, pp_rank: int, m: int, saved: dict[int, float]) -> float:
+# schedules whose peak is read off their action table (the rest: `in_flight`'s closed forms)
+TABLED = ("interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
+
+
+def schedule_peak(
+    layout: Layout, pp_rank: int, m: int, saved: dict[int, float], loss: dict[int, float] | None = None
+) -> float:
     """The peak of what the rank holds as it runs its schedule's own action table (torch's schedule
     class, replayed as `fivefold.measure.bubble` does): a chunk's forward (F) saves its micro-batch's
-    tensors and its whole backward (B) releases them. For schedules that keep the backward whole."""
+    tensors and its whole backward (B) releases them. A split backward's input pass (I) retains the
+    graph for the weight pass (W) and frees only the loss (`loss`, the last chunk's); W frees the rest."""
     from fivefold.measure.bubble import action_table  # torch's table: verify runs with torch
 
+    loss = loss or {}
     table, _ = action_table(layout.pp_schedule, layout.pp, m, layout.virtual_stages)
     held = peak = 0.0
     for stage, kind, _ in table[pp_rank]:
-        held += saved[stage] if kind == "F" else -saved[stage]
+        part = loss.get(stage, 0.0)
+        held += {"F": saved[stage], "B": -saved[stage], "I": -part, "W": part - saved[stage]}[kind]
         peak = max(peak, held)
     return peak
 

@@ -26,12 +26,17 @@ _HF_ARCH = (
 
 def model_spec_from_hf(cfg: dict[str, Any], name: str = "hf") -> ModelSpec:
     """Translate an HF `config.json` dict (Llama, Mistral, Mixtral, Qwen3, Qwen3-MoE, DeepSeek-V3)."""
+    return _read(_model_spec_from_hf, cfg, name)
+
+
+def _read(reader: Any, cfg: Any, name: str, needs: str = "") -> ModelSpec:
+    """`reader(cfg, name)`, with a malformed config named in one line (`needs`: what the key is for)."""
     if not isinstance(cfg, dict):
         raise FivefoldError(f"HF config {name}: expected a JSON object, got {type(cfg).__name__}")
     try:
-        return _model_spec_from_hf(cfg, name)
+        return reader(cfg, name)
     except KeyError as exc:
-        raise FivefoldError(f"HF config {name}: missing key {exc}") from None
+        raise FivefoldError(f"HF config {name}: missing key {exc}{needs}") from None
     except (TypeError, ValueError, ZeroDivisionError, AttributeError) as exc:  # wrong types or zeros
         reason = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise FivefoldError(
@@ -105,13 +110,20 @@ def _model_spec_from_hf(cfg: dict[str, Any], name: str) -> ModelSpec:
             router_score="sigmoid",
             router_bias_rate=0.001,
             aux_loss_coef=0.0,
-            q_lora_rank=cfg.get("q_lora_rank") or 0,
-            kv_lora_rank=cfg["kv_lora_rank"],
-            qk_rope_head_dim=cfg["qk_rope_head_dim"],
-            v_head_dim=cfg["v_head_dim"],
-            head_dim=cfg["qk_nope_head_dim"],
+            **_latent_attention(cfg),
         )
     return _from_dict(ModelSpec, spec, f"HF config {name}")
+
+
+def _latent_attention(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Multi-head latent attention's sizes (DeepSeek-V2 and V3), as ModelSpec names them."""
+    return dict(
+        q_lora_rank=cfg.get("q_lora_rank") or 0,
+        kv_lora_rank=cfg["kv_lora_rank"],
+        qk_rope_head_dim=cfg["qk_rope_head_dim"],
+        v_head_dim=cfg["v_head_dim"],
+        head_dim=cfg["qk_nope_head_dim"],
+    )
 
 
 def _qwen3_moe_spec(cfg: dict[str, Any], name: str) -> dict[str, Any]:
@@ -181,20 +193,7 @@ def model_spec_from_hf_shape(cfg: dict[str, Any], name: str = "hf") -> ModelSpec
     """Any decoder-only HF `config.json` by its shape alone (layers, widths, heads, experts, MLA), for
     the planner: what the runtime would need to build it exactly (norms, biases, rotary variants) is
     not read. Sizes spelt the GPT-2, NeoX, Falcon or DeepSeek way are read too."""
-    if not isinstance(cfg, dict):
-        raise FivefoldError(f"HF config {name}: expected a JSON object, got {type(cfg).__name__}")
-    try:
-        return _shape_spec(cfg, name)
-    except KeyError as exc:
-        raise FivefoldError(
-            f"HF config {name}: missing key {exc} (the planner needs the model's sizes)"
-        ) from None
-    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as exc:
-        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise FivefoldError(
-            f"HF config {name}: a value has the wrong type or is zero ({reason}); sizes and counts "
-            "must be positive integers"
-        ) from None
+    return _read(_shape_spec, cfg, name, " (the planner needs the model's sizes)")
 
 
 def _shape_spec(cfg: dict[str, Any], name: str) -> ModelSpec:
@@ -250,12 +249,6 @@ def _shape_spec(cfg: dict[str, Any], name: str) -> ModelSpec:
             shared_experts=shared,
             moe_layers=spec["layers"] - dense_first,
         )
-    if cfg.get("kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2 and V3)
-        spec.update(
-            q_lora_rank=cfg.get("q_lora_rank") or 0,
-            kv_lora_rank=cfg["kv_lora_rank"],
-            qk_rope_head_dim=cfg["qk_rope_head_dim"],
-            v_head_dim=cfg["v_head_dim"],
-            head_dim=cfg["qk_nope_head_dim"],
-        )
+    if cfg.get("kv_lora_rank"):
+        spec.update(_latent_attention(cfg))
     return _from_dict(ModelSpec, spec, f"HF config {name}")

@@ -903,3 +903,13 @@ def test_a_flag_for_an_axis_of_one_is_named_not_silently_dropped(capsys, tmp_pat
     page = ["explore", "--model", "tiny", "--gpus", "2", "--fsdp", "2", "--top", "0", "--no-lab"]
     assert main([*page, "--pp-schedule", "gpipe", "--out", str(tmp_path / "page.html")]) == 0
     assert "--pp-schedule orders" in capsys.readouterr().err
+
+
+def test_a_pipelined_serving_plan_says_its_throughput_is_one_batch_in_flight(capsys) -> None:
+    """fivefold generate passes one batch through the stages in turn: the plan says what an engine
+    keeping pp batches in flight would get, and says nothing without a pipeline."""
+    args = ("--context", "8192", "--batch", "16")
+    code, text, _ = _serving(capsys, "llama3-70b", 16, *args, "--tp", "8", "--pp", "2")
+    assert code == 0 and "keeps 2 batches in flight" in text and "2× the tokens/s" in text
+    code, text, _ = _serving(capsys, "llama3-70b", 16, *args, "--tp", "8")
+    assert code == 0 and "in flight" not in text

@@ -155,6 +155,13 @@ def inference_text(p) -> str:
     ]
     if not generate_runs(lay):
         out += ["", f"note: {GENERATE_NOTE}"]
+    if lay.pp > 1 and p.fits:
+        out += [
+            "",
+            f"note: the throughput is one batch passing the {lay.pp} stages in turn, as fivefold generate "
+            f"decodes; an engine that keeps {lay.pp} batches in flight (each stage on another) decodes "
+            f"up to {lay.pp}× the tokens/s, with {lay.pp}× the KV cache",
+        ]
     return "\n".join(out)
 
 

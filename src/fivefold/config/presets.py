@@ -74,7 +74,9 @@ def load_model_shape(name_or_path: str) -> tuple[ModelSpec, str]:
             raise
         cfg, name = hf
         spec = model_spec_from_hf_shape(cfg, name=name).validate()
-        arch = ", ".join(map(str, cfg.get("architectures") or [])) or cfg.get("model_type") or name
+        archs = cfg.get("architectures") or []
+        archs = archs if isinstance(archs, list) else [archs]  # a bare name, where a list belongs
+        arch = ", ".join(map(str, archs)) or str(cfg.get("model_type") or name)
         return (
             spec,
             f"{arch} is planned by its shape (layers, widths, heads, experts); train refuses it: {strict}",

@@ -47,6 +47,7 @@ def _read(reader: Any, cfg: Any, name: str, needs: str = "") -> ModelSpec:
 
 def _model_spec_from_hf(cfg: dict[str, Any], name: str) -> ModelSpec:
     archs = cfg.get("architectures") or []
+    archs = [archs] if isinstance(archs, str) else archs  # a bare name, where a list belongs
     model_type = cfg.get("model_type", "")
     if archs and not any(a in _HF_ARCH for a in archs):
         raise NotBuilt(f"unsupported HF architecture {archs}; supported: {', '.join(_HF_ARCH)}")

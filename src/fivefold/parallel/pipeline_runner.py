@@ -124,8 +124,10 @@ class PipelineRunner(RunnerCore):
 
     # ---- helpers
     def _step(self, inputs: torch.Tensor, labels: torch.Tensor, losses: list, train: bool) -> None:
-        args = (inputs,) if self.has_first else ()
-        target = labels if self.has_last else None
+        # a batch's inputs and labels are column slices of one token tensor (stride seq + 1): torch
+        # 2.11's stages check each micro-batch's strides against the shapes they were built for
+        args = (inputs.contiguous(),) if self.has_first else ()
+        target = labels.contiguous() if self.has_last else None
         self.schedule.step(
             *args, target=target, losses=losses if self.has_last else None, return_outputs=False
         )

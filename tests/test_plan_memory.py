@@ -289,3 +289,21 @@ def test_selective_recompute_holds_one_layers_rebuilt_core_in_the_backward() -> 
     assert core > 3e8  # 32 heads / tp 8 of 4096² scores, softmax and dropout mask
     assert p.memory.detail["recompute_working"] == pytest.approx(core)
     assert p.memory.buffers >= core
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("zero-bubble", 1), ("zbv", 2), ("dualpipev", 2)])
+def test_the_planners_in_flight_is_what_torchs_schedule_table_holds(schedule: str, v: int) -> None:
+    """`fivefold plan` is torch-free, so it counts a split backward's micro-batches in flight in closed
+    form; verify's ledger replays torch's own table. The two agree on every rank (whole stages'
+    worth, a chunk each 1/v): zero-bubble's weight passes wait in the cool-down, so every rank holds
+    p, not 1F1B's p − rank; DualPipeV holds p + ½."""
+    from fivefold.config import Layout
+    from fivefold.plan.activations import schedule_peak
+    from fivefold.plan.pipeline import in_flight
+
+    for p in (2, 4, 8):
+        for m in (2 * p, 4 * p):
+            layout = Layout(pp=p, pp_schedule=schedule, virtual_stages=v, microbatches=m).resolve(p)
+            each = {stage: 1.0 / v for stage in range(p * v)}
+            for rank in range(p):
+                assert in_flight(schedule, p, m, v, rank) == schedule_peak(layout, rank, m, each)

@@ -65,10 +65,16 @@ def in_flight(schedule: str, p: int, m: int, v: int, rank: int = 0) -> float:
         # each chunk 1/v of the stage; rank 0 holds p·(1 + (p-1)/(p·v)) (Korthikanti et al. §4.2.3)
         return min(((p - rank - 1) * 2 + (v - 1) * p + 1) / v, float(m))
     if schedule == "dualpipev":
-        return float(min(p + 1, m))  # DeepSeek-V3 Table 2: PP+1 micro-batches, on every rank
+        # torch's DualPipeV table: p + ½ stages' worth on every rank (DeepSeek-V3's Table 2 gives
+        # PP+1 micro-batches for the two-way DualPipe, whose ranks hold both directions' chunks)
+        return min(p + 0.5, float(m))
     if schedule == "zbv":
         return float(min(p, m))  # the V balances memory: every rank holds 1F1B's first-stage peak
-    return float(min(p - rank, m))  # 1F1B, ZB-H1: p - rank warm-up forwards
+    if schedule == "zero-bubble":
+        # torch's schedule defers the weight passes into the cool-down: every rank holds p (its action
+        # table, which `plan.activations.schedule_peak` replays), where 1F1B's last rank holds one
+        return float(min(p, m))
+    return float(min(p - rank, m))  # 1F1B: p - rank warm-up forwards
 
 
 def p2p_on_critical_path(schedule: str, p: int, v: int) -> int:

@@ -69,7 +69,9 @@ def in_flight(schedule: str, p: int, m: int, v: int, rank: int = 0) -> float:
         # PP+1 micro-batches for the two-way DualPipe, whose ranks hold both directions' chunks)
         return min(p + 0.5, float(m))
     if schedule == "zbv":
-        return float(min(p, m))  # the V balances memory: every rank holds 1F1B's first-stage peak
+        # the V balances memory: every rank holds 1F1B's first-stage peak, p, once m ≥ 2p - rank - 1;
+        # with fewer micro-batches, the m + rank + 1 chunk forwards of its warm-up (torch's table)
+        return min(float(p), (m + rank + 1) / 2)
     if schedule == "zero-bubble":
         # torch's schedule defers the weight passes into the cool-down: every rank holds p (its action
         # table, which `plan.activations.schedule_peak` replays), where 1F1B's last rank holds one

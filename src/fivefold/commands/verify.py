@@ -16,9 +16,9 @@ table, a PASS/FAIL per row:
   3. memory per rank: parameters, gradients and optimizer state equal the plan exactly; saved
      activations within 10 %; the process's peak memory is shown.
 
-Exit 0 when every row passes; exit 1 naming the first row that failed. DDP rebuilds its buckets
-(two small broadcasts) in the first forward after the first synchronised backward: measure a
-later step than step 1 for layouts that use it (the default, the last of 5, is).
+Exit 0 when every row passes; exit 1 naming the first row that failed. DDP all-reduces every
+gradient in one bucket in step 0 and rebuilds its buckets (two small broadcasts) in step 1: measure
+step 2 or later for layouts that use it (the default, the last of 5, is).
 """
 
 from __future__ import annotations

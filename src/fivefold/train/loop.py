@@ -578,6 +578,8 @@ def warmup_collectives(layout: Layout, step: int) -> str:
     if step == 0 and layout.pp > 1:
         return "torch's pipeline stages exchange their tensor shapes in the first step"
     ddp = layout.pp == 1 and layout.tp == 1 and layout.fsdp == 1 and layout.dp * layout.cp > 1
+    if step == 0 and ddp:  # DDP's first buckets: no size limit, as it builds them before any backward
+        return "torch's DDP all-reduces every gradient in one bucket until it rebuilds its buckets"
     if step == 1 and ddp:
         return "torch's DDP rebuilds its gradient buckets in the second step (two broadcasts from rank 0)"
     return ""

@@ -148,7 +148,7 @@ def test_plan_reads_the_shape_and_train_verify_generate_refuse_it_first(tmp_path
         '[model]\nlayers = 2\nhidden = 64\nheads = 4\nvocab = 256\nffn_hidden = 256\nmlp = "gelu"\n'
     )
     assert main(["plan", "--model", str(gelu), "--gpus", "2", "--hardware", "cpu", "--json"]) == 0
-    capsys.readouterr()
+    assert "builds SwiGLU blocks only" in capsys.readouterr().err  # planned, and said so
     for argv in (
         ["train", "--model", str(gelu), "--steps", "1", "--run-dir", str(tmp_path / "g")],
         ["verify", "--model", str(gelu), "--nproc", "2", "--fsdp", "2"],

@@ -11,7 +11,7 @@ from typing import Any
 from fivefold.config.files import _from_dict, read_toml
 from fivefold.config.hardware import HardwareSpec
 from fivefold.config.hf import NotBuilt, model_spec_from_hf, model_spec_from_hf_shape
-from fivefold.config.model import ModelSpec
+from fivefold.config.model import ModelSpec, check_buildable
 from fivefold.errors import FivefoldError, reason, suggest
 
 
@@ -67,7 +67,7 @@ def load_model_shape(name_or_path: str) -> tuple[ModelSpec, str]:
     """A model to plan: what `load_model` reads, or an HF config.json it does not (another architecture:
     Gemma, Qwen2, GPT-2, Falcon, ...) read by its shape, with a line saying so ("" otherwise)."""
     try:
-        return load_model(name_or_path), ""
+        spec = load_model(name_or_path)
     except NotBuilt as strict:  # a malformed config is refused as `load_model` refuses it
         hf = _hf_json(Path(name_or_path))
         if hf is None:
@@ -81,6 +81,11 @@ def load_model_shape(name_or_path: str) -> tuple[ModelSpec, str]:
             spec,
             f"{arch} is planned by its shape (layers, widths, heads, experts); train refuses it: {strict}",
         )
+    try:  # a model file the runtime cannot build (a GELU MLP) is planned, and said to be
+        check_buildable(spec)
+    except FivefoldError as exc:
+        return spec, str(exc)
+    return spec, ""
 
 
 def load_hardware(name_or_path: str) -> HardwareSpec:

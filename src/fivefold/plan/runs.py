@@ -22,7 +22,7 @@ from typing import Any
 from fivefold.config import CP_IMPLS, HardwareSpec, Layout, ModelSpec, load_hardware
 from fivefold.errors import FivefoldError, reason
 from fivefold.plan.spec import TrainShape
-from fivefold.plan.trainers import TRAINERS, named_trainer, published_trainer, shape_facts
+from fivefold.plan.trainers import TRAINERS, named_trainer, published_trainer, runs_on_xla, shape_facts
 
 BUILTIN = ("published_runs.toml", "public_runs_2.toml")  # the bundled reference sets
 GPU_PRESETS = {  # a substring of the run's GPU name -> preset; the more specific names first
@@ -652,7 +652,7 @@ def contradictions(run: dict[str, Any]) -> list[str]:
         if world != gpus:
             out.append(f"dp×fsdp×tp×pp×cp = {world} but gpus = {gpus}")
     tp, cp = _count(run, "layout", "tp") or 1, _count(run, "layout", "cp") or 1
-    xla = "jax" in str(lt.get("framework", "")).lower()  # pads uneven shards (`sp_any_length`)
+    xla = runs_on_xla(str(lt.get("framework", "")))  # pads uneven shards (`sp_any_length`)
     if lt.get("sequence_parallel") is True and tp > 1 and seq and (seq // cp) % tp and not xla:
         per_rank = f" ({seq // cp} per cp rank)" if cp > 1 else ""
         out.append(

@@ -162,10 +162,8 @@ class Arch:
 def resolve_arch(
     model: ModelSpec, block: str = "auto", attention: str = "flash", expert_tp: bool = False
 ) -> Arch:
-    if block == "auto" and model.mlp == "gelu":  # a GPT-2 / NeoX / Falcon block: untied where it says
-        flash = attention != "materialized"
-        tied = model.tie_embeddings
-        return Arch("gpt", gated_mlp=False, dropout=not flash, flash=flash, tied=tied, expert_tp=expert_tp)
+    # a model that says its MLP is GELU's (GPT-2, NeoX, Falcon) is a GPT block, tied only where it says
+    stated_gpt = block == "auto" and model.mlp == "gelu"
     if block == "auto":
         classic = (
             not model.is_moe
@@ -173,10 +171,11 @@ def resolve_arch(
             and model.kv_heads == model.heads
             and model.ffn_hidden == 4 * model.hidden
         )
-        block = "gpt" if classic else "llama"
+        block = "gpt" if classic or stated_gpt else "llama"
     flash = attention != "materialized"
     if block == "gpt":
-        return Arch("gpt", gated_mlp=False, dropout=not flash, flash=flash, tied=True, expert_tp=expert_tp)
+        tied = model.tie_embeddings if stated_gpt else True
+        return Arch("gpt", gated_mlp=False, dropout=not flash, flash=flash, tied=tied, expert_tp=expert_tp)
     tied = model.tie_embeddings
     return Arch("llama", gated_mlp=True, dropout=not flash, flash=flash, tied=tied, expert_tp=expert_tp)
 

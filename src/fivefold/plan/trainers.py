@@ -161,12 +161,17 @@ def hopper_or_newer(gpu: str) -> bool:
     return any(k in gpu.upper() for k in HOPPER_OR_NEWER)
 
 
+def runs_on_xla(framework: str) -> bool:
+    """Whether a run's stated framework compiles through XLA (JAX: MaxText, PaLM's stack)."""
+    return "jax" in framework.lower()
+
+
 def published_trainer(name: str, gpu: str, framework: str, year: int | None) -> tuple[dict[str, Any], str]:
     """(facts, attention kernel) of trainer `name` (a TRAINERS key, or a source with no known facts)
     on the GPU a run names, in the framework it names, in the year it was published."""
     hopper = hopper_or_newer(gpu)
     trainer = trainer_facts(name, hopper)
-    if "jax" in framework.lower():
+    if runs_on_xla(framework):
         # XLA fuses elementwise ops; MaxText's GPU attention is cuDNN's fused kernel (cudnn_flash_te)
         trainer = {"fused": True, "tp_overlap": False, "attention": "flash3", "sp_any_length": True}
     if name not in TRAINERS and hopper and (year or 0) >= FIRST_FLASH3_YEAR:

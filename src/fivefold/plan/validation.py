@@ -478,21 +478,7 @@ class Validation:
         """Every prediction with the constant's error beside it, the summaries per source and over
         all runs (and over the runs without an `uncertain` note), and the knobs each fit used."""
         runs = [
-            {
-                "run": p.run,
-                "source": p.source,
-                "metric": p.metric,
-                "published": p.published,
-                "predicted": p.predicted,
-                "error": p.error,
-                "constant_error": self.constant_errors[p.run],
-                "mfu": p.mfu,
-                "fits": p.fits,
-                "margin_gb": p.margin_gb,
-                "recompute": p.recompute,
-                "uncertain": p.uncertain,
-                "filled": p.filled,
-            }
+            {**dataclasses.asdict(p), "error": p.error, "constant_error": self.constant_errors[p.run]}
             for p in self.predictions
         ]
         return {

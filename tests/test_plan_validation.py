@@ -558,6 +558,44 @@ def test_runs_published_before_flash_attention_plan_materialised_scores() -> Non
     assert build(run("Narayanan et al. 2021", attention="flash")).shape.attention == "flash"
 
 
+def test_a_runs_year_says_what_its_trainer_had_then() -> None:
+    """Unstated sequence parallelism and selective recompute (both Korthikanti et al. 2022, one Megatron
+    release) are assumed only for runs published once the trainer had them: 2022 for Megatron, 2023 for
+    Megatron-DeepSpeed (its rebase on Megatron-LM). A run up to 2019 ran unfused elementwise kernels.
+    What a run states wins."""
+    import dataclasses
+
+    from fivefold.plan import plan
+    from fivefold.plan import validation as V
+    from fivefold.plan.runs import build
+
+    def run(source: str, framework: str = "", **layout) -> dict:
+        return {
+            "id": "r",
+            "source": source,
+            "kind": "measured",
+            "hardware": {"gpu": "V100 32GB", "gpus_per_node": 16},
+            "model": {"layers": 24, "hidden": 3072, "heads": 32, "vocab": 51200, "seq_len": 1024},
+            "layout": {"gpus": 64, "tp": 8, "pp": 1, "global_batch": 64, "framework": framework, **layout},
+            "measured": {"tflops_per_gpu": 30.0},
+        }
+
+    old, new = build(run("Shoeybi et al. 2019")), build(run("a 2024 report"))
+    assert not old.layout.sp and not old.selective and not old.shape.fused
+    assert new.layout.sp and new.selective and new.shape.fused
+    ds = build(run("Smith et al. 2022", framework="Megatron-DeepSpeed"))
+    assert not ds.layout.sp and not ds.selective and ds.shape.fused
+    assert build(run("Smith et al. 2022", framework="Megatron-LM")).layout.sp
+    assert build(run("Shoeybi et al. 2019", sequence_parallel=True)).layout.sp
+    assert build(run("Shoeybi et al. 2019", torch_compile=True)).shape.fused
+    # the fill then chooses among none and full only, and the older kernels plan slower
+    old_fill = V.fill(old, V.START.apply(old.hw))
+    assert old_fill.layout.recompute in ("none", "full")
+    slow = plan(old.model, old.hw, old.layout, old.shape)
+    fast = plan(new.model, new.hw, dataclasses.replace(new.layout, sp=False), new.shape)
+    assert slow.compute_time_s > fast.compute_time_s
+
+
 def test_an_unpublished_schedule_is_filled_with_the_chunk_count_that_pays(tmp_path) -> None:
     """A deep pipeline with few micro-batches and no published schedule: its authors would interleave
     finely (up to 8 chunks of one layer here), not stop at 2 or 4."""

@@ -22,7 +22,14 @@ from typing import Any
 from fivefold.config import CP_IMPLS, HardwareSpec, Layout, ModelSpec, load_hardware
 from fivefold.errors import FivefoldError, reason
 from fivefold.plan.spec import TrainShape
-from fivefold.plan.trainers import TRAINERS, named_trainer, published_trainer, runs_on_xla, shape_facts
+from fivefold.plan.trainers import (
+    FIRST_SP_YEAR,
+    TRAINERS,
+    named_trainer,
+    published_trainer,
+    runs_on_xla,
+    shape_facts,
+)
 
 BUILTIN = ("published_runs.toml", "public_runs_2.toml")  # the bundled reference sets
 GPU_PRESETS = {  # a substring of the run's GPU name -> preset; the more specific names first
@@ -312,6 +319,7 @@ class RunInputs:
     # the planner fills them with its own best choice (plan/validation.py, `fill`)
     free: tuple[str, ...] = ()
     interleaved: bool = True  # whether the trainer can run an interleaved pipeline, if unpublished
+    selective: bool = True  # whether the trainer had selective recompute, if the recompute is unpublished
 
 
 def build(run: dict[str, Any]) -> RunInputs | None:
@@ -375,7 +383,13 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     sp = lt.get("sequence_parallel")
     if sp is not None and not isinstance(sp, bool):
         raise FivefoldError(f"run {rid}: layout.sequence_parallel must be true or false, got {sp!r}")
-    sp = sp if sp is not None else tp > 1  # Megatron/NeMo/torchtitan turn SP on with TP
+    # Megatron/NeMo/torchtitan turn SP on with TP. A run published before its trainer had SP (and
+    # selective recompute, which came with it) replicated its norms, dropout and residuals over tp;
+    # XLA's partitioner shards activations wherever it pays, whatever the year
+    year = published_year(run)
+    since = int(TRAINERS.get(trainer_name(run), {}).get("sp_since", FIRST_SP_YEAR))
+    had_sp = year is None or year >= since or runs_on_xla(str(lt.get("framework", "")))
+    sp = sp if sp is not None else tp > 1 and had_sp
     listed = run.get("unknown", [])
     if not isinstance(listed, list) or not all(isinstance(k, str) for k in listed):
         raise FivefoldError(f'run {rid}: unknown must be a list of field names, like ["micro_batch"]')
@@ -511,7 +525,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     except FivefoldError as exc:
         raise FivefoldError(f"run {rid}: {exc}") from None
     return RunInputs(
-        model, hardware(run), layout, shape, recompute_known, offload_known, tuple(free), interleaved
+        model, hardware(run), layout, shape, recompute_known, offload_known, tuple(free), interleaved, had_sp
     )
 
 

@@ -55,8 +55,9 @@ TRAINERS = {
     },
     # Megatron's model and kernels under DeepSpeed's pipeline engine, which runs 1F1B only (no
     # interleaved chunks) and, with a pipeline, shards no more than the optimizer state (ZeRO-1: its
-    # stages 2 and 3 refuse pipeline parallelism). BLOOM and MT-NLG were trained with it
-    "microsoft/Megatron-DeepSpeed": {"interleaved": False, "zero_with_pipeline": 1},
+    # stages 2 and 3 refuse pipeline parallelism). BLOOM and MT-NLG were trained with it. Megatron's
+    # sequence parallelism and selective recompute reached it with its mid-2023 rebase on Megatron-LM
+    "microsoft/Megatron-DeepSpeed": {"interleaved": False, "zero_with_pipeline": 1, "sp_since": 2023},
     # fivefold's own run directories (`framework = "fivefold"`): DTensor's sequence parallelism
     "fivefold": {
         "tp_regather": False,
@@ -126,6 +127,12 @@ def shape_facts(trainer: dict[str, Any]) -> dict[str, Any]:
 # runs published up to 2022 (Megatron SC21, Korthikanti et al., BLOOM, Megatron-DeepSpeed's ZeRO-3
 # scaling) ran attention kernels that materialise the scores, unless the run or its trainer says
 LAST_MATERIALIZED_YEAR = 2022
+# Fused bias-GELU and scale-mask-softmax kernels (Megatron-LM's, through torch.jit and its own CUDA) came
+# in 2020: before, each elementwise op of a block was its own kernel
+LAST_UNFUSED_YEAR = 2019
+# Megatron's sequence parallelism (Korthikanti et al., May 2022): a run published before it (or before
+# its trainer took it up: `sp_since`) had none, unless it says
+FIRST_SP_YEAR = 2022
 
 
 # A runs file from elsewhere names its trainer in its own words ("... Megatron-LM baseline",
@@ -181,4 +188,6 @@ def published_trainer(name: str, gpu: str, framework: str, year: int | None) -> 
     attention = trainer.get("attention", "flash")
     if "attention" not in trainer and year is not None and year <= LAST_MATERIALIZED_YEAR:
         attention = "materialized"  # the kernels of the day kept the s×s scores
+    if "fused" not in trainer and year is not None and year <= LAST_UNFUSED_YEAR:
+        trainer = {**trainer, "fused": False}
     return trainer, kernel_on(attention, hopper)

@@ -225,7 +225,8 @@ def fill(inp: RunInputs, hw: HardwareSpec) -> RunInputs:
     fit, the fastest, with the least recompute, and host offload (optimizer, then checkpoints) only
     when nothing else fits (the run did run). Chosen once, on the unfitted START knobs, so no fitted
     value steers it."""
-    recomputes = (inp.layout.recompute,) if inp.recompute_known else RECOMPUTE_ORDER
+    unstated = tuple(rc for rc in RECOMPUTE_ORDER if rc != "selective" or inp.selective)
+    recomputes = (inp.layout.recompute,) if inp.recompute_known else unstated
     # a stated full recompute is full on the blocks the run says (all unless it names a count)
     lightest = (lambda lay, fits: lay if fits(lay) else None) if inp.recompute_known else None
     # (optimizer, checkpoints) on the host: as published, or, unpublished, tried in this order

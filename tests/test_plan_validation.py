@@ -749,6 +749,8 @@ def test_a_runs_files_schedule_name_is_read_as_the_planner_names_it(stated: str,
         ("Jiang et al. 2024, Megatron-LM baseline", "", "NVIDIA/Megatron-LM"),
         ("BigScience 2022", "Megatron-DeepSpeed", "microsoft/Megatron-DeepSpeed"),
         ("Smith et al. 2022, Megatron DeepSpeed", "", "microsoft/Megatron-DeepSpeed"),
+        ("BigScience BLOOM paper 2022", "", "microsoft/Megatron-DeepSpeed"),  # its fork
+        ("Black et al. 2022 GPT-NeoX-20B", "", "microsoft/Megatron-DeepSpeed"),  # DeepSpeed's pipeline
         ("microsoft/DeepSpeed ZeRO-3 blog", "", "microsoft/DeepSpeed"),
         ("Some blog 2025", "torchtitan", "pytorch/torchtitan"),
         ("NeMo 24.07 recipes", "", "NVIDIA/NeMo"),

@@ -141,7 +141,9 @@ FIRST_SP_YEAR = 2022
 TRAINER_WORDS = (
     (r"dgxc", "NVIDIA/dgxc-benchmarking"),
     (r"\bnemo\b", "NVIDIA/NeMo"),
-    (r"megatron[- ]?deepspeed", "microsoft/Megatron-DeepSpeed"),
+    # BigScience trained BLOOM with its Megatron-DeepSpeed fork; EleutherAI's GPT-NeoX is Megatron's model on
+    # DeepSpeed's pipeline engine too
+    (r"megatron[- ]?deepspeed|bigscience|gpt-neox", "microsoft/Megatron-DeepSpeed"),
     (r"megatron", "NVIDIA/Megatron-LM"),
     (r"torchtitan", "pytorch/torchtitan"),
     (r"llm-foundry|mosaicml|\bcomposer\b", "mosaicml/llm-foundry"),

@@ -121,6 +121,21 @@ def test_activation_meter_counts_no_parameter_seen_through_aliases():
     assert meter.peak_bytes == 4 * 8 * 4 + 8 * 8 * 4  # and the cast copy of the weight
 
 
+def test_activation_meter_counts_a_received_input_but_no_parameter():
+    """A pipeline stage's input arrives as a leaf that requires grad: an activation its first op (or
+    that block's checkpoint) saves, not a parameter, though both are leaves."""
+    from torch.utils.checkpoint import checkpoint
+
+    weight = torch.nn.Parameter(torch.randn(8, 8))
+    received = torch.randn(4, 8).requires_grad_()
+    with ActivationMeter() as meter:
+        received.matmul(weight).sum().backward()
+    assert meter.peak_bytes == 4 * 8 * 4  # the input the matmul saves; the weight is not counted
+    with ActivationMeter() as meter:
+        checkpoint(lambda t: t.matmul(weight).relu(), received, use_reentrant=False).sum().backward()
+    assert meter.peak_bytes == 4 * 8 * 4  # the checkpoint keeps only its input
+
+
 @pytest.mark.parametrize("model_name", ["tiny", "tiny-moe"])
 def test_recompute_gives_the_same_gradients_and_saves_less(model_name):
     spec = load_model(model_name)

@@ -84,9 +84,10 @@ CASES = layout_draw.draw(SEED, 30, WORLDS) + PINNED
 
 def activations_judged(case: layout_draw.Case) -> bool:
     """False for the classes whose saved activations `fivefold.plan.activations` does not meet within
-    10 % yet; their activation row is shown but not asserted. Left out: pipelines with full
-    recompute, and empty end chunks. Judged: expert parallelism (its dispatch's row orders and, in
-    bf16 without expert_fsdp, the experts' per-forward bf16 weight copies: 0.4-5.5 % on tiny),
+    10 % yet; their activation row is shown but not asserted. Left out: empty end chunks. Judged:
+    pipelines with full recompute (each recomputed block's input, the stage's received one too),
+    expert parallelism (its dispatch's row orders and, in bf16 without expert_fsdp, the experts'
+    per-forward bf16 weight copies: 0.4-5.5 % on tiny),
     interleaved 1F1B (each chunk's micro-batches in flight from torch's own action table: 2-5 %)
     and the schedules that split the backward (the same table, the input pass freeing only the
     loss and the weight pass the rest: 2-6 %)."""

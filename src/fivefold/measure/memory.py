@@ -66,8 +66,11 @@ def state_bytes(model_parts: Iterable[nn.Module], optimizer: torch.optim.Optimiz
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter's memory, not an activation's. Other leaves that require grad are activations: a
+    pipeline stage's input, received from the previous stage, which its first block (or that block's
+    checkpoint) saves."""
     base = t._base if t._base is not None else t
-    return isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad) or _aliases_parameter(t)
+    return isinstance(base, nn.Parameter) or _aliases_parameter(t)
 
 
 # autograd nodes of ops that hand on the same memory: views (and their transposes, selections and

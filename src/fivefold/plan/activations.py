@@ -14,12 +14,14 @@ run's dtypes (fp32 stream under autocast, matmul outputs in the compute dtype):
     q, k, v (K and V one per query head where the KV heads do not split over cp), the rotary q
     beside them, and the two position orders;
   * SwiGLU: gate, silu(gate), up and their product (f/tp wide).
-Once per micro-batch: the token ids, the rotary table, and on the last stage the final norm, the logits and
-their log-softmax (fp32, vocab/tp wide). Selective recompute drops the attention core's saved
-tensors (q, k, v and the output are kept at its boundary); full recompute keeps each recomputed
-block's input (every block's, or the first `recompute_layers` of each chunk's). Expert parallelism
-adds the dispatch's and the combine's row orders, and in bf16 where FSDP does not shard the experts
-the per-forward bf16 copies of this rank's expert weights (`_dispatch_saved`).
+Once per micro-batch: the token ids, the rotary table, and on the last stage the final norm (its
+input too: the last block's output), the logits and their log-softmax (fp32, vocab/tp wide).
+Selective recompute drops the attention core's saved tensors (q, k, v and the output are kept at
+its boundary); full recompute keeps each recomputed block's input (every block's, or the first
+`recompute_layers` of each chunk's; a stage's first block's input is what it received), and the
+rotary table only where a block runs whole. Expert parallelism adds the dispatch's and the
+combine's row orders, and in bf16 where FSDP does not shard the experts the per-forward bf16
+copies of this rank's expert weights (`_dispatch_saved`).
 """
 
 from __future__ import annotations
@@ -141,12 +143,13 @@ def micro_batch_saved(run: RunShape, chunk: Chunk) -> float:
     again = set(run.again([chunk]))
     total = sum(layer_saved(run, spec.is_moe_layer(i), i in again) for i in chunk.layers)
     bf16_weights = run.act_bytes == 2 and not run.autocast
-    if chunk.layers:  # a first or last chunk may hold no block (`--pp-split 0,4`): no attention
+    if any(i not in again for i in chunk.layers):  # a block that runs whole saves its rotations
         total += 4 * t * spec.head_dim  # the rotary table: t·d/2 complex64 rotations
-    if chunk.first:  # token ids, the first block's input (with bf16 weights its norm's fp32 copy)
-        total += 8 * t + (0 if bf16_weights or not chunk.layers else n * h * run.stream_bytes)
-    if chunk.last:  # final norm, the head's input (and autocast's weight copy), fp32 log-softmax
-        total += 4 * n + 4 * n * h + (2 * n * h if bf16_weights else 0)
+    if chunk.first:  # the token ids (each block's input, the first's too, is its block's)
+        total += 8 * t
+    if chunk.last:  # final norm (its input: the last block's output; with bf16 weights its fp32
+        # copy), the head's input (and autocast's weight copy), fp32 log-softmax
+        total += 4 * n + 4 * n * h + (2 * n * h if bf16_weights else n * h * run.stream_bytes)
         total += _linear_inputs(run, t, h, 1) + _weights(run, spec.vocab * h / lay.tp)
         total += loss_saved(run, chunk)
     return total
@@ -164,13 +167,12 @@ def loss_saved(run: RunShape, chunk: Chunk) -> float:
 
 def counted_exactly(layout: Layout) -> bool:
     """Whether `planned_activations` counts this layout's peak (what `fivefold verify` judges within
-    10%). Not yet: pipelines with full recompute, and a first or last stage without blocks
-    (`--pp-split 0,4`), whose few saved bytes are the token ids: views of the whole local batch,
-    which the meter counts by storage, not per micro-batch."""
+    10%). Not yet: a first or last stage without blocks (`--pp-split 0,4`), whose few saved bytes
+    are the token ids: views of the whole local batch, which the meter counts by storage, not per
+    micro-batch."""
     if layout.pp == 1:
         return True
-    empty_end = any(int(count) == 0 for count in split_fields(layout.pp_split))
-    return layout.recompute != "full" and not empty_end
+    return not any(int(count) == 0 for count in split_fields(layout.pp_split))
 
 
 def planned_activations(
@@ -190,7 +192,7 @@ def planned_activations(
     if layout.pp == 1:
         return per[0]
     # interleaved chunks and split backwards: what each chunk holds as the schedule's own table runs
-    if layout.pp_schedule in TABLED and layout.recompute != "full":
+    if layout.pp_schedule in TABLED:
         saved = {c.stage: b for c, b in zip(chunks, per)}
         loss = {c.stage: loss_saved(run, c) for c in chunks}
         return schedule_peak(layout, coords.get("pp", 0), microbatches, saved, loss)

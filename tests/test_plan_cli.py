@@ -807,11 +807,6 @@ def test_a_pipeline_end_without_blocks_is_planned(capsys, split: str) -> None:
     code = main(["plan", "--model", "llama3-8b", "--gpus", "2", "--pp", "2", "--pp-split", split, "--json"])
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["step_time_s"] > 0
-    from fivefold.config import Layout
-    from fivefold.plan.activations import counted_exactly
-
-    assert not counted_exactly(Layout(pp=2, pp_split=split))  # verify shows it as an estimate
-    assert counted_exactly(Layout(pp=2, pp_split="16,16"))
 
 
 def test_trainer_flag_plans_with_that_trainers_facts(capsys) -> None:

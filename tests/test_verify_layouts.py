@@ -82,20 +82,6 @@ PINNED += [
 CASES = layout_draw.draw(SEED, 30, WORLDS) + PINNED
 
 
-def activations_judged(case: layout_draw.Case) -> bool:
-    """False for the classes whose saved activations `fivefold.plan.activations` does not meet within
-    10 % yet; their activation row is shown but not asserted. Left out: empty end chunks. Judged:
-    pipelines with full recompute (each recomputed block's input, the stage's received one too),
-    expert parallelism (its dispatch's row orders and, in bf16 without expert_fsdp, the experts'
-    per-forward bf16 weight copies: 0.4-5.5 % on tiny),
-    interleaved 1F1B (each chunk's micro-batches in flight from torch's own action table: 2-5 %)
-    and the schedules that split the backward (the same table, the input pass freeing only the
-    loss and the weight pass the rest: 2-6 %)."""
-    from fivefold.plan.activations import counted_exactly
-
-    return counted_exactly(case.resolved())
-
-
 def _run_cases(rank: int, world: int, cases: list[layout_draw.Case]) -> list[dict]:
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
@@ -172,7 +158,6 @@ def test_the_draw_covers_every_axis_and_option() -> None:
     assert any(lay.zero == 1 and lay.dp > 1 for lay in lays) and any(
         lay.dp > 1 and lay.fsdp > 1 for lay in lays
     )
-    assert sum(activations_judged(c) for c in CASES) >= 20
 
 
 @pytest.mark.slow
@@ -180,11 +165,9 @@ def test_the_draw_covers_every_axis_and_option() -> None:
 def test_verify_judgments_pass(case: layout_draw.Case) -> None:
     table = judged(case)
     failed = [r for r in table if r.ok is False]
-    # where the plan does not count the peak yet, verify shows it as an estimate: no false FAIL
+    # every layout's saved activations are judged (pipelines to the byte, ep within its routing)
     acts = next(r for r in table if r.name.startswith("saved activations"))
-    assert (acts.ok is None) == (not activations_judged(case)) and ("estimate" in acts.name) == (
-        acts.ok is None
-    )
+    assert acts.ok is not None and "estimate" not in acts.name
     assert not failed, "\n".join(
         f"{r.judgment} {r.name}: measured {r.measured}, planned {r.planned}" for r in failed
     )

@@ -197,7 +197,7 @@ def judge(
     """The table: numerics against `reference` (skipped when None), then communication and memory
     of every rank against `planner` (default `fivefold.plan.step.plan_step`). A measured step with
     one-time collectives (`warmup`, why) has its communication shown, not judged."""
-    from fivefold.plan.activations import counted_exactly, planned_activations
+    from fivefold.plan.activations import planned_activations
     from fivefold.plan.step import plan_step
     from fivefold.support import step_split
 
@@ -228,7 +228,7 @@ def judge(
         planned_activations(spec, layout, micro_batch, train.seq_len, microbatches, train.dtype, r["coords"])
         for r in per_rank
     ]
-    table += _memory(per_rank, plans, acts, counted_exactly(layout))
+    table += _memory(per_rank, plans, acts)
     if warmup:  # what the step moved and saved is shown; the state bytes are judged all the same
         table = [
             dataclasses.replace(r, name=f"{r.name} (warm-up step)", ok=None)
@@ -330,9 +330,8 @@ def _measured(r: dict, key: tuple[str, str]) -> tuple[int, int]:
     return 0, 0
 
 
-def _memory(per_rank: list[dict], plans: list[Any], acts: list[float], judged: bool = True) -> list[Row]:
-    """State bytes equal to the plan on every rank; saved activations within ACTIVATION_RTOL where
-    the plan counts them (`judged`), shown as an estimate, neither pass nor fail, where it does not."""
+def _memory(per_rank: list[dict], plans: list[Any], acts: list[float]) -> list[Row]:
+    """State bytes equal to the plan on every rank; saved activations within ACTIVATION_RTOL."""
     rows = []
     for part in ("params", "grads", "optimizer"):
         off = next(
@@ -347,12 +346,11 @@ def _memory(per_rank: list[dict], plans: list[Any], acts: list[float], judged: b
     rows.append(
         Row(
             "memory",
-            f"saved activations, peak (worst: rank {worst_rank})"
-            + ("" if judged else " (an estimate for this layout: not judged)"),
+            f"saved activations, peak (worst: rank {worst_rank})",
             f"{per_rank[worst_rank]['activations']:,}",
             f"{int(acts[worst_rank]):,}",
             diffs[worst_rank],
-            diffs[worst_rank] <= ACTIVATION_RTOL if judged else None,
+            diffs[worst_rank] <= ACTIVATION_RTOL,
         )
     )
     peak = max(r["process_peak"] for r in per_rank)

@@ -27,7 +27,6 @@ copies of this rank's expert weights (`_dispatch_saved`).
 from __future__ import annotations
 
 from fivefold.config import Layout, ModelSpec
-from fivefold.config.layout import split_fields
 from fivefold.plan.runshape import Chunk, RunShape
 
 
@@ -136,7 +135,9 @@ def _dispatch_saved(run: RunShape, rows: int) -> float:
     return orders + (run.act_bytes * local_weights if casts else 0.0)
 
 
-def micro_batch_saved(run: RunShape, chunk: Chunk) -> float:
+def micro_batch_saved(run: RunShape, chunk: Chunk, ids: bool = True) -> float:
+    """Saved bytes of one micro-batch on `chunk`; `ids`: with its token ids (a pipeline counts them
+    once a step: `planned_activations`)."""
     spec, lay = run.spec, run.layout
     t, h = run.tokens, spec.hidden
     n = t // lay.tp if lay.sp else t
@@ -145,34 +146,24 @@ def micro_batch_saved(run: RunShape, chunk: Chunk) -> float:
     bf16_weights = run.act_bytes == 2 and not run.autocast
     if any(i not in again for i in chunk.layers):  # a block that runs whole saves its rotations
         total += 4 * t * spec.head_dim  # the rotary table: t·d/2 complex64 rotations
-    if chunk.first:  # the token ids (each block's input, the first's too, is its block's)
+    if chunk.first and ids:  # the token ids (each block's input, the first's too, is its block's)
         total += 8 * t
     if chunk.last:  # final norm (its input: the last block's output; with bf16 weights its fp32
         # copy), the head's input (and autocast's weight copy), fp32 log-softmax
         total += 4 * n + 4 * n * h + (2 * n * h if bf16_weights else n * h * run.stream_bytes)
         total += _linear_inputs(run, t, h, 1) + _weights(run, spec.vocab * h / lay.tp)
-        total += loss_saved(run, chunk)
+        total += loss_saved(run, chunk, ids)
     return total
 
 
-def loss_saved(run: RunShape, chunk: Chunk) -> float:
+def loss_saved(run: RunShape, chunk: Chunk, ids: bool = True) -> float:
     """What the loss itself saves on the last chunk (the fp32 log-softmax over the vocabulary shard,
     the targets, the count): the one part of a micro-batch a split backward's input pass frees,
     since it detaches the loss; every node below it waits for the weight pass."""
     if not chunk.last:
         return 0.0
     t = run.tokens
-    return 4 * t * run.spec.vocab // run.layout.tp + 8 * t + 4
-
-
-def counted_exactly(layout: Layout) -> bool:
-    """Whether `planned_activations` counts this layout's peak (what `fivefold verify` judges within
-    10%). Not yet: a first or last stage without blocks (`--pp-split 0,4`), whose few saved bytes
-    are the token ids: views of the whole local batch, which the meter counts by storage, not per
-    micro-batch."""
-    if layout.pp == 1:
-        return True
-    return not any(int(count) == 0 for count in split_fields(layout.pp_split))
+    return 4 * t * run.spec.vocab // run.layout.tp + (8 * t if ids else 0) + 4
 
 
 def planned_activations(
@@ -188,16 +179,21 @@ def planned_activations(
     frees it before the next forward), the micro-batches in flight on this stage with it."""
     run = RunShape(spec, layout, micro_batch, seq_len, microbatches, dtype)
     chunks = run.chunks(coords.get("pp", 0))
-    per = [micro_batch_saved(run, c) for c in chunks]
     if layout.pp == 1:
-        return per[0]
+        return micro_batch_saved(run, chunks[0])
+    per = [micro_batch_saved(run, c, ids=False) for c in chunks]
+    # the pipeline hands each micro-batch a view of one contiguous tensor of the step's token ids,
+    # and of its targets: the embedding's saved ids and the loss's saved targets hold those whole
+    # storages, once, from the first forward to the last backward
+    ends = sum(c.first for c in chunks) + sum(c.last for c in chunks)
+    ids = 8 * run.tokens * microbatches * ends
     # interleaved chunks and split backwards: what each chunk holds as the schedule's own table runs
     if layout.pp_schedule in TABLED:
         saved = {c.stage: b for c, b in zip(chunks, per)}
-        loss = {c.stage: loss_saved(run, c) for c in chunks}
-        return schedule_peak(layout, coords.get("pp", 0), microbatches, saved, loss)
+        loss = {c.stage: loss_saved(run, c, ids=False) for c in chunks}
+        return ids + schedule_peak(layout, coords.get("pp", 0), microbatches, saved, loss)
     flight = in_flight(layout, coords.get("pp", 0), microbatches)
-    return sum(p * f for p, f in zip(per, flight))
+    return ids + sum(p * f for p, f in zip(per, flight))
 
 
 # schedules whose peak is read off their action table (the rest: `in_flight`'s closed forms)

@@ -596,6 +596,28 @@ def test_a_runs_year_says_what_its_trainer_had_then() -> None:
     assert slow.compute_time_s > fast.compute_time_s
 
 
+def test_a_tpu_run_is_planned_as_xla_compiles_it_whatever_its_framework_says() -> None:
+    """Nothing but XLA drives a TPU: a run on one that names no framework (PaLM's tp 12 over 2,048
+    tokens, 2022) keeps its activations sharded over tp, as a JAX run does, not replicated."""
+    from fivefold.plan.runs import build
+    from fivefold.plan.trainers import runs_on_xla
+
+    assert runs_on_xla("", "TPU v4") and runs_on_xla("MaxText", "H100") and not runs_on_xla("", "A100")
+    run = {
+        "id": "r",
+        "source": "Chowdhery et al. 2022",
+        "kind": "measured",
+        "hardware": {"gpu": "TPU v4"},
+        "model": {"layers": 8, "hidden": 1536, "heads": 12, "vocab": 32000, "seq_len": 2048},
+        "layout": {"gpus": 48, "tp": 12, "pp": 1, "dp": 4, "global_batch": 64},
+        "measured": {"mfu": 0.4},
+    }
+    tpu = build(run)
+    assert tpu.layout.sp and tpu.shape.fused
+    gpu = build({**run, "hardware": {"gpu": "A100 80GB"}, "layout": {**run["layout"]}})
+    assert not gpu.layout.sp  # Megatron's SP splits each sequence evenly: 12 does not divide 2,048
+
+
 def test_an_unpublished_schedule_is_filled_with_the_chunk_count_that_pays(tmp_path) -> None:
     """A deep pipeline with few micro-batches and no published schedule: its authors would interleave
     finely (up to 8 chunks of one layer here), not stop at 2 or 4."""

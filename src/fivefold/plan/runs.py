@@ -388,7 +388,8 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     # XLA's partitioner shards activations wherever it pays, whatever the year
     year = published_year(run)
     since = int(TRAINERS.get(trainer_name(run), {}).get("sp_since", FIRST_SP_YEAR))
-    had_sp = year is None or year >= since or runs_on_xla(str(lt.get("framework", "")))
+    xla = runs_on_xla(str(lt.get("framework", "")), str(run.get("hardware", {}).get("gpu", "")))
+    had_sp = year is None or year >= since or xla
     sp = sp if sp is not None else tp > 1 and had_sp
     listed = run.get("unknown", [])
     if not isinstance(listed, list) or not all(isinstance(k, str) for k in listed):
@@ -666,7 +667,8 @@ def contradictions(run: dict[str, Any]) -> list[str]:
         if world != gpus:
             out.append(f"dp×fsdp×tp×pp×cp = {world} but gpus = {gpus}")
     tp, cp = _count(run, "layout", "tp") or 1, _count(run, "layout", "cp") or 1
-    xla = runs_on_xla(str(lt.get("framework", "")))  # pads uneven shards (`sp_any_length`)
+    # pads uneven shards (`sp_any_length`)
+    xla = runs_on_xla(str(lt.get("framework", "")), str(run.get("hardware", {}).get("gpu", "")))
     if lt.get("sequence_parallel") is True and tp > 1 and seq and (seq // cp) % tp and not xla:
         per_rank = f" ({seq // cp} per cp rank)" if cp > 1 else ""
         out.append(

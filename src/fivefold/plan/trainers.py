@@ -170,9 +170,13 @@ def hopper_or_newer(gpu: str) -> bool:
     return any(k in gpu.upper() for k in HOPPER_OR_NEWER)
 
 
-def runs_on_xla(framework: str) -> bool:
-    """Whether a run's stated framework compiles through XLA (JAX: MaxText, PaLM's stack)."""
-    return "jax" in framework.lower()
+XLA_FRAMEWORKS = ("jax", "xla", "maxtext", "t5x", "paxml", "lingvo", "tensorflow")
+
+
+def runs_on_xla(framework: str, gpu: str = "") -> bool:
+    """Whether a run compiles through XLA: its stated framework does (JAX: MaxText, PaLM's stack;
+    TensorFlow), or it ran on TPUs, which nothing else drives."""
+    return any(word in framework.lower() for word in XLA_FRAMEWORKS) or "TPU" in gpu.upper()
 
 
 def published_trainer(name: str, gpu: str, framework: str, year: int | None) -> tuple[dict[str, Any], str]:
@@ -180,7 +184,7 @@ def published_trainer(name: str, gpu: str, framework: str, year: int | None) -> 
     on the GPU a run names, in the framework it names, in the year it was published."""
     hopper = hopper_or_newer(gpu)
     trainer = trainer_facts(name, hopper)
-    if runs_on_xla(framework):
+    if runs_on_xla(framework, gpu):
         # XLA fuses elementwise ops; MaxText's GPU attention is cuDNN's fused kernel (cudnn_flash_te)
         trainer = {"fused": True, "tp_overlap": False, "attention": "flash3", "sp_any_length": True}
     if name not in TRAINERS and hopper and (year or 0) >= FIRST_FLASH3_YEAR:

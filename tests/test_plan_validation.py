@@ -618,6 +618,32 @@ def test_a_tpu_run_is_planned_as_xla_compiles_it_whatever_its_framework_says() -
     assert not gpu.layout.sp  # Megatron's SP splits each sequence evenly: 12 does not divide 2,048
 
 
+@pytest.mark.parametrize(
+    ("stated", "policy"),
+    [
+        ({"recompute": True}, "full"),
+        ({"recompute": "no"}, "none"),
+        ({"recompute": "Full (uniform)"}, "full"),
+        ({"activation_checkpointing": True}, "full"),  # MosaicML's column, as a yes or no
+        ({"activation_checkpointing": False}, "none"),
+    ],
+)
+def test_a_recompute_stated_as_yes_or_no_is_read(stated: dict, policy: str) -> None:
+    from fivefold.plan.runs import build
+
+    run = {
+        "id": "r",
+        "source": "a 2023 table",
+        "kind": "measured",
+        "hardware": {"gpu": "A100 80GB"},
+        "model": {"layers": 4, "hidden": 1024, "heads": 16, "vocab": 32000, "seq_len": 2048},
+        "layout": {"gpus": 8, "fsdp": 8, "global_batch": 8, **stated},
+        "measured": {"tflops_per_gpu": 100.0},
+    }
+    inputs = build(run)
+    assert inputs.recompute_known and inputs.layout.recompute == policy
+
+
 def test_an_unpublished_schedule_is_filled_with_the_chunk_count_that_pays(tmp_path) -> None:
     """A deep pipeline with few micro-batches and no published schedule: its authors would interleave
     finely (up to 8 chunks of one layer here), not stop at 2 or 4."""

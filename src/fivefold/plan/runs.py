@@ -285,6 +285,7 @@ SCHEDULE_WORDS = (
 CHUNKED_WORDS = ("interleav", "vpp", "virtual", "bfs", "breadthfirst")
 # a run's recompute: Megatron's three policies, or MaxText's named ("custom") ones between them
 RECOMPUTE_WORDS = ("none", "selective", "full", "custom")
+RECOMPUTE_YES_NO = {"true": "full", "yes": "full", "on": "full", "false": "none", "no": "none", "off": "none"}
 
 
 def _schedule(value: Any, pp: int, v: int) -> str:
@@ -395,15 +396,24 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     if not isinstance(listed, list) or not all(isinstance(k, str) for k in listed):
         raise FivefoldError(f'run {rid}: unknown must be a list of field names, like ["micro_batch"]')
     unknown = {k.lower() for k in listed}
-    # the policy's word, whatever follows it ("full (uniform)", "selective, attention only")
-    rc = re.split(r"[^a-z]", str(lt.get("recompute", "none")).lower().strip() + " ")[0]
+    # the policy's word, whatever follows it ("full (uniform)", "selective, attention only"); a yes or
+    # no (`activation_checkpointing = true`, as MosaicML's tables say) checkpoints every block or none
+    key = (
+        "recompute"
+        if "recompute" in lt or "activation_checkpointing" not in lt
+        else "activation_checkpointing"
+    )
+    raw = lt.get(key, "none")
+    raw = ("full" if raw else "none") if isinstance(raw, bool) else raw
+    rc = re.split(r"[^a-z]", str(raw).lower().strip() + " ")[0]
+    rc = RECOMPUTE_YES_NO.get(rc, rc)
     if rc not in RECOMPUTE_WORDS:
         raise FivefoldError(
-            f"run {rid}: layout.recompute must be one of {', '.join(RECOMPUTE_WORDS)}, "
-            f"got {lt['recompute']!r}"
+            f"run {rid}: layout.{key} must be one of {', '.join(RECOMPUTE_WORDS)} (or true/false), "
+            f"got {lt[key]!r}"
         )
     # unpublished, or a policy outside the three (MaxText's "custom" remat): the planner picks
-    recompute_known = "recompute" in lt and "recompute" not in unknown and rc in ("none", "selective", "full")
+    recompute_known = key in lt and key not in unknown and rc in ("none", "selective", "full")
     rc = rc if recompute_known else "none"
     # full recompute of only the first N blocks of each chunk (Megatron's --recompute-num-layers)
     rc_layers = lt.get("recompute_layers", 0)

@@ -558,6 +558,19 @@ def test_runs_published_before_flash_attention_plan_materialised_scores() -> Non
     assert build(run("Narayanan et al. 2021", attention="flash")).shape.attention == "flash"
 
 
+def _typed_run(source: str, gpu: str, model: dict, layout: dict, measured: dict) -> dict:
+    """One run as a runs file from elsewhere types it (id "r", kind measured)."""
+    return {
+        "id": "r",
+        "source": source,
+        "kind": "measured",
+        "hardware": {"gpu": gpu},
+        "model": model,
+        "layout": layout,
+        "measured": measured,
+    }
+
+
 def test_a_runs_year_says_what_its_trainer_had_then() -> None:
     """Unstated sequence parallelism and selective recompute (both Korthikanti et al. 2022, one Megatron
     release) are assumed only for runs published once the trainer had them: 2022 for Megatron, 2023 for
@@ -570,15 +583,13 @@ def test_a_runs_year_says_what_its_trainer_had_then() -> None:
     from fivefold.plan.runs import build
 
     def run(source: str, framework: str = "", **layout) -> dict:
-        return {
-            "id": "r",
-            "source": source,
-            "kind": "measured",
-            "hardware": {"gpu": "V100 32GB", "gpus_per_node": 16},
-            "model": {"layers": 24, "hidden": 3072, "heads": 32, "vocab": 51200, "seq_len": 1024},
-            "layout": {"gpus": 64, "tp": 8, "pp": 1, "global_batch": 64, "framework": framework, **layout},
-            "measured": {"tflops_per_gpu": 30.0},
-        }
+        return _typed_run(
+            source,
+            "V100 32GB",
+            {"layers": 24, "hidden": 3072, "heads": 32, "vocab": 51200, "seq_len": 1024},
+            {"gpus": 64, "tp": 8, "pp": 1, "global_batch": 64, "framework": framework, **layout},
+            {"tflops_per_gpu": 30.0},
+        )
 
     old, new = build(run("Shoeybi et al. 2019")), build(run("a 2024 report"))
     assert not old.layout.sp and not old.selective and not old.shape.fused
@@ -603,15 +614,13 @@ def test_a_tpu_run_is_planned_as_xla_compiles_it_whatever_its_framework_says() -
     from fivefold.plan.trainers import runs_on_xla
 
     assert runs_on_xla("", "TPU v4") and runs_on_xla("MaxText", "H100") and not runs_on_xla("", "A100")
-    run = {
-        "id": "r",
-        "source": "Chowdhery et al. 2022",
-        "kind": "measured",
-        "hardware": {"gpu": "TPU v4"},
-        "model": {"layers": 8, "hidden": 1536, "heads": 12, "vocab": 32000, "seq_len": 2048},
-        "layout": {"gpus": 48, "tp": 12, "pp": 1, "dp": 4, "global_batch": 64},
-        "measured": {"mfu": 0.4},
-    }
+    run = _typed_run(
+        "Chowdhery et al. 2022",
+        "TPU v4",
+        {"layers": 8, "hidden": 1536, "heads": 12, "vocab": 32000, "seq_len": 2048},
+        {"gpus": 48, "tp": 12, "pp": 1, "dp": 4, "global_batch": 64},
+        {"mfu": 0.4},
+    )
     tpu = build(run)
     assert tpu.layout.sp and tpu.shape.fused
     gpu = build({**run, "hardware": {"gpu": "A100 80GB"}, "layout": {**run["layout"]}})
@@ -631,16 +640,9 @@ def test_a_tpu_run_is_planned_as_xla_compiles_it_whatever_its_framework_says() -
 def test_a_recompute_stated_as_yes_or_no_is_read(stated: dict, policy: str) -> None:
     from fivefold.plan.runs import build
 
-    run = {
-        "id": "r",
-        "source": "a 2023 table",
-        "kind": "measured",
-        "hardware": {"gpu": "A100 80GB"},
-        "model": {"layers": 4, "hidden": 1024, "heads": 16, "vocab": 32000, "seq_len": 2048},
-        "layout": {"gpus": 8, "fsdp": 8, "global_batch": 8, **stated},
-        "measured": {"tflops_per_gpu": 100.0},
-    }
-    inputs = build(run)
+    model = {"layers": 4, "hidden": 1024, "heads": 16, "vocab": 32000, "seq_len": 2048}
+    layout = {"gpus": 8, "fsdp": 8, "global_batch": 8, **stated}
+    inputs = build(_typed_run("a 2023 table", "A100 80GB", model, layout, {"tflops_per_gpu": 100.0}))
     assert inputs.recompute_known and inputs.layout.recompute == policy
 
 

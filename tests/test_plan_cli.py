@@ -809,6 +809,34 @@ def test_a_pipeline_end_without_blocks_is_planned(capsys, split: str) -> None:
     assert code == 0 and data["step_time_s"] > 0
 
 
+def test_a_search_for_another_trainer_proposes_only_what_it_runs(capsys) -> None:
+    """`--search --trainer NAME` keeps to that trainer's pipeline schedules and ZeRO (nanotron: 1F1B or
+    all-forward-all-backward, ZeRO-1 at most; Megatron: 1F1B, interleaved or not); a single plan of a
+    layout it does not run says so. 1F1B stays a candidate where zero-bubble is refused."""
+    import json as _json
+
+    def best(*flags: str) -> list[dict]:
+        argv = ["plan", "--model", "llama3-70b", "--gpus", "64", "--search", "--top", "20", "--json", *flags]
+        assert main(argv) == 0
+        return [p["layout"] for p in _json.loads(capsys.readouterr().out)["plans"]]
+
+    nanotron = best("--trainer", "nanotron")
+    assert nanotron and all(lay["fsdp"] == 1 and lay["zero"] <= 1 for lay in nanotron)
+    assert all(lay["pp_schedule"] in ("1f1b", "gpipe") for lay in nanotron if lay["pp"] > 1)
+    megatron = best("--trainer", "megatron")
+    assert all(lay["pp_schedule"] in ("1f1b", "interleaved-1f1b") for lay in megatron if lay["pp"] > 1)
+    assert {lay["pp_schedule"] for lay in best() if lay["pp"] > 1} - {"1f1b", "interleaved-1f1b"}
+    # replicated tp weights cannot take zero-bubble's split backward in fivefold: 1F1B is proposed
+    pinned = best("--tp", "8", "--pp", "4", "--dp", "2", "--zero", "0")
+    schedules = {lay["pp_schedule"] for lay in pinned}
+    assert "1f1b" in schedules and not schedules & {"zero-bubble", "zbv", "dualpipev"}
+    flags = ["--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--pp", "4", "--dp", "2", "--zero", "0"]
+    assert main(["plan", *flags, "--pp-schedule", "zbv", "--trainer", "nanotron"]) == 0
+    out = capsys.readouterr().out
+    why = "--pp-schedule zbv (it runs 1f1b, gpipe)"
+    assert f"note: huggingface/nanotron does not run this layout: {why}" in out
+
+
 def test_trainer_flag_plans_with_that_trainers_facts(capsys) -> None:
     """`--trainer` plans another implementation with the facts its published runs are planned with:
     Megatron on Hopper overlaps tp with the GEMMs and runs cuDNN attention; fivefold's runtime (the

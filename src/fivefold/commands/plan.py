@@ -23,6 +23,15 @@ def trainer_shape(flag: str, hw) -> tuple[dict, str]:  # noqa: ANN001 - Hardware
     return shape_facts(trainer), kernel_on(str(trainer.get("attention", "flash")), hopper)
 
 
+def named_trainer_facts(flag: str, hw) -> dict | None:  # noqa: ANN001 - HardwareSpec, imported lazily
+    """The facts of `--trainer` (None for fivefold's own runtime): what its search may propose."""
+    if flag == "fivefold":
+        return None
+    from fivefold.plan.trainers import hopper_or_newer, trainer_facts
+
+    return trainer_facts(TRAINER_FLAGS[flag], hopper_or_newer(hw.name))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model preset, MODEL.toml or HF config.json")
     parser.add_argument(
@@ -216,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
         pins = {k: getattr(args, k, None) for k in PINNABLE}
         pins["micro_batch"] = args.micro_batch
         check_pins(pins, args.gpus)
-        result = search(model, hw, args.gpus, shape, gpn, top=args.top, pins=pins)
+        trainer = named_trainer_facts(args.trainer, hw)
+        result = search(model, hw, args.gpus, shape, gpn, top=args.top, pins=pins, trainer=trainer)
         defaults.say_assumed(assumed)
         _print_search(result, args.json, view.search_text, seconds=result.seconds)
         return 0
@@ -247,7 +257,17 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(p.to_json()))
         return 0
     if p.margin_bytes < 0:
-        print(_does_not_fit(p, args, search(model, hw, args.gpus, shape, gpn, top=1, pins=_given_pins(args))))
+        best = search(
+            model,
+            hw,
+            args.gpus,
+            shape,
+            gpn,
+            top=1,
+            pins=_given_pins(args),
+            trainer=named_trainer_facts(args.trainer, hw),
+        )
+        print(_does_not_fit(p, args, best))
     print(view.plan_text(p))
     from fivefold.support import check_trainable  # a plan may predict what only other frameworks run
 
@@ -255,6 +275,11 @@ def run(args: argparse.Namespace) -> int:
         check_trainable(model, layout, args.seq_len)
     except FivefoldError as exc:
         print(f"note: fivefold train refuses this layout: {exc}")
+    from fivefold.plan.trainers import trainer_refuses
+
+    trainer = named_trainer_facts(args.trainer, hw)
+    if trainer is not None and (why := trainer_refuses(trainer, layout)):
+        print(f"note: {TRAINER_FLAGS[args.trainer]} does not run this layout: {why}")
     return 0
 
 

@@ -34,6 +34,7 @@ from fivefold.plan.memory import (
 from fivefold.plan.report import _plan, check_plan_inputs, model_facts, step_lower_bound
 from fivefold.plan.result import Plan, capacity
 from fivefold.plan.spec import TrainShape, resolve_arch
+from fivefold.plan.trainers import trainer_refuses
 from fivefold.support import check_microbatches, check_trainable
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
@@ -97,7 +98,9 @@ def _tp_choices(model: ModelSpec, gpus: int, gpn: int) -> list[int]:
 def _schedules(pp: int, layers: int, moe: bool) -> list[tuple[str, int]]:
     if pp == 1:
         return [("1f1b", 1)]
-    out = [("zero-bubble", 1)]  # ZB-H1 keeps 1F1B's memory with a smaller bubble: 1F1B is dominated
+    # ZB-H1 keeps 1F1B's memory with a smaller bubble, but not every layout or trainer runs its
+    # split backward (replicated tp weights, nanotron, DeepSpeed): 1F1B stays a candidate
+    out = [("zero-bubble", 1), ("1f1b", 1)]
     per = layers // pp
     for v in (2, 3, 4, 6, 8):
         if per >= v and per % v == 0:
@@ -251,9 +254,11 @@ def search(
     top: int = 5,
     micro_batches: tuple[int, ...] = (1, 2, 4, 8),
     pins: dict | None = None,
+    trainer: dict | None = None,
 ) -> SearchResult:
     """The `top` fastest layouts that fit. `pins` fixes layout fields (keys of PINNABLE, and
-    `micro_batch`); everything else is searched."""
+    `micro_batch`); everything else is searched. `trainer` (facts of `fivefold.plan.trainers`):
+    only layouts that trainer also runs (`plan --search --trainer NAME`)."""
     pins = {k: v for k, v in (pins or {}).items() if v is not None}
     _check_pins(model, pins)
     if "micro_batch" in pins:
@@ -300,6 +305,9 @@ def search(
             check_trainable(model, base, shape.seq_len)
         except FivefoldError as exc:
             refusal = refusal or str(exc)
+            continue
+        if trainer and (why := trainer_refuses(trainer, base)):
+            refusal = refusal or f"the trainer does not run {why}"
             continue
         runnable = True
         for b, sh in shapes:

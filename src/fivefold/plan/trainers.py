@@ -13,9 +13,24 @@ from typing import Any
 # recipes, overlaps the tp collectives with the matmuls, on Hopper runs cuDNN's fused attention, and
 # reduces gradients in bf16 (Megatron-core's grad_reduce_in_fp32 defaults to off); torchtitan runs
 # eager PyTorch unless torch.compile is stated. Others: fused kernels, no tp overlap.
+# the pipeline schedules Megatron-core runs: 1F1B, and 1F1B over virtual stages
+MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
 TRAINERS = {
-    "NVIDIA/NeMo": {"fused": True, "tp_overlap": True, "attention": "flash3", "grad_bytes": 2},
-    "NVIDIA/dgxc-benchmarking": {"fused": True, "tp_overlap": True, "attention": "flash3", "grad_bytes": 2},
+    "NVIDIA/NeMo": {
+        "fused": True,
+        "tp_overlap": True,
+        "attention": "flash3",
+        "grad_bytes": 2,
+        "schedules": MEGATRON_SCHEDULES,
+    },
+    "NVIDIA/dgxc-benchmarking": {
+        "fused": True,
+        "tp_overlap": True,
+        "attention": "flash3",
+        "grad_bytes": 2,
+        "schedules": MEGATRON_SCHEDULES,
+    },
+    "NVIDIA/Megatron-LM": {"schedules": MEGATRON_SCHEDULES},
     # torchtitan splits a pipeline's local batch into pp micro-batches unless told otherwise, and its
     # sequence parallelism is DTensor's (the gathered matmul input kept for the backward)
     "pytorch/torchtitan": {
@@ -28,7 +43,8 @@ TRAINERS = {
         "tp_regather": False,
         "tp_backward_overlap": False,
     },
-    "mosaicml/llm-foundry": {"fused_loss": True},  # loss_fn = fused_crossentropy by default
+    # loss_fn = fused_crossentropy by default; Composer's FSDP has no pipeline
+    "mosaicml/llm-foundry": {"fused_loss": True, "schedules": ()},
     # its xentropy kernel, in-place backward; its own attention kernel since its first release (2022)
     "Dao-AILab/flash-attention": {"fused_loss": True, "attention": "flash"},
     # ZeRO-3 keeps fp16 shards beside the fp32 master and gathers sub-modules up to
@@ -36,7 +52,14 @@ TRAINERS = {
     # more than stage3_max_reuse_distance (1e9) parameters later. Its gradients are the 16-bit
     # parameters' own, reduced in that dtype (communication_data_type defaults to the model's; only
     # the optimizer's partition is fp32)
-    "microsoft/DeepSpeed": {"fp32_shard": False, "live_params": 1e9, "reuse_distance": 1e9, "grad_bytes": 2},
+    "microsoft/DeepSpeed": {
+        "fp32_shard": False,
+        "live_params": 1e9,
+        "reuse_distance": 1e9,
+        "grad_bytes": 2,
+        "schedules": ("1f1b",),
+        "zero_with_pipeline": 1,
+    },
     # nanotron's pipeline engines are all-forward-all-backward and 1F1B: no interleaved chunks. With
     # its sharded optimizer and fp32 gradient accumulation (what its benchmark sweep sets) it builds
     # no DDP: the gradients are reduce-scattered after the backward, and the updated shards gathered
@@ -52,12 +75,19 @@ TRAINERS = {
         "sharded_copies": True,
         "fp32_accumulate_pass": True,
         "block_tensors": 6,
+        "schedules": ("1f1b", "gpipe"),  # its 1F1B and all-forward-all-backward engines
+        "max_zero": 1,  # its optimizer shards the state (ZeRO-1) at most
     },
     # Megatron's model and kernels under DeepSpeed's pipeline engine, which runs 1F1B only (no
     # interleaved chunks) and, with a pipeline, shards no more than the optimizer state (ZeRO-1: its
     # stages 2 and 3 refuse pipeline parallelism). BLOOM and MT-NLG were trained with it. Megatron's
     # sequence parallelism and selective recompute reached it with its mid-2023 rebase on Megatron-LM
-    "microsoft/Megatron-DeepSpeed": {"interleaved": False, "zero_with_pipeline": 1, "sp_since": 2023},
+    "microsoft/Megatron-DeepSpeed": {
+        "interleaved": False,
+        "zero_with_pipeline": 1,
+        "sp_since": 2023,
+        "schedules": ("1f1b",),
+    },
     # fivefold's own run directories (`framework = "fivefold"`): DTensor's sequence parallelism
     "fivefold": {
         "tp_regather": False,
@@ -121,6 +151,22 @@ def shape_facts(trainer: dict[str, Any]) -> dict[str, Any]:
         "block_tensors": int(trainer.get("block_tensors", 9)),
         "sp_any_length": bool(trainer.get("sp_any_length", False)),
     }
+
+
+def trainer_refuses(trainer: dict[str, Any], layout: Any) -> str | None:
+    """Why a trainer (its TRAINERS facts) cannot run `layout`, or None: a pipeline schedule it lacks,
+    more ZeRO than it shards, or more than it shards beside a pipeline. A trainer we know nothing of
+    refuses nothing."""
+    schedules = trainer.get("schedules")
+    if layout.pp > 1 and schedules is not None and layout.pp_schedule not in schedules:
+        runs = ", ".join(schedules) if schedules else "no pipeline"
+        return f"--pp-schedule {layout.pp_schedule} (it runs {runs})"
+    with_pipeline = layout.pp > 1 and trainer.get("zero_with_pipeline", 3) < trainer.get("max_zero", 3)
+    cap = trainer.get("zero_with_pipeline", 3) if with_pipeline else trainer.get("max_zero", 3)
+    if layout.zero > cap or (cap < 2 and layout.fsdp > 1):  # fsdp shards what ZeRO-1 keeps whole
+        beside = " beside a pipeline" if with_pipeline else ""
+        return f"--zero {layout.zero} with --fsdp {layout.fsdp} (it shards at most ZeRO-{cap}{beside})"
+    return None
 
 
 # FlashAttention appeared in mid-2022 and reached Megatron (--use-flash-attn) and DeepSpeed in 2023:

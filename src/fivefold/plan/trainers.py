@@ -104,6 +104,7 @@ TRAINER_FLAGS = {
     "nemo": "NVIDIA/NeMo",
     "torchtitan": "pytorch/torchtitan",
     "deepspeed": "microsoft/DeepSpeed",
+    "megatron-deepspeed": "microsoft/Megatron-DeepSpeed",
     "nanotron": "huggingface/nanotron",
     "llm-foundry": "mosaicml/llm-foundry",
 }

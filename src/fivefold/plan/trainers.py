@@ -217,7 +217,7 @@ def hopper_or_newer(gpu: str) -> bool:
     return any(k in gpu.upper() for k in HOPPER_OR_NEWER)
 
 
-XLA_FRAMEWORKS = ("jax", "xla", "maxtext", "t5x", "paxml", "lingvo", "tensorflow")
+XLA_FRAMEWORKS = ("jax", "xla", "maxtext", "t5x", "pax", "lingvo", "tensorflow")
 
 
 def runs_on_xla(framework: str, gpu: str = "") -> bool:

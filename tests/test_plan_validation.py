@@ -528,6 +528,19 @@ def test_export_and_other_accelerators_get_their_own_presets(tmp_path) -> None:
     assert prediction.fits and prediction.predicted > 0
 
 
+def _typed_run(source: str, gpu: str, model: dict, layout: dict, measured: dict) -> dict:
+    """One run as a runs file from elsewhere types it (id "r", kind measured)."""
+    return {
+        "id": "r",
+        "source": source,
+        "kind": "measured",
+        "hardware": {"gpu": gpu},
+        "model": model,
+        "layout": layout,
+        "measured": measured,
+    }
+
+
 def test_runs_published_before_flash_attention_plan_materialised_scores() -> None:
     """A run's year (read from its source) decides the attention kernel it left unstated: up to 2022
     the scores were materialised; later, or with no year, FlashAttention; a trainer that says (the
@@ -541,34 +554,19 @@ def test_runs_published_before_flash_attention_plan_materialised_scores() -> Non
     assert published_year({"source": "mosaicml/llm-foundry README @8c8dd48f"}) is None
 
     def run(source: str, **layout) -> dict:
-        return {
-            "id": "r",
-            "source": source,
-            "kind": "measured",
-            "hardware": {"gpu": "A100 80GB"},
-            "model": {"layers": 4, "hidden": 1024, "heads": 16, "vocab": 32000, "seq_len": 2048},
-            "layout": {"gpus": 8, "tp": 1, "pp": 1, "global_batch": 8, **layout},
-            "measured": {"tflops_per_gpu": 100.0},
-        }
+        return _typed_run(
+            source,
+            "A100 80GB",
+            {"layers": 4, "hidden": 1024, "heads": 16, "vocab": 32000, "seq_len": 2048},
+            {"gpus": 8, "tp": 1, "pp": 1, "global_batch": 8, **layout},
+            {"tflops_per_gpu": 100.0},
+        )
 
     assert build(run("Narayanan et al. 2021 (SC21)")).shape.attention == "materialized"
     assert build(run("a 2023 blog post")).shape.attention == "flash"
     assert build(run("a table without a date")).shape.attention == "flash"
     assert build(run("Dao-AILab/flash-attention training/README.md (2022)")).shape.attention == "flash"
     assert build(run("Narayanan et al. 2021", attention="flash")).shape.attention == "flash"
-
-
-def _typed_run(source: str, gpu: str, model: dict, layout: dict, measured: dict) -> dict:
-    """One run as a runs file from elsewhere types it (id "r", kind measured)."""
-    return {
-        "id": "r",
-        "source": source,
-        "kind": "measured",
-        "hardware": {"gpu": gpu},
-        "model": model,
-        "layout": layout,
-        "measured": measured,
-    }
 
 
 def test_a_runs_year_says_what_its_trainer_had_then() -> None:
@@ -605,6 +603,35 @@ def test_a_runs_year_says_what_its_trainer_had_then() -> None:
     slow = plan(old.model, old.hw, old.layout, old.shape)
     fast = plan(new.model, new.hw, dataclasses.replace(new.layout, sp=False), new.shape)
     assert slow.compute_time_s > fast.compute_time_s
+
+
+@pytest.mark.parametrize(
+    ("framework", "interleaves"),
+    [
+        ("Megatron-LM", True),
+        ("torchtitan", True),
+        ("DeepSpeed", False),
+        ("Megatron-DeepSpeed", False),
+        ("nanotron", False),
+    ],
+)
+def test_an_unpublished_schedule_is_filled_from_the_trainers_own(framework: str, interleaves: bool) -> None:
+    """Whether an unpublished schedule may be interleaved follows the schedules the trainer runs (the
+    facts `plan --search --trainer` keeps to): DeepSpeed's pipeline engine and nanotron's do not."""
+    from fivefold.plan.runs import build
+
+    model = {"layers": 32, "hidden": 2048, "heads": 16, "vocab": 32000, "seq_len": 2048}
+    layout = {
+        "gpus": 16,
+        "tp": 1,
+        "pp": 4,
+        "dp": 4,
+        "zero_stage": 1,
+        "global_batch": 64,
+        "framework": framework,
+    }
+    inputs = build(_typed_run("a 2024 report", "H100 80GB", model, layout, {"mfu": 0.4}))
+    assert inputs.interleaved == interleaves and "pipeline_schedule" in inputs.free
 
 
 def test_a_tpu_run_is_planned_as_xla_compiles_it_whatever_its_framework_says() -> None:

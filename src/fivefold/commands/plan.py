@@ -11,25 +11,25 @@ from fivefold.config import add_layout_arguments, check_gpus, check_pins
 from fivefold.plan.trainers import TRAINER_FLAGS
 
 
-def trainer_shape(flag: str, hw) -> tuple[dict, str]:  # noqa: ANN001 - HardwareSpec, imported lazily
-    """(TrainShape fields, attention kernel) of `--trainer`: fivefold's runtime as TrainShape's defaults
-    say it, or another trainer's facts as the published runs of it are planned (fivefold.plan.trainers)."""
-    if flag == "fivefold":
-        return {}, "flash"
-    from fivefold.plan.trainers import hopper_or_newer, kernel_on, shape_facts, trainer_facts
-
-    hopper = hopper_or_newer(hw.name)
-    trainer = trainer_facts(TRAINER_FLAGS[flag], hopper)
-    return shape_facts(trainer), kernel_on(str(trainer.get("attention", "flash")), hopper)
-
-
 def named_trainer_facts(flag: str, hw) -> dict | None:  # noqa: ANN001 - HardwareSpec, imported lazily
-    """The facts of `--trainer` (None for fivefold's own runtime): what its search may propose."""
+    """The facts of `--trainer` on this hardware (None for fivefold's own runtime): what its plans
+    assume and what its search may propose."""
     if flag == "fivefold":
         return None
     from fivefold.plan.trainers import hopper_or_newer, trainer_facts
 
     return trainer_facts(TRAINER_FLAGS[flag], hopper_or_newer(hw.name))
+
+
+def trainer_shape(flag: str, hw) -> tuple[dict, str]:  # noqa: ANN001 - HardwareSpec, imported lazily
+    """(TrainShape fields, attention kernel) of `--trainer`: fivefold's runtime as TrainShape's defaults
+    say it, or another trainer's facts as the published runs of it are planned (fivefold.plan.trainers)."""
+    trainer = named_trainer_facts(flag, hw)
+    if trainer is None:
+        return {}, "flash"
+    from fivefold.plan.trainers import hopper_or_newer, kernel_on, shape_facts
+
+    return shape_facts(trainer), kernel_on(str(trainer.get("attention", "flash")), hopper_or_newer(hw.name))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -205,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
             "--fp8 runs the matmuls in fp8 beside 16-bit activations; use it with --dtype bf16"
         )
     facts, attention = trainer_shape(args.trainer, hw)
+    trainer = named_trainer_facts(args.trainer, hw)  # what the search may propose, the note says
     if args.grad_dtype is not None:
         facts["grad_bytes"] = 4 if args.grad_dtype == "fp32" else 2
     shape = TrainShape(
@@ -225,7 +226,6 @@ def run(args: argparse.Namespace) -> int:
         pins = {k: getattr(args, k, None) for k in PINNABLE}
         pins["micro_batch"] = args.micro_batch
         check_pins(pins, args.gpus)
-        trainer = named_trainer_facts(args.trainer, hw)
         result = search(model, hw, args.gpus, shape, gpn, top=args.top, pins=pins, trainer=trainer)
         defaults.say_assumed(assumed)
         _print_search(result, args.json, view.search_text, seconds=result.seconds)
@@ -265,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
             gpn,
             top=1,
             pins=_given_pins(args),
-            trainer=named_trainer_facts(args.trainer, hw),
+            trainer=trainer,
         )
         print(_does_not_fit(p, args, best))
     print(view.plan_text(p))
@@ -277,7 +277,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: fivefold train refuses this layout: {exc}")
     from fivefold.plan.trainers import trainer_refuses
 
-    trainer = named_trainer_facts(args.trainer, hw)
     if trainer is not None and (why := trainer_refuses(trainer, layout)):
         print(f"note: {TRAINER_FLAGS[args.trainer]} does not run this layout: {why}")
     return 0

@@ -387,10 +387,9 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     # Megatron/NeMo/torchtitan turn SP on with TP. A run published before its trainer had SP (and
     # selective recompute, which came with it) replicated its norms, dropout and residuals over tp;
     # XLA's partitioner shards activations wherever it pays, whatever the year
-    year = published_year(run)
-    since = int(TRAINERS.get(trainer_name(run), {}).get("sp_since", FIRST_SP_YEAR))
-    xla = runs_on_xla(str(lt.get("framework", "")), str(run.get("hardware", {}).get("gpu", "")))
-    had_sp = year is None or year >= since or xla
+    name, year = trainer_name(run), published_year(run)
+    since = int(TRAINERS.get(name, {}).get("sp_since", FIRST_SP_YEAR))
+    had_sp = year is None or year >= since or _on_xla(run)
     sp = sp if sp is not None else tp > 1 and had_sp
     listed = run.get("unknown", [])
     if not isinstance(listed, list) or not all(isinstance(k, str) for k in listed):
@@ -472,9 +471,8 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     if (batch // data) % mb:
         mb = 1  # a published micro-batch that does not divide the local batch (a short last one)
     precision = str(lt.get("precision", "")).lower()
-    name = trainer_name(run)
     gpu_name = str(run.get("hardware", {}).get("gpu", ""))
-    trainer, attention = published_trainer(name, gpu_name, str(lt.get("framework", "")), published_year(run))
+    trainer, attention = published_trainer(name, gpu_name, str(lt.get("framework", "")), year)
     arch = str(mt.get("arch", "")).lower()
     gated = any(w in arch for w in ("swiglu", "geglu", "swi-glu"))
     plain = any(w in arch for w in ("gelu", "relu", "mpt")) or arch.startswith("gpt")
@@ -530,7 +528,8 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     pinned = layout.pp > 1 and trainer.get("zero_with_pipeline") == 1
     if "zero_stage" not in lt and layout.dp > 1 and layout.fsdp == 1 and not megatron_like and not pinned:
         free.append("zero_stage")  # a distributed optimizer, and whether it also shards gradients
-    interleaved = bool(trainer.get("interleaved", True))
+    # whether the trainer's schedules include interleaving (a trainer we know nothing of: Megatron's)
+    interleaved = "interleaved-1f1b" in trainer.get("schedules", ("interleaved-1f1b",))
     try:  # what no framework runs (heads tp does not divide, more stages than layers): this run, named
         layout.check_model(model, seq, even_sp=not facts["sp_any_length"])
     except FivefoldError as exc:
@@ -655,6 +654,13 @@ def source_peak(run: dict[str, Any], hw: HardwareSpec, fp8: bool) -> float:
     return float(table.get("peak_bf16_tflops", hw.peak_tflops))
 
 
+def _on_xla(run: dict[str, Any]) -> bool:
+    """Whether the run compiled through XLA, by the framework and the device it names."""
+    return runs_on_xla(
+        str(run.get("layout", {}).get("framework", "")), str(run.get("hardware", {}).get("gpu", ""))
+    )
+
+
 def contradictions(run: dict[str, Any]) -> list[str]:
     """Stated facts of a run that disagree with each other by more than rounding (2%)."""
     meas, lt, out = measured_numbers(run), run.get("layout", {}), []
@@ -677,8 +683,7 @@ def contradictions(run: dict[str, Any]) -> list[str]:
         if world != gpus:
             out.append(f"dp×fsdp×tp×pp×cp = {world} but gpus = {gpus}")
     tp, cp = _count(run, "layout", "tp") or 1, _count(run, "layout", "cp") or 1
-    # pads uneven shards (`sp_any_length`)
-    xla = runs_on_xla(str(lt.get("framework", "")), str(run.get("hardware", {}).get("gpu", "")))
+    xla = _on_xla(run)  # pads uneven shards (`sp_any_length`)
     if lt.get("sequence_parallel") is True and tp > 1 and seq and (seq // cp) % tp and not xla:
         per_rank = f" ({seq // cp} per cp rank)" if cp > 1 else ""
         out.append(

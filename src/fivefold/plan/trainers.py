@@ -6,7 +6,10 @@ the same table."""
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fivefold.config import Layout
 
 # What the trainer behind a source does when a run does not say (facts about the frameworks):
 # NeMo / Megatron-core with Transformer Engine fuses its elementwise kernels and, in its performance
@@ -70,7 +73,6 @@ TRAINERS = {
     # per parameter after every micro-batch's backward (FP32GradientAccumulator). Its Llama fuses
     # q, k, v and gate-up: 6 tensors a block
     "huggingface/nanotron": {
-        "interleaved": False,
         "sharded_overlap": False,
         "sharded_copies": True,
         "fp32_accumulate_pass": True,
@@ -83,7 +85,6 @@ TRAINERS = {
     # stages 2 and 3 refuse pipeline parallelism). BLOOM and MT-NLG were trained with it. Megatron's
     # sequence parallelism and selective recompute reached it with its mid-2023 rebase on Megatron-LM
     "microsoft/Megatron-DeepSpeed": {
-        "interleaved": False,
         "zero_with_pipeline": 1,
         "sp_since": 2023,
         "schedules": ("1f1b",),
@@ -154,7 +155,7 @@ def shape_facts(trainer: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def trainer_refuses(trainer: dict[str, Any], layout: Any) -> str | None:
+def trainer_refuses(trainer: dict[str, Any], layout: Layout) -> str | None:
     """Why a trainer (its TRAINERS facts) cannot run `layout`, or None: a pipeline schedule it lacks,
     more ZeRO than it shards, or more than it shards beside a pipeline. A trainer we know nothing of
     refuses nothing."""

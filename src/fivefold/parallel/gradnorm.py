@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
 
 
-def grad_norm_squared(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+def grad_norm_squared(
+    params: list[torch.Tensor],
+    device: torch.device,
+    mesh_groups: Mapping[str, dist.ProcessGroup] | None = None,
+) -> torch.Tensor:
     """Sum of squared gradient entries of `params`, complete over their DTensor shards (fp64).
 
     Each DTensor gradient's local squares are summed over the mesh dims it is sharded on (a partial
     sum is made whole first); replicated dims are counted once. Gradients on the same set of groups
     are added locally first, so there is one all-reduce per distinct sharding, not per parameter.
     Axes no DTensor knows about (pipeline stages, plain data replicas) are the caller's to reduce.
+
+    `mesh_groups` (dim name -> this run's group) replaces a DTensor dim's group with this run's
+    group of the same name and ranks. A gradient may carry a mesh built for an earlier layout of
+    the same process (torch reuses a cached, equal mesh), whose group the ledger cannot name.
     """
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -34,6 +44,8 @@ def grad_norm_squared(params: list[torch.Tensor], device: torch.device) -> torch
                 if not isinstance(pl, Replicate) and mesh.size(i) > 1:
                     group = mesh.get_group(i)
                     ranks = tuple(dist.get_process_group_ranks(group))
+                    own = _named_group(mesh_groups, mesh.mesh_dim_names, i, ranks)
+                    group = own if own is not None else group
                     by_ranks.setdefault(ranks, group)
                     groups += (ranks,)
             grad = grad.to_local()
@@ -45,3 +57,18 @@ def grad_norm_squared(params: list[torch.Tensor], device: torch.device) -> torch
             dist.all_reduce(square, group=by_ranks[ranks])
         total += square
     return total
+
+
+def _named_group(
+    mesh_groups: Mapping[str, dist.ProcessGroup] | None,
+    dim_names: tuple[str, ...] | None,
+    dim: int,
+    ranks: tuple[int, ...],
+) -> dist.ProcessGroup | None:
+    """This run's group for mesh dim `dim`, when it has one of that name over the same ranks."""
+    if not mesh_groups or not dim_names:
+        return None
+    group = mesh_groups.get(dim_names[dim])
+    if group is None or tuple(dist.get_process_group_ranks(group)) != ranks:
+        return None
+    return group

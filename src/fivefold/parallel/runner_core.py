@@ -67,7 +67,8 @@ class RunnerCore:
         return the norm before clipping: squares over every shard (fivefold.parallel.gradnorm),
         summed over the pipeline's stages, which hold disjoint parameters."""
         params = [p for p in self.parameters() if p.grad is not None]
-        squares = grad_norm_squared(self.counted_once(params), self.device())
+        groups = {name: self.mesh.group(name) for name in self.mesh.meshes}
+        squares = grad_norm_squared(self.counted_once(params), self.device(), groups)
         if self.pp_group is not None:
             dist.all_reduce(squares, group=self.pp_group)
         norm = squares.sqrt().float()

@@ -6,7 +6,8 @@ fp32 and bf16, on 2, 4 and 8 ranks. One spawned gloo group per world size runs a
 measures its last step (forward, backward, clipping, optimizer) on every rank. For every case:
   * numerics: losses and updated parameters against the single process (verify's tolerances);
   * communication: every (axis, op) on every rank, calls and bytes equal to `fivefold.plan.step`;
-  * memory: params, grads and optimizer bytes equal to the plan; saved activations within 10 %.
+  * memory: params, grads and optimizer bytes equal to the plan; saved activations too (with ep,
+    within verify's margin for routing).
 Then a planner that forgets ZeRO-3's backward all-gather must make the judgment fail.
 """
 
@@ -69,6 +70,9 @@ PINNED += [
     # and one micro-batch's gradient is reduced, in fp32 where several accumulated first
     layout_draw.Case(4, "tiny", "bf16", {"fsdp": 2, "tp": 2, "sp": True, "zero": 2}, 1),
     layout_draw.Case(4, "tiny", "bf16", {"dp": 2, "tp": 2, "sp": True}, 2),
+    # 16 accumulated micro-batches: each is a view of the rank's batch, whose ids and targets the
+    # embedding and the loss keep whole (a view of the global batch once kept every rank's rows)
+    layout_draw.Case(2, "tiny", "fp32", {"fsdp": 2, "zero": 3}, 16),
     # all-gather cp at cp 4: the gathered whole-sequence K, V and the causal mask are saved
     layout_draw.Case(4, "tiny", "fp32", {"cp": 4, "cp_impl": "allgather"}, 1),
     # K/V projections replicated over tp 4 (tiny has 2 KV heads): their partial gradients are
@@ -172,6 +176,8 @@ def test_verify_judgments_pass(case: layout_draw.Case) -> None:
     # every layout's saved activations are judged (pipelines to the byte, ep within its routing)
     acts = next(r for r in table if r.name.startswith("saved activations"))
     assert acts.ok is not None and "estimate" not in acts.name
+    if case.resolved().ep == 1:  # to the byte; with ep each rank saves the rows its routing sent it
+        assert acts.diff == 0, f"saved activations: measured {acts.measured}, planned {acts.planned}"
     assert not failed, "\n".join(
         f"{r.judgment} {r.name}: measured {r.measured}, planned {r.planned}" for r in failed
     )

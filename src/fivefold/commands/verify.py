@@ -48,7 +48,11 @@ from fivefold.errors import FivefoldError
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
 BF16_LOSS_RTOL = 2e-2
-ACTIVATION_RTOL = 0.10
+# saved activations are planned to the byte (`fivefold.plan.activations`); the margin is for a torch
+# whose ops save slightly differently. With expert parallelism each rank saves the rows its routing
+# sent it, which a balanced plan cannot know (measured up to 4% apart)
+ACTIVATION_RTOL = 0.01
+ROUTED_ACTIVATION_RTOL = 0.10
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -228,7 +232,7 @@ def judge(
         planned_activations(spec, layout, micro_batch, train.seq_len, microbatches, train.dtype, r["coords"])
         for r in per_rank
     ]
-    table += _memory(per_rank, plans, acts)
+    table += _memory(per_rank, plans, acts, ROUTED_ACTIVATION_RTOL if layout.ep > 1 else ACTIVATION_RTOL)
     if warmup:  # what the step moved and saved is shown; the state bytes are judged all the same
         table = [
             dataclasses.replace(r, name=f"{r.name} (warm-up step)", ok=None)
@@ -330,8 +334,8 @@ def _measured(r: dict, key: tuple[str, str]) -> tuple[int, int]:
     return 0, 0
 
 
-def _memory(per_rank: list[dict], plans: list[Any], acts: list[float]) -> list[Row]:
-    """State bytes equal to the plan on every rank; saved activations within ACTIVATION_RTOL."""
+def _memory(per_rank: list[dict], plans: list[Any], acts: list[float], rtol: float) -> list[Row]:
+    """State bytes equal to the plan on every rank; saved activations within `rtol`."""
     rows = []
     for part in ("params", "grads", "optimizer"):
         off = next(
@@ -350,7 +354,7 @@ def _memory(per_rank: list[dict], plans: list[Any], acts: list[float]) -> list[R
             f"{per_rank[worst_rank]['activations']:,}",
             f"{int(acts[worst_rank]):,}",
             diffs[worst_rank],
-            diffs[worst_rank] <= ACTIVATION_RTOL,
+            diffs[worst_rank] <= rtol,
         )
     )
     peak = max(r["process_peak"] for r in per_rank)

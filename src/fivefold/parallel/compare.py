@@ -37,8 +37,10 @@ def global_batch(spec: ModelSpec, train: TrainSpec, rows: int, step: int) -> tup
 
 
 def rows_of(batch: torch.Tensor, coord: int, ranks: int) -> torch.Tensor:
+    """This data rank's rows, a tensor of their own as train's sampler hands them (a view would keep
+    the whole global batch alive wherever autograd saves a micro-batch's ids or targets)."""
     per = batch.shape[0] // ranks
-    return batch[coord * per : (coord + 1) * per]
+    return batch[coord * per : (coord + 1) * per].contiguous()
 
 
 def run_reference(

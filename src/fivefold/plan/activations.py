@@ -9,17 +9,23 @@ run's dtypes (fp32 stream under autocast, matmul outputs in the compute dtype):
   * each RMSNorm: its input, the fp32 reciprocal RMS (n values), its output, and the projection's
     input (the gathered sequence under SP; cast once to the compute dtype before attention and a
     dense MLP, per projection before an MoE layer under autocast);
-  * attention: rotary q and k, v, the output and its copy into the output projection, and the
-    fp32 log-sum-exp (one per query head and token); under Ulysses the kernel's sequence-layout
-    q, k, v (K and V one per query head where the KV heads do not split over cp), the rotary q
-    beside them, and the two position orders;
+  * the residual stream at both norms' inputs (the block's input and the residual between halves);
+  * attention: rotary q and k, v (the whole replicated projection's output where tp exceeds the
+    KV heads: the rank's heads are a view of it), the output (the output projection saves a view
+    of it), and the fp32 log-sum-exp (one per query head and token); under Ulysses the kernel's
+    sequence-layout q, k, v (K and V one per query head where the KV heads do not split over cp),
+    the rotary q beside them, and the two position orders; under all-gather cp the gathered K and V
+    and the causal mask (additive, in the compute dtype); ring cp keeps q and k as they come (the
+    stream dtype) and its output in fp32, which in 16 bits the output projection casts and saves;
   * SwiGLU: gate, silu(gate), up and their product (f/tp wide).
-Once per micro-batch: the token ids, the rotary table, and on the last stage the final norm (its
-input too: the last block's output), the logits and their log-softmax (fp32, vocab/tp wide).
-Selective recompute drops the attention core's saved tensors (q, k, v and the output are kept at
-its boundary); full recompute keeps each recomputed block's input (every block's, or the first
-`recompute_layers` of each chunk's; a stage's first block's input is what it received), and the
-rotary table only where a block runs whole. Expert parallelism adds the dispatch's and the
+Once per micro-batch: the rotary table, and on the last stage the final norm (its input too: the
+last block's output), the logits and their log-softmax (fp32, vocab/tp wide). Once per step: the
+rank's batch of token ids and of targets, of which each micro-batch is a view (with cp, each
+micro-batch's sequence shard is a copy of its own). Selective recompute drops the attention core's
+saved tensors (q and k in the stream dtype, v and the output are kept at its boundary); full
+recompute keeps each recomputed block's input (every block's, or the first `recompute_layers` of
+each chunk's; a stage's first block's input is what it received), and the rotary table only where
+a block runs whole. Expert parallelism adds the dispatch's and the
 combine's row orders, and in bf16 where FSDP does not shard the experts the per-forward bf16
 copies of this rank's expert weights (`_dispatch_saved`).
 """
@@ -66,29 +72,42 @@ def layer_saved(run: RunShape, moe: bool, recomputed: bool | None = None) -> flo
     mlp_consumers = (1 + 2 * (spec.experts > 0)) if moe else 2
     mlp_input = _linear_inputs(run, t, h, mlp_consumers) if moe else _matmul_input(run, t, h)
     norms = 2 * fp32_norm + _matmul_input(run, t, h) + mlp_input
-    # the residual between the halves (and, under autocast, the block's output) in the stream dtype;
-    # with bf16 weights the norms' fp32 input copies are what is kept
-    stream = 0 if bf16_weights else n * h * st * (2 if run.autocast else 1)
+    # the two norms' inputs in the stream dtype: the block's input and the residual between the
+    # halves; with bf16 weights the norms' fp32 input copies are what is kept
+    stream = 0 if bf16_weights else 2 * n * h * st
     # Ulysses gives each query head its own K/V copy where the KV heads do not split over cp
     # (fivefold.parallel.context): the kernel then saves as many K and V heads as query heads
-    kv_saved = heads if lay.cp > 1 and lay.cp_impl == "ulysses" and kv % lay.cp else kv
+    # (made inside the core: selective recompute's checkpoint keeps the KV heads as they enter it)
+    inside = lay.recompute != "selective"  # what the core saves inside itself (not under selective)
+    kv_saved = heads if inside and lay.cp > 1 and lay.cp_impl == "ulysses" and kv % lay.cp else kv
     q, k = t * heads * d, t * kv_saved * d
-    qk = (q + k) * (2 if run.autocast else st)  # rotary q, k as the core saves them
-    core = qk + k * mm + q * mm + 4 * t * heads  # + v, the output, the log-sum-exp
-    if lay.cp > 1 and lay.cp_impl == "ulysses":
+    # v as the core saves it: this rank's heads of v_proj's output, a view that holds the whole
+    # output where the projection is replicated over tp (more ranks than KV heads)
+    v = t * kv_rows * d if kv_saved == kv else k
+    # rotary q and k as the core saves them, in the compute dtype (the kernel casts them under
+    # autocast), and the output; the output projection saves a view of it
+    qk_bytes, out_bytes, out_copy = mm, mm, 0
+    if lay.recompute == "selective":  # the checkpoint keeps q, k as they enter it (the stream dtype);
+        qk_bytes = st  # the output projection saves the recomputed core's output
+    elif lay.cp > 1 and lay.cp_impl == "ring":  # the ring keeps q, k as given and merges in fp32:
+        # its fp32 output is saved, and in 16 bits the output projection saves a cast of it
+        qk_bytes, out_bytes, out_copy = st, 4, (2 * q if mm == 2 else 0)
+    core = (q + k) * qk_bytes + v * mm + q * out_bytes + out_copy + 4 * t * heads  # + the log-sum-exp
+    if inside and lay.cp > 1 and lay.cp_impl == "ulysses":
         # the kernel saves its own sequence-layout q, k, v (counted above); the rotary q in head layout
         # stays saved beside them, and the two position orders (int64 over the whole sequence) too
-        # (measured: tiny at cp 2 and cp 4 to the byte; with tp 2, 3% under)
+        # (measured: tiny at cp 2 and cp 4, and with tp 2, to the byte)
         core += q * (2 if run.autocast else st) + 2 * 8 * run.seq_len
-    if lay.cp > 1 and lay.cp_impl == "allgather":
+    if inside and lay.cp > 1 and lay.cp_impl == "allgather":
         # the kernel saves the gathered whole-sequence K and V (the rest of them beyond this rank's
-        # shard, counted above) and the boolean causal mask of this shard's rows over every column
+        # shard, counted above) and the causal mask of this shard's rows over every column, which
+        # SDPA turns from booleans into an additive mask in the compute dtype
         rest = run.micro_batch * run.seq_len - t
-        core += rest * kv * d * ((2 if run.autocast else st) + mm) + run.seq_len // lay.cp * run.seq_len
+        core += rest * kv * d * ((2 if run.autocast else st) + mm) + run.seq_len // lay.cp * run.seq_len * mm
     if lay.recompute == "selective":
         core -= 4 * t * heads
-    attn = core + (0 if run.autocast or bf16_weights else q * mm)  # the output's copy into o_proj
-    attn += _weights(run, (2 * spec.heads * d) * h / tp + 2 * kv_rows * d * h)
+    # the output projection saves a view of the kernel's output (counted in `core`)
+    attn = core + _weights(run, (2 * spec.heads * d) * h / tp + 2 * kv_rows * d * h)
     if moe:
         mlp = _moe_saved(run, t if not lay.sp else n * tp)
     else:
@@ -107,7 +126,9 @@ def _moe_saved(run: RunShape, t: int) -> float:
     fs = fe * spec.shared_experts
     rows = k * t
     router = 4 * t * e + 8 * rows + 4 * t + 4 * rows + _weights(run, e * h)
-    aux = 4 * run.micro_batch * e
+    # the balancing loss keeps the load per sequence and expert; with cp also the cp-summed
+    # statistics it multiplies (counts and probabilities, `fivefold.parallel.context`)
+    aux = 4 * run.micro_batch * e * (3 if run.layout.cp > 1 else 1)
     if run.autocast:
         sort = 8 * rows + 8 * rows + 4 * rows
         experts = 2 * 3 * fe * h * e + 2 * rows * h * 2 + 4 * rows * fe * 2 + rows * h * 2 + rows * h * 4
@@ -115,7 +136,7 @@ def _moe_saved(run: RunShape, t: int) -> float:
         return router + sort + experts + shared + aux
     # the sorted rows and the combine's two saved tensors are in the compute dtype (bf16 weights:
     # bf16 rows), measured on tiny-moe in fp32 and bf16
-    sort = 8 * rows + mm * rows * h + 8 * rows + 4 * rows
+    sort = 8 * rows + mm * rows * h + 8 * rows + mm * rows
     experts = 4 * rows * fe * mm + 2 * mm * rows * h
     shared = 4 * t * fs * mm
     return router + sort + experts + shared + aux + _dispatch_saved(run, rows)
@@ -180,7 +201,11 @@ def planned_activations(
     run = RunShape(spec, layout, micro_batch, seq_len, microbatches, dtype)
     chunks = run.chunks(coords.get("pp", 0))
     if layout.pp == 1:
-        return micro_batch_saved(run, chunks[0])
+        if layout.cp > 1:  # each micro-batch's sequence shard is a copy of its own
+            return micro_batch_saved(run, chunks[0])
+        # the micro-batches are views of the rank's batch: the embedding's saved ids and the loss's
+        # saved targets hold the whole batch's two tensors, however many micro-batches it splits into
+        return micro_batch_saved(run, chunks[0], ids=False) + 2 * 8 * run.tokens * microbatches
     per = [micro_batch_saved(run, c, ids=False) for c in chunks]
     # the pipeline hands each micro-batch a view of one contiguous tensor of the step's token ids,
     # and of its targets: the embedding's saved ids and the loss's saved targets hold those whole

@@ -229,3 +229,27 @@ def test_activation_meter_counts_unique_storages_and_skips_parameters():
     del out, h
     assert meter.live_bytes == 0  # everything was released by the backward
     assert state_bytes([torch.nn.Linear(8, 16, bias=False)], None)["params"] == 16 * 8 * 4
+
+
+@pytest.mark.parametrize(
+    ("name", "preset"),
+    [
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA H20", "h20"),
+        ("AMD Instinct MI300X", "mi300x"),
+        ("NVIDIA L40S", "l40s"),
+        ("NVIDIA GeForce RTX 4090", "h100-80gb"),  # no preset: an H100's peak, as before
+    ],
+)
+def test_mfu_is_counted_against_the_gpus_own_peak(monkeypatch, name, preset):
+    """train's MFU and the runs reader name a GPU from one table: an H20 or an MI300X had been
+    counted against an H100's peak (6.7× and 0.76× their own)."""
+    from fivefold.config import load_hardware
+    from fivefold.plan.runs import hardware
+    from fivefold.train.metrics import hardware_preset_for
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert hardware_preset_for(torch.device("cuda")) == preset
+    if preset != "h100-80gb":  # a published run on the same GPU is planned on the same preset
+        assert hardware({"id": "r", "hardware": {"gpu": name}}).name == load_hardware(preset).name

@@ -96,3 +96,60 @@ NON_NEGATIVE = (
     "step_overhead_s",
 )
 FRACTIONS = ("matmul_efficiency", "link_efficiency", "memory_efficiency", "attention_efficiency")
+
+# a substring of a GPU's name (a published run's, or torch's name of a CUDA device) -> its preset;
+# the more specific names first
+GPU_NAME_PRESETS = {
+    "A100-40": "a100-40gb",
+    "A100 40": "a100-40gb",
+    "A100-SXM4-40": "a100-40gb",
+    "A100": "a100-80gb",
+    "A800": "a800-80gb",
+    "GH200": "h100-80gb",  # the H100 die; no preset of its own (its nodes' links vary by system)
+    "H100 PCIE": "h100-pcie",  # before "H100": the PCIe and NVL cards run slower clocks
+    "H100-PCIE": "h100-pcie",
+    "H100 NVL": "h100-nvl",
+    "H100-NVL": "h100-nvl",
+    "H100": "h100-80gb",
+    "H800": "h800",
+    "HOPPER": "h100-80gb",
+    "H200": "h200",
+    "H20": "h20",  # after "GH200" and "H200", which contain it
+    "GB200": "b200",
+    "B200": "b200",
+    "V100": "v100-32gb",
+    "L40S": "l40s",
+    "MI250": "mi250x",
+    "MI300": "mi300x",
+    "MI325": "mi325x",
+    "GAUDI2": "gaudi2",
+    "GAUDI 2": "gaudi2",
+    "HL-225": "gaudi2",
+    "GAUDI3": "gaudi3",
+    "GAUDI 3": "gaudi3",
+    "HL-325": "gaudi3",
+    "TPU V3": "tpu-v3",
+    "TPUV3": "tpu-v3",
+    "TPU-V3": "tpu-v3",
+    "TPU V4": "tpu-v4",
+    "TPUV4": "tpu-v4",
+    "TPU V5P": "tpu-v5p",
+    "TPUV5P": "tpu-v5p",
+    "TPU V5E": "tpu-v5e",
+    "TPUV5E": "tpu-v5e",
+    "TPU-V5E": "tpu-v5e",
+    "V5LITE": "tpu-v5e",  # the Cloud TPU API's name for v5e ("v5litepod")
+    "V5 LITE": "tpu-v5e",
+    "TPU V6E": "tpu-v6e",
+    "TPUV6E": "tpu-v6e",
+    "TPU-V6E": "tpu-v6e",
+    "TRILLIUM": "tpu-v6e",
+    "CPU": "cpu",
+}
+
+
+def preset_for_gpu_name(name: str) -> str | None:
+    """The hardware preset of a GPU by its name ("NVIDIA H100 80GB HBM3", "A100 40GB", "TPU v5p"),
+    or None for a GPU without one."""
+    upper = name.upper()
+    return next((preset for key, preset in GPU_NAME_PRESETS.items() if key in upper), None)

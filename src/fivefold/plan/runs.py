@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.config import CP_IMPLS, HardwareSpec, Layout, ModelSpec, load_hardware
+from fivefold.config.hardware import GPU_NAME_PRESETS, preset_for_gpu_name
 from fivefold.errors import FivefoldError, reason
 from fivefold.plan.spec import TrainShape
 from fivefold.plan.trainers import (
@@ -32,53 +33,6 @@ from fivefold.plan.trainers import (
 )
 
 BUILTIN = ("published_runs.toml", "public_runs_2.toml")  # the bundled reference sets
-GPU_PRESETS = {  # a substring of the run's GPU name -> preset; the more specific names first
-    "A100-40": "a100-40gb",
-    "A100 40": "a100-40gb",
-    "A100-SXM4-40": "a100-40gb",
-    "A100": "a100-80gb",
-    "A800": "a800-80gb",
-    "GH200": "h100-80gb",  # the H100 die; no preset of its own (its nodes' links vary by system)
-    "H100 PCIE": "h100-pcie",  # before "H100": the PCIe and NVL cards run slower clocks
-    "H100-PCIE": "h100-pcie",
-    "H100 NVL": "h100-nvl",
-    "H100-NVL": "h100-nvl",
-    "H100": "h100-80gb",
-    "H800": "h800",
-    "HOPPER": "h100-80gb",
-    "H200": "h200",
-    "H20": "h20",  # after "GH200" and "H200", which contain it
-    "GB200": "b200",
-    "B200": "b200",
-    "V100": "v100-32gb",
-    "L40S": "l40s",
-    "MI250": "mi250x",
-    "MI300": "mi300x",
-    "MI325": "mi325x",
-    "GAUDI2": "gaudi2",
-    "GAUDI 2": "gaudi2",
-    "HL-225": "gaudi2",
-    "GAUDI3": "gaudi3",
-    "GAUDI 3": "gaudi3",
-    "HL-325": "gaudi3",
-    "TPU V3": "tpu-v3",
-    "TPUV3": "tpu-v3",
-    "TPU-V3": "tpu-v3",
-    "TPU V4": "tpu-v4",
-    "TPUV4": "tpu-v4",
-    "TPU V5P": "tpu-v5p",
-    "TPUV5P": "tpu-v5p",
-    "TPU V5E": "tpu-v5e",
-    "TPUV5E": "tpu-v5e",
-    "TPU-V5E": "tpu-v5e",
-    "V5LITE": "tpu-v5e",  # the Cloud TPU API's name for v5e ("v5litepod")
-    "V5 LITE": "tpu-v5e",
-    "TPU V6E": "tpu-v6e",
-    "TPUV6E": "tpu-v6e",
-    "TPU-V6E": "tpu-v6e",
-    "TRILLIUM": "tpu-v6e",
-    "CPU": "cpu",
-}
 FILL = {  # what an unpublished layout field defaults to (see docs/planner.md, "Unknowns")
     "micro_batch": 1,
     "vocab": 32000,
@@ -213,7 +167,7 @@ def hardware(run: dict[str, Any]) -> HardwareSpec:
     if not isinstance(table, dict):
         raise FivefoldError(f"run {run['id']}: hardware must be a table ([run.hardware]), got {table!r}")
     gpu = str(table.get("gpu", ""))
-    preset = next((p for k, p in GPU_PRESETS.items() if k in gpu.upper()), None)
+    preset = preset_for_gpu_name(gpu)
     changes: dict[str, Any] = {}
     for key, field_name, kind in HARDWARE_KEYS:
         if key in table:
@@ -762,7 +716,7 @@ def _measured_on(run_dir: Path, device: str) -> str:
         named = json.loads((run_dir / "run.json").read_text()).get("mfu_peak_from")
     except (OSError, ValueError, AttributeError, RecursionError):
         named = None
-    if isinstance(named, str) and named in GPU_PRESETS.values():  # a preset's name, nothing else
+    if isinstance(named, str) and named in GPU_NAME_PRESETS.values():  # a preset's name, nothing else
         return named
     return "H100" if device == "cuda" else "cpu"
 

@@ -17,23 +17,16 @@ from typing import Any
 import torch
 
 from fivefold.config import ModelSpec, load_hardware
+from fivefold.config.hardware import preset_for_gpu_name
 from fivefold.flops import model_flops_per_token
-
-_GPU_PRESETS = (
-    ("B200", "b200"),
-    ("H200", "h200"),
-    ("H100 PCIE", "h100-pcie"),  # torch names the cards "NVIDIA H100 PCIe" and "NVIDIA H100 NVL"
-    ("H100 NVL", "h100-nvl"),
-    ("H100", "h100-80gb"),
-    ("A100", "a100-80gb"),
-)
 
 
 def hardware_preset_for(device: torch.device) -> str:
+    """The preset whose peak a run's MFU is counted against: its GPU's (the table the runs reader
+    uses), an H100's for a CUDA device without one."""
     if device.type != "cuda":
         return "cpu"
-    name = torch.cuda.get_device_name(device).upper()
-    return next((preset for key, preset in _GPU_PRESETS if key in name), "h100-80gb")
+    return preset_for_gpu_name(torch.cuda.get_device_name(device)) or "h100-80gb"
 
 
 class MfuMeter:

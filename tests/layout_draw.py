@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 
 from fivefold.config import Layout, TrainSpec, load_model
 from fivefold.errors import FivefoldError
@@ -36,7 +37,7 @@ class Case:
     @property
     def name(self) -> str:
         lay = ",".join(f"{k}={v}" for k, v in self.layout.items())
-        return f"w{self.world}-{self.model}-{self.dtype}-{lay}"
+        return f"w{self.world}-{Path(self.model).stem}-{self.dtype}-{lay}"  # a model file by its name
 
     def resolved(self) -> Layout:
         return Layout(**self.layout).resolve(self.world)

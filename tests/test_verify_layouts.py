@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,6 +88,16 @@ PINNED += [
         4, "small", "fp32", {"pp": 2, "tp": 2, "sp": True, "pp_schedule": "zbv", "microbatches": 4}, 4
     ),
 ]
+# a Qwen-style model: per-head q/k norms, whose weight gradients are partial sums over tp (they had
+# been left unreduced: wrong updates), q/k/v biases (of replicated K/V projections too, at tp 4),
+# and a head dim that makes q, k and v wider than the hidden size
+QWEN = str(Path(__file__).parent / "models" / "tiny-qwen.toml")
+PINNED += [
+    layout_draw.Case(2, QWEN, "fp32", {"tp": 2}, 1),
+    layout_draw.Case(4, QWEN, "fp32", {"tp": 4}, 1),
+    layout_draw.Case(4, QWEN, "bf16", {"fsdp": 2, "tp": 2, "sp": True, "zero": 2}, 2),
+    layout_draw.Case(4, QWEN, "fp32", {"fsdp": 2, "cp": 2, "cp_impl": "ulysses", "zero": 3}, 1),
+]
 CASES = layout_draw.draw(SEED, 30, WORLDS) + PINNED
 
 
@@ -155,10 +166,11 @@ def test_the_draw_covers_every_axis_and_option() -> None:
         assert any(getattr(lay, axis) > 1 for lay in lays), axis
     assert {lay.zero for lay in lays if lay.fsdp > 1} == {2, 3}
     assert {lay.recompute for lay in lays} == {"none", "selective", "full"}
-    assert {c.dtype for c in CASES} == {"fp32", "bf16"} and {c.model for c in CASES} == {
+    assert {c.dtype for c in CASES} == {"fp32", "bf16"} and {Path(c.model).stem for c in CASES} == {
         "tiny",
         "tiny-moe",
         "small",
+        "tiny-qwen",
     }
     assert any(lay.sp for lay in lays)
     assert {lay.cp_impl for lay in lays if lay.cp > 1} == {"ring", "allgather", "ulysses"}

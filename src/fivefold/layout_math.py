@@ -235,6 +235,8 @@ def _spec_key(spec: ModelSpec) -> tuple:
         spec.shared_experts,
         spec.moe_layers,
         spec.tie_embeddings,
+        spec.qk_norm,
+        spec.attention_bias,
     )
 
 
@@ -309,7 +311,14 @@ def _param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.q_proj.weight"] = (spec.heads * d, h)
         shapes[p + "self_attn.k_proj.weight"] = (spec.kv_heads * d, h)
         shapes[p + "self_attn.v_proj.weight"] = (spec.kv_heads * d, h)
+        if spec.attention_bias:  # Qwen2: q, k and v biases
+            shapes[p + "self_attn.q_proj.bias"] = (spec.heads * d,)
+            shapes[p + "self_attn.k_proj.bias"] = (spec.kv_heads * d,)
+            shapes[p + "self_attn.v_proj.bias"] = (spec.kv_heads * d,)
         shapes[p + "self_attn.o_proj.weight"] = (h, spec.heads * d)
+        if spec.qk_norm:  # Qwen3: one RMSNorm weight over the head dim for q, one for k
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         if spec.is_moe_layer(i):
             e, fe = spec.experts, spec.expert_ffn_hidden
@@ -338,9 +347,11 @@ def is_expert(name: str) -> bool:
 
 def tp_local_shape(name: str, shape: tuple[int, ...], spec: ModelSpec, tp: int) -> tuple[int, ...]:
     """Megatron splits: column-parallel on dim 0, row-parallel on dim 1; MoE and norms whole."""
-    if tp == 1 or ".mlp.gate." in name or is_expert(name) or "shared_expert" in name or len(shape) == 1:
+    if tp == 1 or ".mlp.gate." in name or is_expert(name) or "shared_expert" in name:
         return shape
-    if name.endswith(("k_proj.weight", "v_proj.weight")) and tp > spec.kv_heads:
+    if len(shape) == 1 and not name.endswith("_proj.bias"):  # norms
+        return shape
+    if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")) and tp > spec.kv_heads:
         return shape  # KV heads replicated: every rank keeps the whole projection
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         return (shape[0], shape[1] // tp)

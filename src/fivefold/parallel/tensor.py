@@ -14,6 +14,8 @@ Per block (h = hidden, b·s tokens):
     weight gradients are summed over the tensor-parallel ranks.
   * the embedding is vocabulary-parallel (row-wise) and the head column-parallel over the
     vocabulary; the loss is computed on the vocabulary shards under `loss_parallel()`.
+  * per-head q/k norms (Qwen3) normalise the rank's own heads with a replicated weight: its
+    gradient is a partial sum over the tensor-parallel ranks, reduced like SP's norms'.
   * MoE blocks: router and experts stay whole and replicated on every tensor-parallel rank; with
     sequence parallelism they see the gathered full sequence and hand back their sequence shard.
 """
@@ -122,6 +124,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, spec: ModelSpec
         if sp:
             plan["input_layernorm"] = SequenceParallel()
             plan["post_attention_layernorm"] = SequenceParallel()
+        if spec.qk_norm:  # per-head q/k norms on the rank's heads: a replicated weight whose input is
+            # sharded over the heads (dim 2), so its gradient is a partial sum, reduced over tp
+            plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if isinstance(block.mlp, MoE):
             if sp:  # experts run replicated on the gathered sequence and hand back their shard
                 plan["mlp"] = _gather_scatter(seq)
@@ -132,7 +138,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, spec: ModelSpec
             plan["mlp.gate_proj"] = ColwiseParallel()
             plan["mlp.up_proj"] = ColwiseParallel()
             plan["mlp.down_proj"] = RowwiseParallel(output_layouts=stream, use_local_output=not sp)
-        parallelize_module(block, tp_mesh, plan)  # per-head q/k norms act on local heads: left whole
+        parallelize_module(block, tp_mesh, plan)
     if decoder.norm is not None and sp:
         parallelize_module(decoder.norm, tp_mesh, SequenceParallel())
     if model.lm_head is not None:

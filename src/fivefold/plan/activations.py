@@ -108,6 +108,15 @@ def layer_saved(run: RunShape, moe: bool, recomputed: bool | None = None) -> flo
         core -= 4 * t * heads
     # the output projection saves a view of the kernel's output (counted in `core`)
     attn = core + _weights(run, (2 * spec.heads * d) * h / tp + 2 * kv_rows * d * h)
+    if spec.qk_norm:  # per-head q/k norms: the fp32 reciprocal RMS per head and token, and
+        # in fp32 their input and output (k's input a view of the whole replicated projection);
+        # in 16 bits the fp32 copy of their input and their output in the compute dtype
+        k_local = t * kv * d
+        if mm == 4:
+            attn += 8 * q + 4 * (t * kv_rows * d + k_local)
+        else:
+            attn += (4 + mm) * (q + k_local)
+        attn += 4 * t * (heads + kv)
     if moe:
         mlp = _moe_saved(run, t if not lay.sp else n * tp)
     else:

@@ -12,9 +12,9 @@ Per micro-batch and b·s·h activation A (this rank's sequence shard under cp):
     the inputs of attention and dense MLPs are cast to bf16 before they are gathered.
   * the loss on vocabulary shards (loss_parallel): three all_reduces of one fp32 value per token
     forward (max logit, sum of exponentials, target logit).
-  * with each gradient sync: partial weight gradients of SP norms (one micro-batch's in the weights'
-    dtype, an accumulated one in fp32), and, in the backward, of replicated K/V projections
-    (tp > kv heads; in the weights' dtype).
+  * with each gradient sync: partial weight gradients of SP norms and of per-head q/k norms (one
+    micro-batch's in the weights' dtype, an accumulated one in fp32), and, in the backward, of
+    replicated K/V projections and their biases (tp > kv heads; in the weights' dtype).
 """
 
 from __future__ import annotations
@@ -63,14 +63,20 @@ def tensor_traffic(run: RunShape, chunks: list[Chunk]) -> Traffic:
         # partial weight gradients are reduced with each gradient sync: every micro-batch's with FSDP
         # (outside a pipeline), else once a step
         syncs = run.fsdp_syncs if lay.fsdp > 1 else 1
-        if lay.sp:  # the norm weights': one micro-batch's gradient is in the weights' compute dtype
-            # (bf16 where FSDP's or replicate's mixed precision casts them); one accumulated over
-            # several without a sync is kept in the reduce dtype, fp32
+        # the norm weights': one micro-batch's gradient is in the weights' compute dtype (bf16 where
+        # FSDP's or replicate's mixed precision casts them); one accumulated over several without a
+        # sync is kept in the reduce dtype, fp32
+        width = run.weight_bytes if run.microbatches == syncs else FP32_BYTES
+        if lay.sp:  # SP's norms, over their sequence shards
             norms = 2 * len(chunk.layers) + int(chunk.last)
-            width = run.weight_bytes if run.microbatches == syncs else FP32_BYTES
             out.add("tp", ALL_REDUCE, norms * syncs, spec.hidden * width)
+        if spec.qk_norm:  # per-head q/k norms, over the rank's heads (with or without sp)
+            out.add("tp", ALL_REDUCE, 2 * len(chunk.layers) * syncs, spec.head_dim * width)
         if lay.tp > spec.kv_heads:  # replicated K/V projections' partial gradients, reduced in the
             # backward in the weights' dtype (bf16 under FSDP's mixed precision)
             kv = spec.kv_heads * spec.head_dim * spec.hidden * run.weight_bytes
             out.add("tp", ALL_REDUCE, 2 * len(chunk.layers) * syncs, kv)
+            if spec.attention_bias:  # and their biases', each its own reduction
+                bias = spec.kv_heads * spec.head_dim * run.weight_bytes
+                out.add("tp", ALL_REDUCE, 2 * len(chunk.layers) * syncs, bias)
     return out

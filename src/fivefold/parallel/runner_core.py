@@ -43,6 +43,8 @@ class RunnerCore:
         self.replicas = runtime_mesh.size(replicas)
         self.replica_group = runtime_mesh.group(replicas) if self.replicas > 1 else None
         self.pp_group = runtime_mesh.group("pp") if layout.pp > 1 else None
+        # this layout's group of every mesh dim, by name: the grad norm reduces over these
+        self.mesh_groups = {name: runtime_mesh.group(name) for name in runtime_mesh.meshes}
         self.loss = training_loss(train, layout)  # what a training step's backward starts from
 
     def parameters(self) -> list[nn.Parameter]:
@@ -67,8 +69,7 @@ class RunnerCore:
         return the norm before clipping: squares over every shard (fivefold.parallel.gradnorm),
         summed over the pipeline's stages, which hold disjoint parameters."""
         params = [p for p in self.parameters() if p.grad is not None]
-        groups = {name: self.mesh.group(name) for name in self.mesh.meshes}
-        squares = grad_norm_squared(self.counted_once(params), self.device(), groups)
+        squares = grad_norm_squared(self.counted_once(params), self.device(), self.mesh_groups)
         if self.pp_group is not None:
             dist.all_reduce(squares, group=self.pp_group)
         norm = squares.sqrt().float()

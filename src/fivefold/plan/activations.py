@@ -87,25 +87,25 @@ def layer_saved(run: RunShape, moe: bool, recomputed: bool | None = None) -> flo
     # rotary q and k as the core saves them, in the compute dtype (the kernel casts them under
     # autocast), and the output; the output projection saves a view of it
     qk_bytes, out_bytes, out_copy = mm, mm, 0
-    if lay.recompute == "selective":  # the checkpoint keeps q, k as they enter it (the stream dtype);
+    if not inside:  # the checkpoint keeps q, k as they enter it (the stream dtype);
         qk_bytes = st  # the output projection saves the recomputed core's output
     elif lay.cp > 1 and lay.cp_impl == "ring":  # the ring keeps q, k as given and merges in fp32:
         # its fp32 output is saved, and in 16 bits the output projection saves a cast of it
         qk_bytes, out_bytes, out_copy = st, 4, (2 * q if mm == 2 else 0)
-    core = (q + k) * qk_bytes + v * mm + q * out_bytes + out_copy + 4 * t * heads  # + the log-sum-exp
+    core = (q + k) * qk_bytes + v * mm + q * out_bytes + out_copy
+    if inside:  # the fp32 log-sum-exp, one per query head and token
+        core += 4 * t * heads
     if inside and lay.cp > 1 and lay.cp_impl == "ulysses":
         # the kernel saves its own sequence-layout q, k, v (counted above); the rotary q in head layout
         # stays saved beside them, and the two position orders (int64 over the whole sequence) too
         # (measured: tiny at cp 2 and cp 4, and with tp 2, to the byte)
-        core += q * (2 if run.autocast else st) + 2 * 8 * run.seq_len
+        core += q * mm + 2 * 8 * run.seq_len
     if inside and lay.cp > 1 and lay.cp_impl == "allgather":
         # the kernel saves the gathered whole-sequence K and V (the rest of them beyond this rank's
         # shard, counted above) and the causal mask of this shard's rows over every column, which
         # SDPA turns from booleans into an additive mask in the compute dtype
         rest = run.micro_batch * run.seq_len - t
-        core += rest * kv * d * ((2 if run.autocast else st) + mm) + run.seq_len // lay.cp * run.seq_len * mm
-    if lay.recompute == "selective":
-        core -= 4 * t * heads
+        core += rest * kv * d * 2 * mm + run.seq_len // lay.cp * run.seq_len * mm
     # the output projection saves a view of the kernel's output (counted in `core`)
     attn = core + _weights(run, (2 * spec.heads * d) * h / tp + 2 * kv_rows * d * h)
     if spec.qk_norm:  # per-head q/k norms: the fp32 reciprocal RMS per head and token, and
@@ -209,18 +209,14 @@ def planned_activations(
     frees it before the next forward), the micro-batches in flight on this stage with it."""
     run = RunShape(spec, layout, micro_batch, seq_len, microbatches, dtype)
     chunks = run.chunks(coords.get("pp", 0))
-    if layout.pp == 1:
-        if layout.cp > 1:  # each micro-batch's sequence shard is a copy of its own
-            return micro_batch_saved(run, chunks[0])
-        # the micro-batches are views of the rank's batch: the embedding's saved ids and the loss's
-        # saved targets hold the whole batch's two tensors, however many micro-batches it splits into
-        return micro_batch_saved(run, chunks[0], ids=False) + 2 * 8 * run.tokens * microbatches
     per = [micro_batch_saved(run, c, ids=False) for c in chunks]
-    # the pipeline hands each micro-batch a view of one contiguous tensor of the step's token ids,
-    # and of its targets: the embedding's saved ids and the loss's saved targets hold those whole
-    # storages, once, from the first forward to the last backward
+    # each micro-batch is a view of one tensor of the step's token ids (the rank's batch, or the one
+    # the pipeline splits), and of its targets: the embedding's saved ids and the loss's saved
+    # targets hold those whole storages, from the first forward to the last backward
     ends = sum(c.first for c in chunks) + sum(c.last for c in chunks)
     ids = 8 * run.tokens * microbatches * ends
+    if layout.pp == 1:  # with cp, each micro-batch's sequence shard is a copy of its own instead
+        return per[0] + (ids // microbatches if layout.cp > 1 else ids)
     # interleaved chunks and split backwards: what each chunk holds as the schedule's own table runs
     if layout.pp_schedule in TABLED:
         saved = {c.stage: b for c, b in zip(chunks, per)}

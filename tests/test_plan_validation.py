@@ -754,6 +754,33 @@ def test_a_measured_run_without_a_throughput_is_named_not_dropped_silently(tmp_p
     assert judged["id"] in captured.out and silent["id"] not in captured.out
 
 
+def test_a_users_runs_file_need_not_say_its_runs_were_measured(tmp_path, capsys) -> None:
+    """`kind` is the reference files' word: a run of one's own without it is a measurement and is
+    judged; an `analytic` run (a formula's figures) and one without a model shape are named as left
+    out, with why; a `kind` that is no string is one line and exit 2."""
+    import tomli_w
+
+    from fivefold.cli import main
+
+    rows = [r for p in builtin_paths() for r in load_runs(p) if r["id"].startswith("megatron-a100-2021-")]
+    plain, formula, shapeless = ({k: v for k, v in r.items() if not k.startswith("_")} for r in rows[:3])
+    del plain["kind"]
+    formula["kind"] = "analytic"
+    shapeless["model"] = {k: v for k, v in shapeless["model"].items() if k != "layers"}
+    path = tmp_path / "runs.toml"
+    path.write_text(tomli_w.dumps({"run": [plain, formula, shapeless]}))
+    assert main(["plan", "--validate", str(path)]) == 0
+    captured = capsys.readouterr()
+    judged = {line.split()[0] for line in captured.out.splitlines() if line.strip()}
+    assert plain["id"] in judged and formula["id"] not in judged and shapeless["id"] not in judged
+    assert f"run {formula['id']}: left out, its kind 'analytic' is no measurement" in captured.err
+    assert f"run {shapeless['id']}: left out, its [model] table states no shape" in captured.err
+    plain["kind"] = 3
+    path.write_text(tomli_w.dumps({"run": [plain]}))
+    assert main(["plan", "--validate", str(path)]) == 2
+    assert "kind must be" in capsys.readouterr().err
+
+
 def test_a_tp_that_does_not_divide_the_sequence_is_planned_without_sp_or_named(tmp_path, capsys) -> None:
     """PaLM's tp 12 over 2,048 tokens: SP, unstated, is not assumed (it splits each sequence evenly);
     a run that states it is left out with its reason, and the other runs of the file are still judged;

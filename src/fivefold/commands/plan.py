@@ -111,8 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--block",
         choices=("auto", "llama", "gpt"),
         default="auto",
-        help="layer implementation: llama (SwiGLU, FlashAttention) or gpt (GeLU, dropout, "
-        "materialised attention, tied embeddings); auto: gpt for MHA with a 4h MLP",
+        help="layer implementation: llama (SwiGLU, RMSNorm) or gpt (GeLU MLP, LayerNorm, tied "
+        "embeddings); auto: gpt for MHA with a 4h MLP. The attention kernel is --attention's",
     )
     parser.add_argument(
         "--dtype",

@@ -15,6 +15,7 @@ def _runs(paths: list[str]) -> tuple[list, list[str]]:
     """Cases of the files (the bundled reference sets when none is given) and the runs left out."""
     from fivefold.plan import validation as V
     from fivefold.plan.runs import (
+        COMPARED_KINDS,
         THROUGHPUT_KEYS,
         builtin_paths,
         contradictions,
@@ -31,7 +32,16 @@ def _runs(paths: list[str]) -> tuple[list, list[str]]:
         bad = contradictions(run)
         if bad:
             left_out.append(f"run {run['id']}: left out, its facts contradict: {'; '.join(bad)}")
-        elif run.get("kind") == "measured" and throughput(run) is None:
+        elif paths and run.get("kind") not in COMPARED_KINDS:  # the bundled sets' analytic runs: not news
+            left_out.append(
+                f"run {run['id']}: left out, its kind {run.get('kind')!r} is no measurement "
+                f"(the runs compared are of kind {' or '.join(map(repr, COMPARED_KINDS))}, the default)"
+            )
+        elif paths and "layers" not in run["model"]:
+            left_out.append(
+                f"run {run['id']}: left out, its [model] table states no shape (layers, hidden, heads)"
+            )
+        elif run.get("kind") in COMPARED_KINDS and throughput(run) is None:
             left_out.append(
                 f"run {run['id']}: left out, its [measured] table states no throughput "
                 f"(one of {', '.join(THROUGHPUT_KEYS)})"

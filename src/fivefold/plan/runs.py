@@ -92,9 +92,14 @@ def load_runs(*paths: str | Path) -> list[dict[str, Any]]:
             for key in ("model", "layout", "measured", "hardware"):
                 if key in run and not isinstance(run[key], dict):
                     raise FivefoldError(f"runs file {p}: run {name}: {key} must be a table ([run.{key}])")
+            kind = run.get("kind", "measured")  # a file of one's own runs need not say they were measured
+            if not isinstance(kind, str):
+                raise FivefoldError(
+                    f'runs file {p}: run {name}: kind must be "measured", "mixed" or "analytic", got {kind!r}'
+                )
             if any(r["id"] == run["id"] for r in runs):
                 raise FivefoldError(f"runs file {p}: run id {run['id']!r} is given twice; ids must be unique")
-            runs.append({**run, "_file": str(p)})
+            runs.append({**run, "kind": kind, "_file": str(p)})
     return runs
 
 
@@ -584,6 +589,9 @@ def _positive_number(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
 
 
+# the kinds of run a throughput is compared with: a measurement, or one whose figures are partly
+# measured (`analytic` runs publish what a formula gives, which no planner should be judged by)
+COMPARED_KINDS = ("measured", "mixed")
 THROUGHPUT_KEYS = (
     "tokens_per_s_per_gpu",
     "tokens_per_s_total",

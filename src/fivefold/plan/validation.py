@@ -27,6 +27,7 @@ from fivefold.plan.memory import model_state
 from fivefold.plan.report import plan
 from fivefold.plan.result import Plan, capacity
 from fivefold.plan.runs import (
+    COMPARED_KINDS,
     RunInputs,
     Throughput,
     build,
@@ -159,7 +160,7 @@ def cases(runs: Iterable[dict[str, Any]], skipped: list[str] | None = None) -> l
     """Measured runs with a model shape and a published throughput; the rest go to `skipped`."""
     out = []
     for run in runs:
-        if run.get("kind") not in ("measured", "mixed"):
+        if run.get("kind", "measured") not in COMPARED_KINDS:
             continue
         target = throughput(run)
         try:

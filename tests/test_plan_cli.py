@@ -701,7 +701,20 @@ def test_serving_refuses_throughput_for_layouts_that_do_not_fit(capsys) -> None:
     code, data, _ = _serving(capsys, "llama3-70b", 1, "--context", "8192", "--json")
     assert code == 0 and not data["fits"] and data["decode_tokens_per_s"] is None
     code, text, _ = _serving(capsys, "llama3-70b", 1, "--context", "8192")
-    assert "DOES NOT FIT" in text and "does not fit: serves nothing" in text and "tokens/s" not in text
+    assert "memory per GPU — does not fit by 62 GB" in text
+    assert "does not fit: serves nothing" in text and "tokens/s" not in text
+    assert "no serving layout of llama3-70b fits 1 × h100-80gb: add GPUs" in text
+    # as a training plan: by how much, and the nearest layout that fits, the typed degrees kept where
+    # they can be (tp 2 with two stages), else the best one; the context, left out, is said
+    code, text, err = _serving(capsys, "llama3-70b", 8, "--tp", "2", "--batch", "16")
+    assert code == 0 and "assuming --context 4096" in err
+    assert "this layout does not fit by 4 GB per GPU" in text
+    nearest = next(line for line in text.splitlines() if line.startswith("nearest that fits"))
+    assert "(keeping the flags you gave, latency)" in nearest and "--tp 2 --pp" in nearest
+    code, text, _ = _serving(capsys, "llama3-70b", 8)
+    assert "(the best layout, latency)" in text and text.splitlines()[1].endswith("--batch 1 --tp 8")
+    code, text, _ = _serving(capsys, "llama3-70b", 8, "--tp", "8")
+    assert "nearest" not in text and "fits with" in text
     code, text, _ = _serving(capsys, "llama3-405b", 1, "--context", "8192", "--search")
     assert code == 0 and "0 fit" in text and "none fits" in text
     code, _, err = _serving(capsys, "llama3-70b", 8, "--context", "8192", "--prompt", "8192")

@@ -348,8 +348,8 @@ def _inference(args: argparse.Namespace, model, hw, gpn: int, assumed: dict) -> 
     from fivefold.plan.inference import InferenceShape, inference_plan
 
     context = args.context or args.seq_len
-    if not context:
-        raise FivefoldError("inference plans need --context (tokens per sequence: prompt + generated)")
+    if not context:  # as training's --seq-len: the model's positions, at most the default, said so
+        context = assumed["context"] = defaults.seq_len(model.max_seq_len)
     prompt = args.prompt if args.prompt is not None else context // 2
     if not 0 < prompt < context:
         raise FivefoldError(
@@ -372,5 +372,46 @@ def _inference(args: argparse.Namespace, model, hw, gpn: int, assumed: dict) -> 
     layout = resolve_layout(layout, args.gpus, gpn, model, args.seq_len)
     p = inference_plan(model, hw, layout, shape, gpn)
     defaults.say_assumed(assumed)
+    if not p.fits and not args.json:
+        print(_serving_does_not_fit(p, args, gpn))
     print(json.dumps(p.to_json()) if args.json else view.inference_text(p))
     return 0
+
+
+def _serving_does_not_fit(p, args: argparse.Namespace, gpn: int) -> str:  # noqa: ANN001 - InferencePlan
+    """The first lines of a serving plan that does not fit, as a training plan's: by how much, and the
+    nearest serving layout that fits (the typed tp/pp/cp/ep kept where possible, else the best)."""
+    from fivefold.errors import FivefoldError
+    from fivefold.plan.inference import search_serving
+    from fivefold.plan.result import capacity, fit_words
+
+    margin = capacity(p.hardware) - p.total
+    lines = [f"this layout {fit_words(margin)} per GPU: the figures below cannot be served as they are"]
+    typed = {k: getattr(args, k, None) for k in ("tp", "pp", "cp", "ep")}
+    typed = {k: v for k, v in typed.items() if v is not None}
+    found, kept = None, "keeping the flags you gave"
+    if typed:
+        try:
+            found = search_serving(
+                p.model, p.hardware, p.layout.world, p.shape, gpn, args.objective, 1, typed
+            )
+        except FivefoldError:  # a typed degree no serving layout has: fall back to the free search
+            found = None
+    if found is None or not found.plans:
+        found = search_serving(p.model, p.hardware, p.layout.world, p.shape, gpn, args.objective, 1)
+        kept = "the flags you gave cannot fit; the best layout" if typed else "the best layout"
+    if found.plans:
+        best = found.plans[0].layout
+        flags = " ".join(
+            f"--{a} {getattr(best, a)}" for a in ("tp", "pp", "cp", "ep") if getattr(best, a) > 1
+        )
+        lines.append(
+            f"nearest that fits ({kept}, {args.objective}): fivefold plan --model {args.model} --hardware "
+            f"{args.hardware} --gpus {p.layout.world} --mode inference --context {p.shape.context} "
+            f"--prompt {p.shape.prompt} --batch {p.shape.batch} {flags}".rstrip()
+        )
+    else:
+        lines.append(
+            f"no serving layout of {p.model.name} fits {p.layout.world} × {p.hardware.name}: add GPUs"
+        )
+    return "\n".join(lines) + "\n"

@@ -139,7 +139,7 @@ def inference_text(p) -> str:
         f"ep {lay.ep} · {p.replicas} replica(s); batch {p.shape.batch}, context {p.shape.context}, "
         f"prompt {p.shape.prompt}",
         "",
-        f"memory per GPU — {'fits' if p.fits else 'DOES NOT FIT'}",
+        f"memory per GPU — {fit_words(capacity(p.hardware) - p.total)}",
     ]
     out += memory_chart(
         {"params": p.weights, "activations": p.activations, "buffers": p.kv_cache}, capacity(p.hardware)

@@ -1053,3 +1053,61 @@ def test_torchs_async_tp_leaves_the_backward_scatters_exposed() -> None:
     }
     assert exposed["torch"] >= backward_scatters * 0.99  # they wait
     assert exposed["te"] < exposed["torch"] - 0.5 * backward_scatters
+
+
+def test_plot_draws_each_prediction_against_its_published_mfu(tmp_path, capsys) -> None:
+    """--plot FILE.svg: one dot per judged run where its published and predicted MFU put it (hover
+    names the run and its error), hollow for an `uncertain` run, a legend line per source; with
+    --cross-validate the dots are the leave-one-source-out predictions. A .png, --plot with
+    --calibrate, and --plot or --out on a plain plan are one line and exit 2."""
+    import json
+    import xml.etree.ElementTree as ET
+
+    import tomli_w
+
+    from fivefold.cli import main
+    from fivefold.plan import validation as V
+
+    by_id = {r["id"]: r for p in builtin_paths() for r in load_runs(p)}
+    picked = ["megatron-a100-2021-1.7b", "megatron-a100-2021-18b", "nanotron-8p86b-hopper-n1-dp2-tp1-pp4-z1"]
+    rows = [{k: v for k, v in by_id[i].items() if not k.startswith("_")} for i in picked]
+    runs = tmp_path / "runs.toml"
+    runs.write_text(tomli_w.dumps({"run": rows}))
+    svg = tmp_path / "loso.svg"
+    assert main(["plan", "--cross-validate", str(runs), "--plot", str(svg), "--json"]) == 0
+    loso = json.loads(capsys.readouterr().out)["leave_one_source_out"]["runs"]
+    ns = {"s": "http://www.w3.org/2000/svg"}
+    dots = [c for c in ET.parse(svg).getroot().iterfind("s:circle", ns) if c.find("s:title", ns) is not None]
+    assert len(dots) == len(loso) == 3
+    tips = {c.find("s:title", ns).text.split(",")[0].split(" ")[0]: c for c in dots}
+    assert set(tips) == set(picked)
+    for run in loso:
+        dot = tips[run["run"]]
+        assert f"({run['error']:+.1%})" in dot.find("s:title", ns).text
+        assert (dot.get("fill") == "none") == run["uncertain"]
+    # log axes: of two runs, the one with the higher published MFU sits further right, and the one
+    # predicted higher sits higher (smaller y)
+    a, b = loso[0], loso[1]
+    published = {r["run"]: r["mfu"] / (1 + r["error"]) for r in loso}
+    assert (float(tips[a["run"]].get("cx")) > float(tips[b["run"]].get("cx"))) == (
+        published[a["run"]] > published[b["run"]]
+    )
+    assert (float(tips[a["run"]].get("cy")) < float(tips[b["run"]].get("cy"))) == (a["mfu"] > b["mfu"])
+    text = svg.read_text()
+    assert "leave-one-source-out" in text and "huggingface/nanotron: 1," in text
+    assert not (tmp_path / "loso.svg.tmp").exists()
+    # --validate on the same file: the predictions as shipped
+    assert main(["plan", "--validate", str(runs), "--plot", str(tmp_path / "v.svg")]) == 0
+    shipped = V.as_shipped(V.cases(rows))
+    assert all(p.run in (tmp_path / "v.svg").read_text() for p in shipped.predictions)
+    capsys.readouterr()
+    for argv in (
+        ["plan", "--validate", str(runs), "--plot", str(tmp_path / "v.png")],
+        ["plan", "--calibrate", str(runs), "--plot", str(tmp_path / "c.svg")],
+        ["plan", "--model", "tiny", "--gpus", "2", "--plot", str(tmp_path / "p.svg")],
+        ["plan", "--model", "tiny", "--gpus", "2", "--out", str(tmp_path / "p.toml")],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and ("--plot" in err or "--out" in err), err
+    assert not any((tmp_path / name).exists() for name in ("v.png", "c.svg", "p.svg", "p.toml"))

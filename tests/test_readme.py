@@ -29,7 +29,9 @@ def readme_commands() -> list[list[str]]:
 
 
 def _needs_a_run(argv: list[str]) -> bool:
-    return "--run" in argv  # `explore --run DIR` reads a run the README trained first
+    # `explore --run DIR` and `plan --validate my_runs.toml runs/pp` read a run the README trained first
+    # and the reader's own runs file
+    return "--run" in argv or any(a.startswith("runs/") or a == "my_runs.toml" for a in argv)
 
 
 COMMANDS = [argv for argv in readme_commands() if not _needs_a_run(argv)]
@@ -42,11 +44,13 @@ def test_the_readme_shows_each_cheap_command():
 @pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(a[:4]) for a in COMMANDS])
 def test_readme_command_succeeds(argv, tmp_path, capsys):
     argv = list(argv)
-    if "--out" in argv:  # write pages into the test's folder, not the checkout
-        i = argv.index("--out")
-        argv[i + 1] = str(tmp_path / Path(argv[i + 1]).name)
+    for flag in ("--out", "--plot"):  # write pages and pictures into the test's folder, not the checkout
+        if flag in argv:
+            i = argv.index(flag)
+            argv[i + 1] = str(tmp_path / Path(argv[i + 1]).name)
     assert main(argv) == 0, capsys.readouterr().err
-    if argv[0] == "plan" and "--search" not in argv and "--mode" not in argv:
+    single = not {"--search", "--mode", "--validate", "--cross-validate"} & set(argv)
+    if argv[0] == "plan" and single:
         capsys.readouterr()
         assert main([*argv, "--json"]) == 0
         plan = json.loads(capsys.readouterr().out)

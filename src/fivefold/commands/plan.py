@@ -106,6 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "hardware TOML (see --out)",
     )
     runs.add_argument("--out", default=None, help="--calibrate: hardware TOML to write (default: stdout)")
+    runs.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.svg",
+        help="--validate / --cross-validate: also draw predicted against published MFU, one dot a run "
+        "(leave-one-source-out with --cross-validate)",
+    )
     parser.add_argument("--top", type=int, default=5, help="layouts to show with --search")
     parser.add_argument(
         "--block",
@@ -165,6 +172,13 @@ def run(args: argparse.Namespace) -> int:
         from fivefold.commands.plan_runs import run_runs
 
         return run_runs(args)
+    idle = {  # a file the user expects would silently not appear
+        "out": "--out names the hardware TOML that --calibrate writes",
+        "plot": "--plot names the SVG of --validate's or --cross-validate's predictions",
+    }
+    for flag, what in idle.items():
+        if getattr(args, flag, None) is not None:
+            raise FivefoldError(f"{what}; a plan writes no file (--json prints it for a program)")
     for flag in ("model", "gpus"):
         if getattr(args, flag) is None:
             raise FivefoldError(f"--{flag} is required (unless --validate, --cross-validate or --calibrate)")

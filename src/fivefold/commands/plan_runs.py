@@ -41,7 +41,7 @@ def _runs(paths: list[str]) -> tuple[list, list[str]]:
             left_out.append(
                 f"run {run['id']}: left out, its [model] table states no shape (layers, hidden, heads)"
             )
-        elif run.get("kind") in COMPARED_KINDS and throughput(run) is None:
+        elif throughput(run) is None and run.get("kind") in (COMPARED_KINDS if paths else ("measured",)):
             left_out.append(
                 f"run {run['id']}: left out, its [measured] table states no throughput "
                 f"(one of {', '.join(THROUGHPUT_KEYS)})"
@@ -61,6 +61,12 @@ def run_runs(args: argparse.Namespace) -> int:
         raise FivefoldError(
             "--hardware applies to --validate with your own runs files or run directories; "
             "--calibrate, --cross-validate and the bundled sets plan each run on the GPU it names"
+        )
+    plot = getattr(args, "plot", None)
+    if plot is not None and (args.calibrate is not None or not plot.endswith(".svg")):
+        raise FivefoldError(
+            f"--plot draws --validate's or --cross-validate's predictions as an SVG: give a FILE.svg "
+            f"with one of them (got --plot {plot}{' with --calibrate' if args.calibrate is not None else ''})"
         )
     if args.calibrate is not None:
         return _calibrate(args)
@@ -84,6 +90,7 @@ def run_runs(args: argparse.Namespace) -> int:
             cases = V.on_hardware(cases, load_hardware(given))
             title = f"on --hardware {given} (the constant is the bundled runs' median MFU)"
         shipped = V.as_shipped(cases, _runs([])[0])
+        _plot(args, shipped, f"{paths[0] if len(paths) == 1 else 'your runs'}: {title.split(' (')[0]}")
         if args.json:
             _print_json({"as_shipped": shipped.to_json()}, left_out)
             return 0
@@ -91,22 +98,36 @@ def run_runs(args: argparse.Namespace) -> int:
         print(V.source_table(shipped, title))
         return 0
     inside = V.in_sample(cases)
+    loso = V.cross_validate(cases) if cross else None
+    if loso is not None:
+        _plot(args, loso, "leave-one-source-out: knobs fitted without each run's source")
+    else:
+        _plot(args, inside, "in-sample: knobs fitted on every run")
     if args.json:
         out = {"in_sample": inside.to_json()}
-        if cross:
-            out["leave_one_source_out"] = V.cross_validate(cases).to_json()
+        if loso is not None:
+            out["leave_one_source_out"] = loso.to_json()
         _print_json(out, left_out)
         return 0
     print(V.per_run_table(inside) if not cross else "")
     print(V.source_table(inside, "in-sample (knobs fitted on every run)"))
     print(V.knobs_table(inside))
-    if cross:
-        loso = V.cross_validate(cases)
+    if loso is not None:
         print()
         print(V.per_run_table(loso))
         print(V.source_table(loso, "leave-one-source-out (knobs fitted without the source)"))
         print(V.knobs_table(loso))
     return 0
+
+
+def _plot(args: argparse.Namespace, validation, title: str) -> None:  # noqa: ANN001 - Validation
+    """--plot: the predictions against the published runs as an SVG (fivefold.plan.figure)."""
+    if getattr(args, "plot", None) is None:
+        return
+    from fivefold.plan.figure import validation_svg
+
+    write_text_whole(Path(args.plot), validation_svg(validation, title), flag="--plot")
+    print(f"wrote {args.plot}", file=sys.stderr)
 
 
 def _print_json(out: dict, left_out: list[str]) -> None:

@@ -191,17 +191,22 @@ def measure_layout(
     ledger = CommLedger(runtime_mesh)
     meter = ActivationMeter()
     routed = {"before": 0, "after": 0, "once_before": 0, "once_after": 0}
+    logs: dict[int, Any] = {}  # layer -> its experts, logging the rows of each forward
+    per_forward: dict[int, list[int]] = {}
 
     def hook(at: int, phase: str) -> None:
         if at != ledger_step:
             return
         if phase == "begin":
             routed["before"], routed["once_before"] = rows_received(runner), rows_received(runner, once=True)
+            logs.update(start_rows_logs(runner))
             ledger.__enter__()
             meter.__enter__()
         elif phase == "backward":
             meter.__exit__(None, None, None)
             routed["after"], routed["once_after"] = rows_received(runner), rows_received(runner, once=True)
+            for layer, experts in logs.items():
+                per_forward[layer], experts.rows_log = experts.rows_log, None
         else:
             ledger.__exit__(None, None, None)
 
@@ -223,7 +228,28 @@ def measure_layout(
         "process_peak": max(device_memory(device).values()),
         "rows_received": routed["after"] - routed["before"],
         "rows_received_once": routed["once_after"] - routed["once_before"],
+        "rows_per_forward": per_forward,
     }
+
+
+def start_rows_logs(runner: Any) -> dict[int, Any]:
+    """Start logging the rows each expert-parallel MoE layer receives, forward by forward, on the
+    blocks that keep their activations (a recomputed block's saved tensors do not depend on its
+    routing, and its forwards run twice): {layer: its experts}. The forwards of a chunk run in
+    micro-batch order under every schedule, so the log's i-th entry is micro-batch i's."""
+    if runner is None:
+        return {}
+    from fivefold.model.moe import moe_layers
+    from fivefold.parallel.recompute import is_recomputed
+
+    out = {}
+    for part in runner.model_parts:
+        for key, block in getattr(part, "model", part).layers.items():
+            for moe in moe_layers(block):
+                if hasattr(moe.experts, "rows_log") and not is_recomputed(block):
+                    moe.experts.rows_log = []
+                    out[int(key)] = moe.experts
+    return out
 
 
 def rows_received(runner: Any, once: bool = False) -> int:

@@ -64,6 +64,9 @@ class ExpertParallel(ParallelStyle):
         if self.group is None:
             self.group = device_mesh.get_group()
         module.rows_received = 0  # rows this rank's experts computed: the dispatch's byte count
+        # rows of each forward in call order, while a measurement asks (None: not kept, so that a long
+        # training run does not grow a list): what the activations of each micro-batch hold
+        module.rows_log = None
         return distribute_module(
             module, device_mesh, partition_fn=_shard_dim0, input_fn=self._dispatch, output_fn=self._combine
         )
@@ -80,6 +83,8 @@ class ExpertParallel(ParallelStyle):
         rows = all_to_all_single_autograd(x, recv_splits, send_splits, self.group)
         order = _by_local_expert(recv, sum(recv_splits))
         module.rows_received += order.numel()
+        if module.rows_log is not None:
+            module.rows_log.append(order.numel())
         self._pending = (send_splits, recv_splits, order, _use_local_weights(module, x.dtype, ranks))
         return rows.index_select(0, order), recv.sum(dim=0)
 

@@ -32,6 +32,8 @@ copies of this rank's expert weights (`_dispatch_saved`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fivefold.config import Layout, ModelSpec
 from fivefold.plan.runshape import Chunk, RunShape
 
@@ -138,11 +140,13 @@ def _moe_saved(run: RunShape, t: int) -> float:
     # the balancing loss keeps the load per sequence and expert; with cp also the cp-summed
     # statistics it multiplies (counts and probabilities, `fivefold.parallel.context`)
     aux = 4 * run.micro_batch * e * (3 if run.layout.cp > 1 else 1)
-    if run.autocast:
+    if run.autocast:  # each of this rank's experts (E/ep) casts its weights; ep's row orders besides
         sort = 8 * rows + 8 * rows + 4 * rows
-        experts = 2 * 3 * fe * h * e + 2 * rows * h * 2 + 4 * rows * fe * 2 + rows * h * 2 + rows * h * 4
+        local = e // run.layout.ep
+        experts = 2 * 3 * fe * h * local + 2 * rows * h * 2 + 4 * rows * fe * 2 + rows * h * 2 + rows * h * 4
         shared = 2 * 3 * fs * h + 4 * t * fs * 2
-        return router + sort + experts + shared + aux
+        orders = 2 * 8 * rows if run.layout.ep > 1 else 0
+        return router + sort + experts + shared + aux + orders
     # the sorted rows and the combine's two saved tensors are in the compute dtype (bf16 weights:
     # bf16 rows), measured on tiny-moe in fp32 and bf16
     sort = 8 * rows + mm * rows * h + 8 * rows + mm * rows
@@ -163,6 +167,32 @@ def _dispatch_saved(run: RunShape, rows: int) -> float:
     casts = run.act_bytes < 4 and expert_fsdp == 1
     local_weights = spec.experts // lay.ep * 3 * spec.expert_ffn_hidden * spec.hidden
     return orders + (run.act_bytes * local_weights if casts else 0.0)
+
+
+def routed_row_bytes(run: RunShape) -> float:
+    """What one more row received by this rank's experts adds to a micro-batch's saved bytes: its
+    input to the experts, their gate, up, silu and product, and the dispatch's two row orders."""
+    spec = run.spec
+    h, fe, mm = spec.hidden, spec.expert_ffn_hidden, run.act_bytes
+    orders = 16 if run.layout.ep > 1 else 0
+    if run.autocast:  # the bf16 casts of the row for gate and up; its four fe-wide outputs in bf16
+        return 2 * 2 * h + 4 * fe * 2 + orders
+    return 4 * fe * mm + mm * h + orders
+
+
+def _routing(run: RunShape, rows_per_forward: dict[int, list[int]] | None):  # noqa: ANN202
+    """(chunk, micro-batch) -> bytes the routing the run measured adds to the balanced count (each
+    MoE layer that keeps its activations, `rows_per_forward[layer][micro-batch]` rows received)."""
+    balanced = run.spec.experts_per_token * run.tokens
+    per_row = routed_row_bytes(run)
+    logs = {int(layer): rows for layer, rows in (rows_per_forward or {}).items()}
+
+    def extra(chunk: Chunk, mb: int) -> float:
+        return sum(
+            (logs[i][mb] - balanced) * per_row for i in chunk.layers if i in logs and mb < len(logs[i])
+        )
+
+    return extra if logs and run.layout.ep > 1 else None
 
 
 def micro_batch_saved(run: RunShape, chunk: Chunk, ids: bool = True) -> float:
@@ -204,24 +234,33 @@ def planned_activations(
     microbatches: int,
     dtype: str,
     coords: dict[str, int],
+    rows_per_forward: dict[int, list[int]] | None = None,
 ) -> float:
     """Peak saved bytes on the rank at `coords`: one micro-batch without pipelining (its backward
-    frees it before the next forward), the micro-batches in flight on this stage with it."""
+    frees it before the next forward), the micro-batches in flight on this stage with it. With
+    expert parallelism, `rows_per_forward` (layer -> rows its experts received in each micro-batch's
+    forward, as the run measured them) puts each micro-batch's own routing in place of the balanced
+    count; without it every rank is planned as receiving the rows it sends."""
     run = RunShape(spec, layout, micro_batch, seq_len, microbatches, dtype)
     chunks = run.chunks(coords.get("pp", 0))
     per = [micro_batch_saved(run, c, ids=False) for c in chunks]
+    routing = _routing(run, rows_per_forward)
     # each micro-batch is a view of one tensor of the step's token ids (the rank's batch, or the one
     # the pipeline splits), and of its targets: the embedding's saved ids and the loss's saved
     # targets hold those whole storages, from the first forward to the last backward
     ends = sum(c.first for c in chunks) + sum(c.last for c in chunks)
     ids = 8 * run.tokens * microbatches * ends
     if layout.pp == 1:  # with cp, each micro-batch's sequence shard is a copy of its own instead
-        return per[0] + (ids // microbatches if layout.cp > 1 else ids)
-    # interleaved chunks and split backwards: what each chunk holds as the schedule's own table runs
-    if layout.pp_schedule in TABLED:
+        worst = max(routing(chunks[0], i) for i in range(microbatches)) if routing else 0.0
+        return per[0] + worst + (ids // microbatches if layout.cp > 1 else ids)
+    # interleaved chunks and split backwards, or each micro-batch's own routing: what each chunk holds
+    # as the schedule's own table runs
+    if layout.pp_schedule in TABLED or routing:
         saved = {c.stage: b for c, b in zip(chunks, per)}
         loss = {c.stage: loss_saved(run, c, ids=False) for c in chunks}
-        return ids + schedule_peak(layout, coords.get("pp", 0), microbatches, saved, loss)
+        by_stage = {c.stage: c for c in chunks}
+        extra = (lambda stage, mb: routing(by_stage[stage], mb)) if routing else None
+        return ids + schedule_peak(layout, coords.get("pp", 0), microbatches, saved, loss, extra)
     flight = in_flight(layout, coords.get("pp", 0), microbatches)
     return ids + sum(p * f for p, f in zip(per, flight))
 
@@ -231,20 +270,27 @@ TABLED = ("interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 
 
 def schedule_peak(
-    layout: Layout, pp_rank: int, m: int, saved: dict[int, float], loss: dict[int, float] | None = None
+    layout: Layout,
+    pp_rank: int,
+    m: int,
+    saved: dict[int, float],
+    loss: dict[int, float] | None = None,
+    extra: Callable[[int, int], float] | None = None,
 ) -> float:
     """The peak of what the rank holds as it runs its schedule's own action table (torch's schedule
     class, replayed as `fivefold.measure.bubble` does): a chunk's forward (F) saves its micro-batch's
     tensors and its whole backward (B) releases them. A split backward's input pass (I) retains the
-    graph for the weight pass (W) and frees only the loss (`loss`, the last chunk's); W frees the rest."""
+    graph for the weight pass (W) and frees only the loss (`loss`, the last chunk's); W frees the rest.
+    `extra(stage, micro-batch)`: what that micro-batch holds beyond `saved` (its routing)."""
     from fivefold.measure.bubble import action_table  # torch's table: verify runs with torch
 
     loss = loss or {}
     table, _ = action_table(layout.pp_schedule, layout.pp, m, layout.virtual_stages)
     held = peak = 0.0
-    for stage, kind, _ in table[pp_rank]:
+    for stage, kind, mb in table[pp_rank]:
         part = loss.get(stage, 0.0)
-        held += {"F": saved[stage], "B": -saved[stage], "I": -part, "W": part - saved[stage]}[kind]
+        whole = saved[stage] + (extra(stage, mb) if extra else 0.0)
+        held += {"F": whole, "B": -whole, "I": -part, "W": part - whole}[kind]
         peak = max(peak, held)
     return peak
 

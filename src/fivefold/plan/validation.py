@@ -548,34 +548,37 @@ def error_band(v: Validation) -> float:
 
 
 def per_run_table(v: Validation) -> str:
+    # the run column as wide as the longest id: a cut id no longer names its run
+    w = max((len(p.run) for p in v.predictions), default=3) + 2
     head = (
-        f"{'run':<50}{'metric':<19}{'published':>11}{'predicted':>11}{'error':>9}{'const':>9}  {'fits':<15}"
+        f"{'run':<{w}}{'metric':<19}{'published':>11}{'predicted':>11}{'error':>9}{'const':>9}  {'fits':<15}"
     )
     lines = [head + "filled (unpublished)"]
     for p in v.predictions:
         fits = f"{p.margin_gb:+.0f} GB" if p.fits else f"NO ({p.margin_gb:+.0f} GB)"
         lines.append(  # errors spaced so that 1000 % still parts from its neighbour
-            f"{p.run[:49]:<50}{p.metric:<19}{p.published:>11.4g}{p.predicted:>11.4g}"
+            f"{p.run:<{w}}{p.metric:<19}{p.published:>11.4g}{p.predicted:>11.4g}"
             f" {p.error:>+8.1%} {v.constant_errors[p.run]:>+8.1%}  {fits:<15}{p.filled}"
         )
     return "\n".join(lines)
 
 
 def source_table(v: Validation, title: str) -> str:
+    w = max([len("all without `uncertain`")] + [len(source) for source in v.by_source()]) + 2
     head = (
-        f"{'source':<28}{'runs':>5}{'mean':>8}{'worst':>8}{'const mean':>12}{'const worst':>13}{'no fit':>8}"
+        f"{'source':<{w}}{'runs':>5}{'mean':>8}{'worst':>8}{'const mean':>12}{'const worst':>13}{'no fit':>8}"
     )
     lines = [title, head]
     for source, preds in v.by_source().items():
         s = v.summary(preds)
         lines.append(
-            f"{source[:27]:<28}{s['runs']:>5}{s['mean']:>8.1%}{s['worst']:>8.1%}"
+            f"{source:<{w}}{s['runs']:>5}{s['mean']:>8.1%}{s['worst']:>8.1%}"
             f"{s['constant_mean']:>12.1%}{s['constant_worst']:>13.1%}{s['not_fitting']:>8}"
         )
     for name, preds in (("all", v.predictions), ("all without `uncertain`", v.certain())):
         s = v.summary(preds)
         lines.append(
-            f"{name:<28}{s['runs']:>5}{s['mean']:>8.1%}{s['worst']:>8.1%}"
+            f"{name:<{w}}{s['runs']:>5}{s['mean']:>8.1%}{s['worst']:>8.1%}"
             f"{s['constant_mean']:>12.1%}{s['constant_worst']:>13.1%}{s['not_fitting']:>8}"
         )
     return "\n".join(lines)

@@ -66,3 +66,22 @@ def test_report_errors(tmp_path, capsys):
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "x.gif")]) == 2
     assert main(["report", str(tmp_path), "--step", "9"]) == 2
     assert "recorded pipeline steps: [3]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "losses",
+    [
+        [(1e30, 5.0), (1e30, 4.0)],  # every record at one step beyond float resolution of step + 1
+        [(1, 5.0), (2, float("nan")), (3, float("inf")), (4, 4.5)],  # a diverged step among finite ones
+        [(1, float("nan"))],  # nothing finite to draw
+        [(7, 1e30), (8, 1e30)],  # a flat loss where lo + 1 == lo
+    ],
+)
+def test_report_draws_a_loss_curve_it_cannot_scale(tmp_path, capsys, losses):
+    """A loss curve of one step, one value, or non-finite values draws (with unit spans, the
+    non-finite points left out) instead of dividing by zero or writing NaN coordinates."""
+    rows = [json.dumps({"step": s, "loss": v}) for s, v in losses]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows))
+    assert main(["report", str(tmp_path)]) == 0, capsys.readouterr().err
+    svg = (tmp_path / "report.svg").read_text()
+    assert svg.startswith("<svg") and "nan" not in svg.lower()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -313,17 +314,27 @@ def render_svg(
 
 
 def _svg_loss(metrics: list[dict], x0: float, y0: float, w: float, h: float) -> str:
-    steps = [m["step"] for m in metrics]
-    losses = [m["loss"] for m in metrics]
-    held = [(m["step"], m["held_out_loss"]) for m in metrics if m.get("held_out_loss") is not None]
-    values = losses + [v for _, v in held]
-    lo, hi = min(values), max(values)
-    hi = hi if hi > lo else lo + 1.0
-    s0, s1 = min(steps), max(steps) if max(steps) > min(steps) else min(steps) + 1
+    # a diverged step (NaN or infinite loss) has no place on the axes: it is left out of the curve
+    finite = [m for m in metrics if math.isfinite(m["step"]) and math.isfinite(m["loss"])]
+    steps = [m["step"] for m in finite] or [0]
+    losses = [m["loss"] for m in finite]
+    held = [
+        (m["step"], m["held_out_loss"])
+        for m in finite
+        if m.get("held_out_loss") is not None and math.isfinite(m["held_out_loss"])
+    ]
+    values = losses + [v for _, v in held] or [0.0]
+    lo, hi, s0, s1 = min(values), max(values), min(steps), max(steps)
+    # spans of one value (one step, a flat loss) or below float resolution draw as a unit span
+    value_span = hi - lo if hi - lo > 0 else 1.0
+    step_span = s1 - s0 if s1 - s0 > 0 else 1.0
     left, bottom = x0 + 50, y0 + h - 20
 
     def px(step: float, value: float) -> tuple[float, float]:
-        return (left + (step - s0) / (s1 - s0) * (w - 60), y0 + 10 + (hi - value) / (hi - lo) * (h - 40))
+        return (
+            left + (step - s0) / step_span * (w - 60),
+            y0 + 10 + (hi - value) / value_span * (h - 40),
+        )
 
     out = [
         f'<text x="{x0}" y="{y0}" font-size="13" font-weight="bold">loss</text>',

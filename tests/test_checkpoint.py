@@ -220,3 +220,32 @@ def test_resume_under_the_layout_flags_given_alone(tiny_run, tmp_path, capsys):
     got = read_metrics(two / "metrics.jsonl")[-1]
     assert got["step"] == expected["step"] == 2
     assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+
+
+def test_resume_continues_on_the_ranks_the_run_was_trained_on(tiny_run, tmp_path, capsys, monkeypatch):
+    """`--resume` without --nproc starts as many local ranks as the run's saved layout spans (said on
+    stderr); an --nproc the saved layout does not divide is one line naming both ways on, before any
+    rank starts."""
+    import fivefold.commands.train as train_command
+    from fivefold.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    saved = run / "config.toml"  # as an fsdp 2 run would have written it: the checkpoint is layout-free
+    saved.write_text(
+        saved.read_text().replace("\nfsdp = 1\n", "\nfsdp = 2\n").replace("\nzero = 0\n", "\nzero = 3\n")
+    )
+    started = []
+    monkeypatch.setattr(train_command, "start", lambda job, nproc: started.append(nproc) or 0)
+    assert main(["train", "--run-dir", str(run), "--resume", "--steps", "2", "--no-progress"]) == 0
+    assert started == [2]
+    assert "resuming on 2 local ranks, as the run was trained (--nproc to change)" in capsys.readouterr().err
+    assert main(["train", "--run-dir", str(run), "--resume", "--steps", "2", "--nproc", "4"]) == 0
+    assert started == [2, 4]  # dp fills the rest of a world the saved axes divide
+    assert main(["train", "--run-dir", str(run), "--resume", "--steps", "2", "--nproc", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "trained with --fsdp 2 (2 ranks), and 2 does not divide 1" in err
+    assert "resume with --nproc 2" in err and "--fsdp 1" in err and started == [2, 4]
+    # a layout flag says the layout now: the ranks are what --nproc says (1 by default)
+    assert main(["train", "--run-dir", str(run), "--resume", "--steps", "2", "--fsdp", "1"]) == 0
+    assert started == [2, 4, 1]

@@ -90,7 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="torch.compile each transformer block (dp, fsdp, tp, pp; not with ep or cp)",
     )
-    parser.add_argument("--nproc", type=int, default=1, help="local ranks to start (default 1)")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local ranks to start (default 1; with --resume, the ranks the run was trained on)",
+    )
     parser.add_argument("--run-dir", default=None, help="run directory (default runs/<model>-<time>)")
     parser.add_argument(
         "--resume",
@@ -166,6 +171,41 @@ def _say_layout_change(saved: Path, now: RunConfig, nproc: int) -> None:
         print(f"fivefold train: resuming under the layout given: {what}", file=sys.stderr, flush=True)
 
 
+def _saved_world(saved: Path) -> int:
+    """The local ranks a resumed run continues on when --nproc is not given: as many as it was
+    trained on (its saved layout's world), said on stderr where more than one."""
+    world = RunConfig.from_toml(saved).layout.world
+    if not 1 <= world <= MAX_LOCAL_RANKS:
+        raise FivefoldError(
+            f"--resume: {saved} says the run was trained on {world} ranks; give --nproc for this machine"
+        )
+    if world > 1:
+        print(
+            f"fivefold train: resuming on {world} local ranks, as the run was trained (--nproc to change)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return world
+
+
+def _check_saved_layout_fits(saved: Path, world: int) -> None:
+    """A resume on another world keeps the run's layout but its dp: the other axes must divide the
+    new world. Else one line saying how to continue (the checkpoint is resharded to a new layout)."""
+    from fivefold.config.layout import AXES
+
+    layout = RunConfig.from_toml(saved).layout
+    kept = {a: getattr(layout, a) for a in AXES if a != "dp" and getattr(layout, a) > 1}
+    product = math.prod(kept.values())
+    if world % product:
+        flags = " ".join(f"--{a} {v}" for a, v in kept.items())
+        raise FivefoldError(
+            f"--resume on {world} rank(s): the run was trained with {flags} ({layout.world} ranks), "
+            f"and {product} does not divide {world}; resume with --nproc {layout.world} (or a multiple of "
+            f"{product}), or give a layout for {world} rank(s) (e.g. "
+            f"{' '.join(f'--{a} 1' for a in kept)}): the checkpoint is resharded to it"
+        )
+
+
 def default_run_dir(model_name: str) -> Path:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{model_name}-{stamp}"
@@ -191,6 +231,8 @@ def _launched() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    typed_nproc = args.nproc is not None
+    args.nproc = args.nproc if typed_nproc else 1
     if not 1 <= args.nproc <= MAX_LOCAL_RANKS:  # each is a process: a typo must not start thousands
         raise FivefoldError(f"--nproc must be in 1..{MAX_LOCAL_RANKS} local ranks, got {args.nproc}")
     cfg = build_run_config(args)
@@ -210,6 +252,10 @@ def run(args: argparse.Namespace) -> int:
             # any layout flag means "this layout now": the saved one is not merged into it
             new_layout = any(getattr(args, f.name, None) is not None for f in fields(Layout))
             cfg = build_run_config(args, keep_layout=not new_layout, refill_dp=not new_layout)
+            if not (typed_nproc or new_layout or _launched()):  # continue as the run was trained
+                args.nproc = _saved_world(saved)
+            elif not new_layout:
+                _check_saved_layout_fits(saved, int(os.environ.get("WORLD_SIZE", args.nproc)))
             if new_layout:
                 _say_layout_change(saved, cfg, 1 if _launched() else args.nproc)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg.model.name)

@@ -210,36 +210,14 @@ def judge(
     table: list[Row] = []
     if reference is not None:
         table += _numerics(train, per_rank, reference)
+    shape = (spec, layout, micro_batch, train.seq_len, microbatches, train.dtype)  # every rank's
     started = time.perf_counter()
     plans = [
-        planner(
-            spec,
-            layout,
-            micro_batch,
-            train.seq_len,
-            microbatches,
-            train.dtype,
-            r["coords"],
-            r.get("rows_received"),
-            r.get("rows_received_once"),
-        )
-        for r in per_rank
+        planner(*shape, r["coords"], r.get("rows_received"), r.get("rows_received_once")) for r in per_rank
     ]
     plan_ms = (time.perf_counter() - started) * 1e3 / len(per_rank)
     table += _communication(layout, per_rank, plans)
-    acts = [
-        planned_activations(
-            spec,
-            layout,
-            micro_batch,
-            train.seq_len,
-            microbatches,
-            train.dtype,
-            r["coords"],
-            r.get("rows_per_forward"),
-        )
-        for r in per_rank
-    ]
+    acts = [planned_activations(*shape, r["coords"], r.get("rows_per_forward")) for r in per_rank]
     table += _memory(per_rank, plans, acts, ACTIVATION_RTOL)
     if warmup:  # what the step moved and saved is shown; the state bytes are judged all the same
         table = [

@@ -57,6 +57,16 @@ def test_page_embeds_the_layouts_plan(page: str) -> None:
     assert len(data["layouts"]) == 3  # the given layout + the search's best two
     assert all(entry["plan"]["fits"] for entry in data["layouts"][1:])
     assert data["explanation"] and data["explanation"][0].startswith("Best:")
+    assert data["subtitle"].startswith("70.55B parameters · sequence 4096")
+
+
+def test_page_writes_a_small_models_size_as_people_do() -> None:
+    """A 54K-parameter model had read "0.00B parameters" in the page's subtitle."""
+    layout = resolve_layout(Layout(dp=-1), 2)
+    small = build_page(
+        load_model("tiny"), load_hardware("cpu"), 2, TrainShape(64, 4), layout, top=1, lab=False
+    )
+    assert _embedded(small)["subtitle"].startswith("53.54K parameters · sequence 64")
 
 
 LAYOUTS = [

@@ -24,6 +24,7 @@ from fivefold.explore.timeline import pipeline_picture
 from fivefold.mesh import build_mesh, describe
 from fivefold.plan import Plan, TrainShape, plan
 from fivefold.plan.search import layout_flags, plan_flags, search
+from fivefold.plan.text import count_words
 
 # the lab's pipeline pictures are replays (torch's schedule tables): embed those of up to
 # PICTURE_ACTIONS stage×micro-batch×chunk actions each, smallest first, up to PICTURES_TOTAL in all
@@ -122,7 +123,7 @@ def build_page(
             labs.append(table)
     data = {
         "title": f"{model.name} on {gpus} × {hw.name}",
-        "subtitle": f"{model.num_params() / 1e9:.2f}B parameters · sequence {shape.seq_len} · global batch "
+        "subtitle": f"{count_words(model.num_params())} parameters · sequence {shape.seq_len} · global batch "
         f"{shape.global_batch} sequences · {gpn} GPUs per node",
         "model": {"name": model.name, "moe": model.is_moe, "experts": model.experts, "layers": model.layers},
         "cluster": {

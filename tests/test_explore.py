@@ -253,6 +253,12 @@ def test_trace_bars_keep_the_last_step_and_name_ops() -> None:
     ]
     bars = trace_bars({"traceEvents": events})
     assert [(b["s"], b["op"]) for b in bars] == [(1, "F"), (0, "B")]
+    # a step without a pipeline records its forwards and backwards as one event: not a forward
+    whole = {"ph": "X", "name": "forward_backward", "pid": 0, "ts": 0, "dur": 9, "args": {"step": 3}}
+    assert [b["op"] for b in trace_bars([whole, {**whole, "name": "optimizer", "ts": 9}])] == [
+        "F+B",
+        "optimizer",
+    ]
     assert bars[0]["start"] == 0.0 and bars[1]["start"] == pytest.approx(0.5)  # ms after the first event
     assert bars[1]["dur"] == pytest.approx(0.1)
 

@@ -354,6 +354,8 @@ def test_run_view_draws_both_losses_with_axes_and_escapes_strings(lab_page) -> N
     assert HOSTILE in lab_page.inner_text("#ledger")
     assert lab_page.query_selector_all("img") == [] and lab_page.evaluate("window.__owned") is None
     assert len(lab_page.query_selector_all("#runTimeline rect")) == 2 + 4  # 2 rank lanes, 4 measured ops
+    legend = lab_page.inner_text("[data-role=run-timeline-legend]")  # the colours say which op is which
+    assert "F forward" in legend and "B backward" in legend
 
 
 def test_inference_view_is_the_planners(lab_page) -> None:

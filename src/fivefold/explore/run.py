@@ -115,7 +115,9 @@ def trace_bars(trace: Any, path: Path | str = "trace.json") -> list[dict[str, An
         name = str(e.get("name", "?"))
         lower = name.lower()
         op = (
-            "F"
+            "F+B"  # a step without a pipeline: its micro-batches' forwards and backwards, one event
+            if lower.startswith("forward_backward")
+            else "F"
             if lower.startswith(("f", "forward"))
             else "B"
             if lower.startswith(("b", "backward"))

@@ -460,3 +460,19 @@ def test_run_view_sets_the_ledger_beside_the_runs_own_planned_step(browser, tmp_
     assert by_key["pp", "all_reduce"][5] == "2"  # the tied weight's gradient sum and the norm's
     assert page.errors == [], page.errors
     page.close()
+
+
+def test_the_mesh_note_counts_one_group_and_one_node_in_the_singular(browser, tmp_path_factory) -> None:
+    """Two ranks in one node: "1 group of 2", "on 1 node of 8" (it read "1 groups", "1 nodes")."""
+    layout = resolve_layout(Layout(fsdp=2, ep=2, zero=3), 2)
+    html = build_page(
+        load_model("tiny-moe"), load_hardware("cpu"), 2, TrainShape(64, 4), layout, top=1, lab=False
+    )
+    page = _open(browser, html, tmp_path_factory.mktemp("one") / "page.html", "search")
+    notes = []
+    for axis in ("ep", "fsdp"):
+        page.click(f'#searchResult [data-axis="{axis}"]')
+        notes.append(page.inner_text("#searchResult [data-role=axis-note]"))
+    assert all("1 group of 2" in n and "2 GPUs on 1 node of 8" in n for n in notes), notes
+    assert page.errors == []
+    page.close()

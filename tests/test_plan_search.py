@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 import time
 
 from fivefold.config import load_hardware, load_model
@@ -208,3 +209,15 @@ def test_a_pinned_expert_degree_is_searched_over_the_data_ranks_that_hold_it() -
         for p in pinned.plans:
             assert (p.layout.fsdp * p.layout.cp) % 2 == 0
             copy.copy(p.layout).resolve(gpus)
+
+
+def test_the_explanation_says_what_a_small_layout_is() -> None:
+    """Two CPU ranks of a tiny MoE: the stages sit inside one node (not "across nodes"), the weights
+    are fp32 and counted in MB (not "16-bit ... 0.0 GB"), and an axis at 1 is said to be absent."""
+    model, hw = load_model("tiny-moe"), load_hardware("cpu")
+    shape = TrainShape(seq_len=128, global_batch=16, act_bytes=4, param_bytes=4)
+    result = search(model, hw, 2, shape, pins={"pp": 2, "dp": 1, "fsdp": 1, "ep": 1})
+    text = "\n".join(result.explanation)
+    assert "Pipeline parallel 2 inside one node" in text and "across nodes" not in text
+    assert re.search(r"the 32-bit weights \(0\.\d MB\)", text), text
+    assert "No data parallelism" in text and "No expert parallelism: every rank holds all 4 experts" in text

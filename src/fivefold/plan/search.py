@@ -383,7 +383,11 @@ def _axes_used(lay: Layout) -> int:
 
 
 def _fmt_gb(x: float) -> str:
-    return f"{x / 1e9:.1f} GB"
+    """Bytes in GB, or in MB/KB where GB would print 0.0 (a small model's weights)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if x >= 0.05 * scale:
+            return f"{x / scale:.1f} {unit}"
+    return f"{x / 1e3:.1f} KB"
 
 
 def explain(plans: list[Plan], model: ModelSpec, hw: HardwareSpec, gpus: int, gpn: int) -> list[str]:
@@ -396,10 +400,11 @@ def explain(plans: list[Plan], model: ModelSpec, hw: HardwareSpec, gpus: int, gp
         f"MFU {p.mfu:.1%}, {_fmt_gb(p.memory.total)} of {_fmt_gb(capacity(hw))} usable per GPU."
     ]
     weights = p.params * p.shape.param_bytes
+    bits = 8 * p.shape.param_bytes
     if lay.tp == 1:
         how = [w for w, used in (("pipelined", lay.pp > 1), ("sharded", lay.zero >= 3)) if used]
         lines.append(
-            f"1. No tensor parallelism: the 16-bit weights ({_fmt_gb(weights)}) fit without it"
+            f"1. No tensor parallelism: the {bits}-bit weights ({_fmt_gb(weights)}) fit without it"
             f"{' once ' + ' and '.join(how) if how else ''}, so every matmul stays whole and no per-layer "
             "collective is paid."
         )
@@ -408,15 +413,27 @@ def explain(plans: list[Plan], model: ModelSpec, hw: HardwareSpec, gpus: int, gp
             "inside one node (NVLink)" if lay.tp <= gpn else "across nodes (slow: no smaller choice fit)"
         )
         lines.append(
-            f"1. Tensor parallel {lay.tp} {t_words}: the 16-bit weights are {_fmt_gb(weights)}; "
+            f"1. Tensor parallel {lay.tp} {t_words}: the {bits}-bit weights are {_fmt_gb(weights)}; "
             f"tp splits every layer's matmuls, and its per-layer collectives cost "
             f"{_axis_time(p, 'tp'):.3g} s a step on the fast link."
         )
     if lay.pp > 1:
+        from fivefold.plan.comm import links
+
+        where = {
+            "intra": "inside one node",
+            "inter": "across nodes",
+            "mixed": "partly across nodes",
+        }[links(lay, gpn).get("pp", "intra")]
+        crossing = (
+            "only activations cross the slower link"
+            if where != "inside one node"
+            else "stages pass activations"
+        )
         lines.append(
-            f"2. Pipeline parallel {lay.pp} across nodes ({lay.pp_schedule}, {lay.virtual_stages} "
-            f"chunk(s) per rank, {p.microbatches} micro-batches): only activations cross the slower "
-            f"link; the bubble is {p.bubble_fraction:.1%} of the step."
+            f"2. Pipeline parallel {lay.pp} {where} ({lay.pp_schedule}, {lay.virtual_stages} "
+            f"chunk(s) per rank, {p.microbatches} micro-batches): {crossing}; the bubble is "
+            f"{p.bubble_fraction:.1%} of the step."
         )
     else:
         lines.append("2. No pipeline: the model state fits without splitting the layer stack, so no bubble.")
@@ -428,11 +445,14 @@ def explain(plans: list[Plan], model: ModelSpec, hw: HardwareSpec, gpus: int, gp
         3: "FSDP with sharded weights (ZeRO-3)",
     }[lay.zero]
     hsdp = f", HSDP: shards over {lay.fsdp}, replicas over {lay.dp}" if lay.dp > 1 and lay.fsdp > 1 else ""
-    lines.append(
-        f"3. Data parallel {data} for throughput: {zero_words}{hsdp}; gradient traffic "
-        f"{_axis_time(p, 'dp') + _axis_time(p, 'fsdp'):.3g} s a step, "
-        f"{_axis_exposed(p, ('dp', 'fsdp')):.3g} s of it not hidden behind the backward."
-    )
+    if data == 1:
+        lines.append("3. No data parallelism: the model's splits take every GPU, so no gradient traffic.")
+    else:
+        lines.append(
+            f"3. Data parallel {data} for throughput: {zero_words}{hsdp}; gradient traffic "
+            f"{_axis_time(p, 'dp') + _axis_time(p, 'fsdp'):.3g} s a step, "
+            f"{_axis_exposed(p, ('dp', 'fsdp')):.3g} s of it not hidden behind the backward."
+        )
     extra = []
     if lay.sp:
         extra.append("sequence parallel shards the norm/residual activations over tp")
@@ -445,7 +465,11 @@ def explain(plans: list[Plan], model: ModelSpec, hw: HardwareSpec, gpus: int, gp
         + ("; ".join(extra) if extra else "no SP/CP/recompute needed")
         + f" ({_fmt_gb(p.memory.activations)} per GPU)."
     )
-    if model.is_moe:
+    if model.is_moe and lay.ep == 1:
+        lines.append(
+            f"5. No expert parallelism: every rank holds all {model.experts} experts, no all-to-all."
+        )
+    elif model.is_moe:
         lines.append(
             f"5. Expert parallel {lay.ep}: each rank holds {model.experts // lay.ep} of "
             f"{model.experts} experts; all-to-all {_axis_time(p, 'ep'):.3g} s a step."

@@ -218,3 +218,17 @@ def test_a_node_larger_than_the_world_draws_only_the_world(capsys, tmp_path):
     header = next(line for line in out.splitlines() if "gpu0" in line)
     assert len(header) < 100 and "gpu7" in header and "gpu8" not in header
     assert svg.stat().st_size < 10_000
+
+
+def test_describe_says_whether_experts_are_sharded_further_and_counts_nodes() -> None:
+    """ep over every fsdp rank leaves each rank its experts whole (it had read "FSDP-sharded over the
+    remaining 1"), and one node is one node (not "node(s)")."""
+    from fivefold.mesh import describe
+
+    whole = describe(build_mesh(Layout(tp=2, fsdp=4, ep=4), 8, 8))
+    assert "each rank holds its experts whole" in whole and "8 GPUs on 1 node of 8;" in whole
+    sharded = describe(build_mesh(Layout(fsdp=16, ep=4), 16, 8))
+    assert (
+        "each expert is FSDP-sharded over the remaining 4" in sharded
+        and "16 GPUs on 2 nodes of 8;" in sharded
+    )

@@ -406,12 +406,18 @@ def describe(info: MeshInfo) -> str:
             f"passing activations point to point ({lay.pp_schedule})."
         )
     if lay.ep > 1:
+        rest = d["expert_fsdp"].size
+        sharded = (
+            f"each expert is FSDP-sharded over the remaining {rest}"
+            if rest > 1
+            else "each rank holds its experts whole (ep takes every fsdp×cp rank)"
+        )
         parts.append(
             f"Experts are split {lay.ep} ways ({words[d['ep'].link]} all-to-all) over the fsdp×cp "
-            f"ranks; each expert is FSDP-sharded over the remaining {d['expert_fsdp'].size}."
+            f"ranks; {sharded}."
         )
     parts.append(
-        f"{info.world} GPUs on {info.nodes} node(s) of {info.gpus_per_node}; order "
-        f"{','.join(lay.order_list)} (innermost first)."
+        f"{info.world} GPUs on {info.nodes} node{'' if info.nodes == 1 else 's'} of {info.gpus_per_node}; "
+        f"order {','.join(lay.order_list)} (innermost first)."
     )
     return " ".join(parts)

@@ -218,7 +218,7 @@ def judge(
     plan_ms = (time.perf_counter() - started) * 1e3 / len(per_rank)
     table += _communication(layout, per_rank, plans)
     acts = [planned_activations(*shape, r["coords"], r.get("rows_per_forward")) for r in per_rank]
-    table += _memory(per_rank, plans, acts, ACTIVATION_RTOL)
+    table += _memory(per_rank, plans, acts)
     if warmup:  # what the step moved and saved is shown; the state bytes are judged all the same
         table = [
             dataclasses.replace(r, name=f"{r.name} (warm-up step)", ok=None)
@@ -320,8 +320,8 @@ def _measured(r: dict, key: tuple[str, str]) -> tuple[int, int]:
     return 0, 0
 
 
-def _memory(per_rank: list[dict], plans: list[Any], acts: list[float], rtol: float) -> list[Row]:
-    """State bytes equal to the plan on every rank; saved activations within `rtol`."""
+def _memory(per_rank: list[dict], plans: list[Any], acts: list[float]) -> list[Row]:
+    """State bytes equal to the plan on every rank; saved activations within ACTIVATION_RTOL."""
     rows = []
     for part in ("params", "grads", "optimizer"):
         off = next(
@@ -340,7 +340,7 @@ def _memory(per_rank: list[dict], plans: list[Any], acts: list[float], rtol: flo
             f"{per_rank[worst_rank]['activations']:,}",
             f"{int(acts[worst_rank]):,}",
             diffs[worst_rank],
-            diffs[worst_rank] <= rtol,
+            diffs[worst_rank] <= ACTIVATION_RTOL,
         )
     )
     peak = max(r["process_peak"] for r in per_rank)

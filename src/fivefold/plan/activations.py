@@ -26,13 +26,11 @@ saved tensors (q and k in the stream dtype, v and the output are kept at its bou
 recompute keeps each recomputed block's input (every block's, or the first `recompute_layers` of
 each chunk's; a stage's first block's input is what it received), and the rotary table only where
 a block runs whole. Expert parallelism adds the dispatch's and the
-combine's row orders, and in bf16 where FSDP does not shard the experts the per-forward bf16
-copies of this rank's expert weights (`_dispatch_saved`).
+combine's row orders (`routed_row_bytes`), and in bf16 where FSDP does not shard the experts the
+per-forward bf16 copies of this rank's expert weights (`_expert_weight_casts`).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 from fivefold.config import Layout, ModelSpec
 from fivefold.plan.runshape import Chunk, RunShape
@@ -131,68 +129,71 @@ def _moe_saved(run: RunShape, t: int) -> float:
     """Router, sorted rows, each expert's SwiGLU on its rows, the weighted combine, shared expert.
 
     Under autocast each expert's weights are cast per call (slices of one tensor: not cached) and
-    its rows cast for gate and up; the combine's weighting promotes to fp32."""
+    its rows cast for gate and up; the combine's weighting promotes to fp32. The rows this rank's
+    experts receive count `routed_row_bytes` each; balanced, a rank receives as many as it sends."""
     spec = run.spec
     h, e, k, fe, mm = spec.hidden, spec.experts, spec.experts_per_token, spec.expert_ffn_hidden, run.act_bytes
     fs = fe * spec.shared_experts
     rows = k * t
+    received = rows * routed_row_bytes(run)
     router = 4 * t * e + 8 * rows + 4 * t + 4 * rows + _weights(run, e * h)
     # the balancing loss keeps the load per sequence and expert; with cp also the cp-summed
     # statistics it multiplies (counts and probabilities, `fivefold.parallel.context`)
     aux = 4 * run.micro_batch * e * (3 if run.layout.cp > 1 else 1)
-    if run.autocast:  # each of this rank's experts (E/ep) casts its weights; ep's row orders besides
+    if run.autocast:  # each of this rank's experts (E/ep) casts its weights; the combine keeps its
+        # bf16 rows and their fp32 weighting
         sort = 8 * rows + 8 * rows + 4 * rows
-        local = e // run.layout.ep
-        experts = 2 * 3 * fe * h * local + 2 * rows * h * 2 + 4 * rows * fe * 2 + rows * h * 2 + rows * h * 4
+        experts = 2 * 3 * fe * h * (e // run.layout.ep) + rows * h * 2 + rows * h * 4
         shared = 2 * 3 * fs * h + 4 * t * fs * 2
-        orders = 2 * 8 * rows if run.layout.ep > 1 else 0
-        return router + sort + experts + shared + aux + orders
+        return router + sort + experts + received + shared + aux
     # the sorted rows and the combine's two saved tensors are in the compute dtype (bf16 weights:
     # bf16 rows), measured on tiny-moe in fp32 and bf16
     sort = 8 * rows + mm * rows * h + 8 * rows + mm * rows
-    experts = 4 * rows * fe * mm + 2 * mm * rows * h
+    combine = mm * rows * h
     shared = 4 * t * fs * mm
-    return router + sort + experts + shared + aux + _dispatch_saved(run, rows)
+    return router + sort + combine + received + shared + aux + _expert_weight_casts(run)
 
 
-def _dispatch_saved(run: RunShape, rows: int) -> float:
-    """Expert parallelism (fivefold.parallel.expert): the dispatch's and the combine's row orders
-    (int64 per received row: balanced, as many as sent), and in bf16, where FSDP does not shard the
-    experts (no expert_fsdp), the per-forward bf16 copies of this rank's expert weights."""
+def _expert_weight_casts(run: RunShape) -> float:
+    """Expert parallelism (fivefold.parallel.expert) in bf16 where FSDP does not shard the experts
+    (no expert_fsdp): the per-forward bf16 copies of this rank's expert weights."""
     spec, lay = run.spec, run.layout
-    if lay.ep == 1:
-        return 0.0
-    orders = 2 * 8 * rows
     expert_fsdp = lay.fsdp * lay.cp // lay.ep if lay.fsdp > 1 else 1
-    casts = run.act_bytes < 4 and expert_fsdp == 1
-    local_weights = spec.experts // lay.ep * 3 * spec.expert_ffn_hidden * spec.hidden
-    return orders + (run.act_bytes * local_weights if casts else 0.0)
+    if lay.ep == 1 or run.act_bytes == 4 or expert_fsdp > 1:
+        return 0.0
+    return run.act_bytes * spec.experts // lay.ep * 3 * spec.expert_ffn_hidden * spec.hidden
 
 
 def routed_row_bytes(run: RunShape) -> float:
-    """What one more row received by this rank's experts adds to a micro-batch's saved bytes: its
-    input to the experts, their gate, up, silu and product, and the dispatch's two row orders."""
+    """What one row received by this rank's experts saves: its input to the experts (under autocast
+    its bf16 casts for gate and up), their gate, up, silu and product, and with expert parallelism
+    the dispatch's and the combine's int64 row orders."""
     spec = run.spec
     h, fe, mm = spec.hidden, spec.expert_ffn_hidden, run.act_bytes
     orders = 16 if run.layout.ep > 1 else 0
-    if run.autocast:  # the bf16 casts of the row for gate and up; its four fe-wide outputs in bf16
+    if run.autocast:
         return 2 * 2 * h + 4 * fe * 2 + orders
     return 4 * fe * mm + mm * h + orders
 
 
-def _routing(run: RunShape, rows_per_forward: dict[int, list[int]] | None):  # noqa: ANN202
-    """(chunk, micro-batch) -> bytes the routing the run measured adds to the balanced count (each
-    MoE layer that keeps its activations, `rows_per_forward[layer][micro-batch]` rows received)."""
+def _routing(
+    run: RunShape, chunks: list[Chunk], rows_per_forward: dict[int, list[int]] | None
+) -> dict[tuple[int, int], float]:
+    """(stage, micro-batch) -> bytes the routing the run measured adds to the balanced count, over
+    the chunk's MoE layers that keep their activations (`rows_per_forward[layer][micro-batch]` rows
+    received); empty without expert parallelism or a measurement."""
+    if run.layout.ep == 1 or not rows_per_forward:
+        return {}
     balanced = run.spec.experts_per_token * run.tokens
     per_row = routed_row_bytes(run)
-    logs = {int(layer): rows for layer, rows in (rows_per_forward or {}).items()}
-
-    def extra(chunk: Chunk, mb: int) -> float:
-        return sum(
-            (logs[i][mb] - balanced) * per_row for i in chunk.layers if i in logs and mb < len(logs[i])
+    logs = {int(layer): rows for layer, rows in rows_per_forward.items()}
+    return {
+        (c.stage, mb): sum(
+            (logs[i][mb] - balanced) * per_row for i in c.layers if i in logs and mb < len(logs[i])
         )
-
-    return extra if logs and run.layout.ep > 1 else None
+        for c in chunks
+        for mb in range(run.microbatches)
+    }
 
 
 def micro_batch_saved(run: RunShape, chunk: Chunk, ids: bool = True) -> float:
@@ -244,23 +245,21 @@ def planned_activations(
     run = RunShape(spec, layout, micro_batch, seq_len, microbatches, dtype)
     chunks = run.chunks(coords.get("pp", 0))
     per = [micro_batch_saved(run, c, ids=False) for c in chunks]
-    routing = _routing(run, rows_per_forward)
+    routing = _routing(run, chunks, rows_per_forward)
     # each micro-batch is a view of one tensor of the step's token ids (the rank's batch, or the one
     # the pipeline splits), and of its targets: the embedding's saved ids and the loss's saved
     # targets hold those whole storages, from the first forward to the last backward
     ends = sum(c.first for c in chunks) + sum(c.last for c in chunks)
     ids = 8 * run.tokens * microbatches * ends
     if layout.pp == 1:  # with cp, each micro-batch's sequence shard is a copy of its own instead
-        worst = max(routing(chunks[0], i) for i in range(microbatches)) if routing else 0.0
+        worst = max(routing.values(), default=0.0)  # the micro-batch whose routing saves the most
         return per[0] + worst + (ids // microbatches if layout.cp > 1 else ids)
     # interleaved chunks and split backwards, or each micro-batch's own routing: what each chunk holds
     # as the schedule's own table runs
     if layout.pp_schedule in TABLED or routing:
         saved = {c.stage: b for c, b in zip(chunks, per)}
         loss = {c.stage: loss_saved(run, c, ids=False) for c in chunks}
-        by_stage = {c.stage: c for c in chunks}
-        extra = (lambda stage, mb: routing(by_stage[stage], mb)) if routing else None
-        return ids + schedule_peak(layout, coords.get("pp", 0), microbatches, saved, loss, extra)
+        return ids + schedule_peak(layout, coords.get("pp", 0), microbatches, saved, loss, routing)
     flight = in_flight(layout, coords.get("pp", 0), microbatches)
     return ids + sum(p * f for p, f in zip(per, flight))
 
@@ -275,21 +274,21 @@ def schedule_peak(
     m: int,
     saved: dict[int, float],
     loss: dict[int, float] | None = None,
-    extra: Callable[[int, int], float] | None = None,
+    extra: dict[tuple[int, int], float] | None = None,
 ) -> float:
     """The peak of what the rank holds as it runs its schedule's own action table (torch's schedule
     class, replayed as `fivefold.measure.bubble` does): a chunk's forward (F) saves its micro-batch's
     tensors and its whole backward (B) releases them. A split backward's input pass (I) retains the
     graph for the weight pass (W) and frees only the loss (`loss`, the last chunk's); W frees the rest.
-    `extra(stage, micro-batch)`: what that micro-batch holds beyond `saved` (its routing)."""
+    `extra[(stage, micro-batch)]`: what that micro-batch holds beyond `saved` (its routing)."""
     from fivefold.measure.bubble import action_table  # torch's table: verify runs with torch
 
-    loss = loss or {}
+    loss, extra = loss or {}, extra or {}
     table, _ = action_table(layout.pp_schedule, layout.pp, m, layout.virtual_stages)
     held = peak = 0.0
     for stage, kind, mb in table[pp_rank]:
         part = loss.get(stage, 0.0)
-        whole = saved[stage] + (extra(stage, mb) if extra else 0.0)
+        whole = saved[stage] + extra.get((stage, mb), 0.0)
         held += {"F": whole, "B": -whole, "I": -part, "W": part - whole}[kind]
         peak = max(peak, held)
     return peak

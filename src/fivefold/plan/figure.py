@@ -98,10 +98,10 @@ def validation_svg(v: Validation, title: str) -> str:
         line = f"{source}: {s['runs']}, {s['mean']:.1%}, {s['worst']:.1%}"
         out.append(f'<text x="{lx + 18}" y="{y}">{escape(line)}</text>')
     y = ly + 20 * len(sources) + 14
-    total, constant = v.summary(), v.summary()["constant_mean"]
+    total = v.summary()
     for line in (
         f"all {total['runs']} runs: mean {total['mean']:.1%}, worst {total['worst']:.1%}",
-        f"median-constant predictor: mean {constant:.1%}",
+        f"median-constant predictor: mean {total['constant_mean']:.1%}",
         "bands: within ±10%, ±25%; hollow: a run marked uncertain",
     ):
         out.append(f'<text x="{lx}" y="{y}">{escape(line)}</text>')

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError, divisors
+from fivefold.plan.comm import links
 from fivefold.plan.memory import (
     Memory,
     memory,
@@ -418,8 +419,6 @@ def explain(plans: list[Plan], model: ModelSpec, hw: HardwareSpec, gpus: int, gp
             f"{_axis_time(p, 'tp'):.3g} s a step on the fast link."
         )
     if lay.pp > 1:
-        from fivefold.plan.comm import links
-
         where = {
             "intra": "inside one node",
             "inter": "across nodes",

@@ -4,6 +4,8 @@ Four sources: a dense run directory with tied embeddings and a MoE run directory
 written by one process, resharded on load), an HF Llama and an HF Mixtral directory (tiny random
 configs, saved locally). Every layout must produce exactly the greedy tokens of each prompt run
 alone in one process; the prompts have different lengths, so padding is exercised everywhere.
+Expert-parallel layouts (the two MoE sources) also stop replicas at different steps, so that one
+replica serves its experts to the other after its own prompts are done.
 One spawn per world size runs all layouts and sources.
 """
 
@@ -103,7 +105,8 @@ def test_mixed_length_batch_equals_each_prompt_alone(sources) -> None:
 
 
 def _job(source: ModelSource, tp: int = 1, pp: int = 1, dp: int = 1, **kw) -> ServeJob:
-    return ServeJob(source, PROMPTS, NEW, kw.pop("sampler", Sampler()), tp=tp, pp=pp, dp=dp, **kw)
+    limits = kw.pop("max_new_tokens", NEW)
+    return ServeJob(source, PROMPTS, limits, kw.pop("sampler", Sampler()), tp=tp, pp=pp, dp=dp, **kw)
 
 
 def _body(rank: int, world: int, jobs: list[ServeJob]) -> list:
@@ -115,22 +118,53 @@ def _serve_all(world: int, jobs: list[ServeJob]) -> list[dict]:
     return [collect(job, [ranks[i] for ranks in per_rank]) for i, job in enumerate(jobs)]
 
 
+MOE = ("moe", "mixtral")
+
+
+def _layouts(sources, layouts: list[dict]) -> list[tuple[dict, str]]:
+    """Each layout with each source it can serve (ep only the mixture-of-experts ones)."""
+    return [(lay, n) for lay in layouts for n in sources if lay.get("ep", 1) == 1 or n in MOE]
+
+
 def test_layouts_on_two_ranks(sources) -> None:
-    names = list(sources)
-    layouts = [dict(tp=2), dict(pp=2), dict(dp=2)]
-    jobs = [_job(sources[n][0], **lay) for lay in layouts for n in names]
-    dense = sources["dense"][0]
+    cases = _layouts(sources, [dict(tp=2), dict(pp=2), dict(dp=2), dict(dp=2, ep=2)])
+    jobs = [_job(sources[n][0], **lay) for lay, n in cases]
+    dense, moe = sources["dense"][0], sources["moe"][0]
     sampling = Sampler(greedy=False, temperature=1.5, top_k=20, seed=11)
+    # experts split over replicas whose prompts stop at different steps: replica 1 (prompt 1) is done
+    # after one token and keeps serving its experts to replica 0, by a limit and by an end id
+    stop = sources["moe"][1][0][2]
     jobs += [
+        _job(moe, dp=2, ep=2, max_new_tokens=(NEW, 1, NEW), ledger=True),
+        _job(moe, dp=2, ep=2, eos_ids=(stop,)),
+        _job(moe, dp=2, ep=2, sampler=sampling),
         _job(dense, tp=2, ledger=True),
         _job(dense, pp=2, ledger=True),
         _job(dense, tp=2, sampler=sampling),
         _job(dense, dp=2, sampler=sampling),
     ]
     results = _serve_all(2, jobs)
-    for (lay, name), res in zip([(lay, n) for lay in layouts for n in names], results):
+    for (lay, name), res in zip(cases, results):
         assert [row["tokens"] for row in res["prompts"]] == sources[name][1], (lay, name)
         assert all(row["time_to_first_token_s"] > 0 and row["tokens_per_s"] > 0 for row in res["prompts"])
+
+    alone = sources["moe"][1]
+    limited, ended, sampled = results[len(cases) : len(cases) + 3]
+    assert [row["tokens"] for row in limited["prompts"]] == [alone[0], alone[1][:1], alone[2]]
+    assert [row["tokens"] for row in ended["prompts"]] == [
+        t[: t.index(stop) + 1] if stop in t else t for t in alone
+    ]
+    # per decoded token each rank runs every MoE layer's three all-to-alls (counts, rows, results
+    # back) and one flag, also the replica that is done; its own rows are none of those sent
+    moe_layers = load_model("tiny-moe").layers
+    for rank in limited["ledger"]:
+        ops = {(r["axis"], r["op"]): r for r in rank["per_token"]}
+        assert ops[("ep", "all_to_all")]["count"] == 3 * moe_layers, rank
+        assert ops[("ep", "all_reduce")]["count"] == 1 and ops[("ep", "all_reduce")]["bytes"] == 8
+        assert {axis for axis, _ in ops} == {"ep"}
+    model = _single_process(moe)
+    expected = decode(ModelStep(model, sampling, sampling.generators(range(3))), PROMPTS, NEW).tokens
+    assert [row["tokens"] for row in sampled["prompts"]] == expected
 
     layers = load_model("tiny").layers
     tp_ledger, pp_ledger = results[-4]["ledger"], results[-3]["ledger"]
@@ -152,11 +186,13 @@ def test_layouts_on_two_ranks(sources) -> None:
 
 
 def test_layouts_on_four_ranks(sources) -> None:
-    names = list(sources)
-    layouts = [dict(tp=4), dict(tp=2, pp=2)]  # tp 4 > the 2 KV heads of every source
-    jobs = [_job(sources[n][0], **lay) for lay in layouts for n in names]
+    # tp 4 > the 2 KV heads of every source; ep with tp (each tp rank dispatches to its own peers)
+    # and with pp (each stage's experts split over the two replicas' same stage)
+    layouts = [dict(tp=4), dict(tp=2, pp=2), dict(dp=2, ep=2, tp=2), dict(dp=2, ep=2, pp=2)]
+    cases = _layouts(sources, layouts)
+    jobs = [_job(sources[n][0], **lay) for lay, n in cases]
     results = _serve_all(4, jobs)
-    for (lay, name), res in zip([(lay, n) for lay in layouts for n in names], results):
+    for (lay, name), res in zip(cases, results):
         assert [row["tokens"] for row in res["prompts"]] == sources[name][1], (lay, name)
     # the KV cache: tp 4 keeps the one KV head each rank's query heads read (replicated twice),
     # tp 2 × pp 2 one head per rank and half the layers
@@ -174,6 +210,9 @@ def test_cli_bad_input(sources, capsys, tmp_path) -> None:
         (["--model", "tiny", "--prompt-ids", "1,2", "--nproc", "3", "--tp", "2"], "not a multiple"),
         (["--model", "tiny", "--prompt-ids", "1,2", "--nproc", "8", "--pp", "8"], "valid pp"),
         (["--model", "tiny", "--prompt-ids", "1", "--nproc", "2", "--dp", "2"], "every replica needs"),
+        (["--model", "tiny", "--prompt-ids", "1", "--nproc", "2", "--ep", "2"], "needs a mixture-of-experts"),
+        (["--model", "tiny-moe", "--prompt-ids", "1", "--nproc", "2", "--tp", "2", "--ep", "2"], "ep: 1,"),
+        (["--model", "tiny-moe", "--prompt-ids", "1", "--nproc", "3", "--ep", "3"], "valid ep: 1, 2, 4"),
         (["--from", dense, "--prompt-ids", "1", "--nproc", "2", "--checkpoint", "9"], "available steps"),
         (["--from", str(tmp_path / "absent"), "--prompt-ids", "1", "--nproc", "2"], "no such directory"),
     ]

@@ -16,7 +16,7 @@ def add_layout_arguments(
 ) -> None:
     """The layout flags, one definition for every command. `factors_only`: the axis sizes and their
     order, for commands that only place ranks (`mesh`) and would ignore the rest; `axes`: only these
-    axis sizes (`generate`, which serves on dp, tp and pp alone)."""
+    axis sizes (`generate`, which serves on dp, tp, pp and ep)."""
     g = parser.add_argument_group("layout")
     for axis, text in (
         ("dp", "replicated data-parallel degree (-1: fill the world)"),
@@ -26,6 +26,8 @@ def add_layout_arguments(
         ("cp", "context-parallel degree (default 1)"),
         ("ep", "expert-parallel degree, folded onto fsdp×cp ranks (default 1)"),
     ):
+        if axes is not None and "fsdp" not in axes:  # serving: the replicas are the data ranks
+            text = text.replace("fsdp×cp ranks", "the replicas (dp)")
         if axes is None or axis in axes:
             g.add_argument(f"--{axis}", type=int, default=None, help=text)
     if axes is not None:

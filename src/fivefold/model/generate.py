@@ -6,7 +6,10 @@ row's positions count its own tokens only, so a row decodes as it would alone.
 
 The loop (`decode`) is written against a `step` callable, `step(inputs, positions, key_mask) ->
 next token per row`, so the same padding, stopping, streaming and timing serve one process
-(`ModelStep`) and a sharded model spread over ranks (`fivefold.parallel.serve`).
+(`ModelStep`) and a sharded model spread over ranks (`fivefold.parallel.serve`). Replicas whose
+steps meet in collectives (expert parallelism: each MoE layer's all-to-alls) decode in lockstep
+through a `Lockstep`: a replica whose rows are all done keeps taking part, with nothing to decode,
+until every peer is done.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -21,6 +25,19 @@ from fivefold.model.attention import KVCache
 from fivefold.model.transformer import Transformer
 
 Step = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+class Lockstep(Protocol):
+    """Peers whose decoding steps must meet, one for one."""
+
+    def busy(self, mine: bool) -> bool:
+        """Whether this replica (`mine`) or any peer still has rows to decode: the same answer on
+        every peer, so that all take the same number of steps."""
+        ...
+
+    def idle(self) -> None:
+        """This replica's part in one step of its peers, with no rows of its own."""
+        ...
 
 
 @dataclass
@@ -97,12 +114,14 @@ def decode(
     max_new_tokens: int | Sequence[int],
     eos_token_id: int | Sequence[int] | None = None,
     on_token: Callable[[int, int], None] | None = None,
+    peers: Lockstep | None = None,
 ) -> Generation:
     """Run `step` until every row has its `max_new_tokens` (one for all, or one per prompt) or has
     produced an end id.
 
     Rows that are done keep being fed (the batch keeps its shape); their tokens are dropped.
-    `on_token(row, token)` sees each kept token as soon as it is chosen.
+    `on_token(row, token)` sees each kept token as soon as it is chosen. With `peers`, the loop
+    runs until no peer decodes; once this replica is done it only idles (no step, no timing).
     """
     b = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts])
@@ -122,7 +141,14 @@ def decode(
     inputs, mask = ids, (valid if padded else None)
     next_pos = lengths.clone()
     first = True
-    while not all(done):
+    while True:
+        mine = not all(done)
+        if not (peers.busy(mine) if peers is not None else mine):
+            break
+        if not mine:
+            assert peers is not None
+            peers.idle()
+            continue
         start = time.perf_counter()
         token = step(inputs, positions, mask)
         picked = token.tolist()

@@ -63,6 +63,7 @@ class ExpertParallel(ParallelStyle):
             raise FivefoldError(f"--ep {ranks} must divide the {experts} experts")
         if self.group is None:
             self.group = device_mesh.get_group()
+        module.dispatch_group = self.group  # for callers that must meet the dispatch (serve's lockstep)
         module.rows_received = 0  # rows this rank's experts computed: the dispatch's byte count
         # rows of each forward in call order, while a measurement asks (None: not kept, so that a long
         # training run does not grow a list): what the activations of each micro-batch hold

@@ -14,7 +14,15 @@ One rank of a `dp × pp × tp` world (the training mesh, `fivefold.parallel.devi
   layer over tp) and sends the hidden states to the next stage (plain send/recv between the stage
   groups); the last stage gathers the vocabulary-sharded logits, picks the tokens and broadcasts
   them over pp, so every rank of the replica feeds the same tokens to the next step.
-* **Replicas.** Prompt i goes to dp replica i mod dp; replicas never talk while generating.
+* **Replicas.** Prompt i goes to replica i mod dp; without ep, replicas never talk while generating.
+* **Experts.** With ep, each group of ep replicas shares one copy of the experts: the MoE layers are
+  split with the training `ExpertParallel` (each rank owns E/ep experts; a layer's rows go to their
+  experts' ranks and back by all-to-all), so every replica of the group routes its own prompts to
+  all E experts. The replicas are the mesh's fsdp ranks (dp 1), as the planner's serving layout
+  folds ep onto them, and ep takes the innermost of them as in training. Their steps meet in every
+  MoE layer, so they decode in lockstep (`ExpertPeers`): each step they agree, by one all-reduce
+  over ep, whether any still decodes, and a replica that is done runs only its experts, on the
+  rows its peers send.
 
 Everything runs under `torch.no_grad()` (not inference mode, whose tensors skip the ledger's
 collective kernels), so the communication ledger records generation as it records training.
@@ -31,10 +39,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import wait_tensor
 
 from fivefold.config import Layout, ModelSpec, load_model
-from fivefold.errors import FivefoldError, suggest
+from fivefold.errors import FivefoldError, divisors, suggest
 from fivefold.model.generate import Sampler, decode
+from fivefold.model.moe import moe_layers
 from fivefold.parallel.spawn import MAX_LOCAL_RANKS
 
 
@@ -65,7 +75,8 @@ class ServeJob:
     eos_ids: tuple[int, ...] | None = None
     tp: int = 1
     pp: int = 1
-    dp: int = 1
+    dp: int = 1  # replicas, each decoding its own prompts
+    ep: int = 1  # replicas sharing one copy of the experts (divides dp)
     device: str = "cpu"
     stream: bool = False
     ledger: bool = False
@@ -76,9 +87,9 @@ class ServeJob:
         return self.tp * self.pp * self.dp
 
 
-def resolve_degrees(nproc: int, tp: int, pp: int, dp: int | None) -> tuple[int, int, int]:
+def resolve_degrees(nproc: int, tp: int, pp: int, dp: int | None, ep: int = 1) -> tuple[int, int, int]:
     """(tp, pp, dp) with dp filled from nproc; one line naming the constraint otherwise."""
-    for name, value in (("--nproc", nproc), ("--tp", tp), ("--pp", pp), ("--dp", dp or 1)):
+    for name, value in (("--nproc", nproc), ("--tp", tp), ("--pp", pp), ("--dp", dp or 1), ("--ep", ep)):
         if value < 1:
             raise FivefoldError(f"{name} must be a positive integer, got {value}")
     if nproc > MAX_LOCAL_RANKS:  # each is a process: a typo must not start thousands
@@ -92,6 +103,12 @@ def resolve_degrees(nproc: int, tp: int, pp: int, dp: int | None) -> tuple[int, 
         dp = nproc // (tp * pp)
     if tp * pp * dp != nproc:
         raise FivefoldError(f"dp×tp×pp = {dp}×{tp}×{pp} = {dp * tp * pp} must equal --nproc {nproc}")
+    if dp % ep:
+        raise FivefoldError(
+            f"--ep {ep} must divide the {dp} replica(s) (dp = nproc / (tp×pp)): expert parallelism "
+            f"spreads the experts over replicas; valid ep: {suggest(divisors(dp))}, or --nproc "
+            f"{tp * pp * ep} and up in steps of {tp * pp * ep}"
+        )
     return tp, pp, dp
 
 
@@ -103,6 +120,8 @@ def check_job(spec: ModelSpec, job: ServeJob) -> None:
     check_buildable(spec)
     if job.tp > 1:
         check_tensor_parallel(spec, job.tp)
+    if job.ep > 1:
+        serving_layout(job).check_model(spec)  # a MoE model whose experts ep divides
     if job.pp > spec.layers:
         raise FivefoldError(
             f"--pp {job.pp} exceeds the {spec.layers} layers of {spec.name}: every stage needs a layer; "
@@ -149,16 +168,18 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> dict[str, Any] | None:
     from fivefold.parallel.device_mesh import build_runtime_mesh
 
     device = _device(job.device)
-    layout = Layout(dp=job.dp, tp=job.tp, pp=job.pp).resolve(world)
+    layout = serving_layout(job).resolve(world)
     runtime = build_runtime_mesh(layout, device.type)
     spec = job.source.spec()
     stage = runtime.coord("pp")
     chunk = build_stage(spec, job.source, runtime, layout, device)
-    replica = runtime.coord("dp")
+    replica = runtime.coord("dp") * runtime.size("fsdp") + runtime.coord("fsdp")
     mine = [i for i in range(len(job.prompts)) if i % job.dp == replica]
     pp_group = runtime.group("pp")
     pp_ranks = dist.get_process_group_ranks(pp_group) if job.pp > 1 else [rank]
     step = StageStep(chunk, job, stage, pp_ranks, pp_group, job.sampler.generators(mine), device)
+    # a stage without MoE layers meets no peer: its replica's own stages are all it talks to
+    peers = ExpertPeers(chunk, device) if job.ep > 1 and moe_layers(chunk) else None
     leader = stage == job.pp - 1 and runtime.coord("tp") == 0
     on_token = None
     if job.stream and leader:
@@ -171,16 +192,19 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> dict[str, Any] | None:
         from fivefold.measure.ledger import CommLedger
 
         ledger = CommLedger(runtime)
-        step.ledger = ledger
+        if peers is not None:  # a step ends after the peers' flag for the next, so each step holds one
+            peers.ledger = ledger
+        else:
+            step.ledger = ledger
     prompts = [job.prompts[i] for i in mine]
     limits = job.max_new_tokens
     limits = limits if isinstance(limits, int) else [limits[i] for i in mine]
     if ledger is not None:
         with ledger:
-            got = decode(step, prompts, limits, job.eos_ids, on_token)
+            got = decode(step, prompts, limits, job.eos_ids, on_token, peers)
         ledger.close()
     else:
-        got = decode(step, prompts, limits, job.eos_ids, on_token)
+        got = decode(step, prompts, limits, job.eos_ids, on_token, peers)
     cache = step.caches[0]
     out: dict[str, Any] = {
         "rank": rank,
@@ -199,8 +223,18 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> dict[str, Any] | None:
     return out
 
 
+def serving_layout(job: ServeJob) -> Layout:
+    """The mesh of a serving job: without ep, dp replicas; with ep, the replicas as fsdp ranks (no
+    FSDP is applied: the dim only places them) so that ep can fold onto them, as in training and
+    in the planner's serving layouts."""
+    if job.ep == 1:
+        return Layout(dp=job.dp, tp=job.tp, pp=job.pp)
+    return Layout(fsdp=job.dp, tp=job.tp, pp=job.pp, ep=job.ep)
+
+
 def build_stage(spec: ModelSpec, source: ModelSource, runtime: Any, layout: Layout, device: torch.device):
-    """This rank's pipeline chunk, tensor-parallel sharded, holding the source's weights."""
+    """This rank's pipeline chunk, tensor-parallel sharded, experts split over ep, holding the
+    source's weights."""
     from fivefold.model import build_model, materialize
     from fivefold.model.hf import DTYPES
     from fivefold.parallel.pipeline import build_chunk, stage_split
@@ -214,6 +248,10 @@ def build_stage(spec: ModelSpec, source: ModelSource, runtime: Any, layout: Layo
     )
     if layout.tp > 1:
         apply_tensor_parallel(chunk, runtime.get("tp"), spec, sp=False)
+    if layout.ep > 1:
+        from fivefold.parallel.expert import apply_expert_parallel
+
+        apply_expert_parallel(chunk, runtime)
     materialize(chunk, device, source.init_seed)
     _tie_split_head(chunk, spec, source.init_seed)
     dtype = DTYPES[source.dtype or "fp32"]
@@ -333,6 +371,42 @@ class StageStep:
         if self.ledger is not None:
             self.ledger.next_step()
         return token.cpu()
+
+
+class ExpertPeers:
+    """The lockstep of the replicas that share experts (`fivefold.model.generate.Lockstep`).
+
+    Every MoE layer's dispatch is a collective of the ep group, so each replica must run each MoE
+    layer as often as its peers, even once its own rows are done. Each step the peers agree, with
+    one all-reduce (max) of a flag over the ep group, whether any still decodes; a replica that is
+    done then runs only its chunk's experts, in layer order, on no rows of its own: its dispatch
+    sends nothing and its experts compute the rows the peers send them.
+    """
+
+    def __init__(self, chunk: Any, device: torch.device) -> None:
+        self.layers = [moe.experts for moe in moe_layers(chunk)]
+        self.experts = chunk.spec.experts
+        self.group = self.layers[0].dispatch_group
+        self.dtype = next(chunk.parameters()).dtype
+        self.hidden = chunk.spec.hidden
+        self.device = device
+        self.ledger: Any = None
+        self.asked = False  # the first flag goes with the prefill
+
+    def busy(self, mine: bool) -> bool:
+        flag = torch.tensor([int(mine)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if self.ledger is not None and self.asked:  # the ledger's steps end here, not in StageStep
+            self.ledger.next_step()
+        self.asked = True
+        return bool(flag.item())
+
+    def idle(self) -> None:
+        none = torch.empty(0, self.hidden, dtype=self.dtype, device=self.device)
+        counts = torch.zeros(self.experts, dtype=torch.long, device=self.device)
+        for experts in self.layers:
+            # the combine's output has no rows, so nothing reads it: wait for it, as a read would
+            wait_tensor(experts(none, counts))
 
 
 def stream_printer(tokenizer: Any, total: int, indices: list[int]):

@@ -95,16 +95,16 @@ class InferencePlan:
         }
 
 
-# `fivefold generate` decodes with tensor-parallel shards, pipeline stages and replicas; expert- and
-# context-parallel decoding are priced for the serving engines that have them
+# `fivefold generate` decodes with tensor-parallel shards, pipeline stages, replicas and experts
+# split over replicas; context-parallel decoding is priced for the serving engines that have it
 GENERATE_NOTE = (
-    "fivefold generate runs tp, pp and replicas; ep and cp decoding are priced for engines that have them"
+    "fivefold generate runs tp, pp, ep and replicas; cp decoding is priced for engines that have it"
 )
 
 
 def generate_runs(layout: Layout) -> bool:
-    """Whether `fivefold generate` can decode with this layout (its axes: tp, pp, replicas)."""
-    return layout.ep == 1 and layout.cp == 1
+    """Whether `fivefold generate` can decode with this layout (its axes: tp, pp, ep, replicas)."""
+    return layout.cp == 1
 
 
 def kv_bytes_per_token(model: ModelSpec, layout: Layout, kv_bytes: int = 2) -> float:
@@ -205,14 +205,23 @@ def inference_plan(
             prefill += count * t_pre
             decode += count * t_dec
             comm["cp"] += count * t_dec
-        if moe and lay.ep > 1:  # dispatch and combine; tp ranks split the tokens they send
+        if moe and lay.ep > 1:
+            # dispatch and combine; the experts are whole on every tp rank (as in training), so each
+            # tp rank sends its replica's every routed row to its own ep peers
             link, local = ep_link(lay, gpn), ep_members_per_node(lay, gpn)
-            per_token = BYTES * model.experts_per_token * model.hidden / lay.tp
+            per_token = BYTES * model.experts_per_token * model.hidden
             t_dec = 2 * collective_time(hw, "all-to-all", per_token * shape.batch, lay.ep, link, local)[1]
             t_pre = 2 * collective_time(hw, "all-to-all", per_token * tokens, lay.ep, link, local)[1]
             prefill += count * t_pre
             decode += count * t_dec
             comm["ep"] += count * t_dec
+    if model.is_moe and lay.ep > 1:
+        # the replicas sharing experts meet in every MoE layer, so they step together: each token
+        # they agree whether any still decodes (one all-reduce of a flag over ep)
+        link, local = ep_link(lay, gpn), ep_members_per_node(lay, gpn)
+        t_flag = collective_time(hw, "all-reduce", 8, lay.ep, link, local)[1]
+        decode += t_flag
+        comm["ep"] += t_flag
     head = shape.weight_bytes * model.vocab * model.hidden / lay.tp
     decode += max(head / hbm, 2 * shape.batch * model.vocab * model.hidden / lay.tp / rates.flops)
     prefill += 2 * shape.batch * model.vocab * model.hidden / lay.tp / rates.flops

@@ -127,7 +127,7 @@ def _layouts(sources, layouts: list[dict]) -> list[tuple[dict, str]]:
 
 
 def test_layouts_on_two_ranks(sources) -> None:
-    cases = _layouts(sources, [dict(tp=2), dict(pp=2), dict(dp=2), dict(dp=2, ep=2)])
+    cases = _layouts(sources, [dict(tp=2), dict(pp=2), dict(dp=2), dict(dp=2, ep=2), dict(cp=2)])
     jobs = [_job(sources[n][0], **lay) for lay, n in cases]
     dense, moe = sources["dense"][0], sources["moe"][0]
     sampling = Sampler(greedy=False, temperature=1.5, top_k=20, seed=11)
@@ -138,6 +138,8 @@ def test_layouts_on_two_ranks(sources) -> None:
         _job(moe, dp=2, ep=2, max_new_tokens=(NEW, 1, NEW), ledger=True),
         _job(moe, dp=2, ep=2, eos_ids=(stop,)),
         _job(moe, dp=2, ep=2, sampler=sampling),
+        _job(dense, cp=2, ledger=True),
+        _job(dense, cp=2, sampler=sampling),
         _job(dense, tp=2, ledger=True),
         _job(dense, pp=2, ledger=True),
         _job(dense, tp=2, sampler=sampling),
@@ -149,7 +151,7 @@ def test_layouts_on_two_ranks(sources) -> None:
         assert all(row["time_to_first_token_s"] > 0 and row["tokens_per_s"] > 0 for row in res["prompts"])
 
     alone = sources["moe"][1]
-    limited, ended, sampled = results[len(cases) : len(cases) + 3]
+    limited, ended, sampled, cp_ledger, cp_sampled = results[len(cases) : len(cases) + 5]
     assert [row["tokens"] for row in limited["prompts"]] == [alone[0], alone[1][:1], alone[2]]
     assert [row["tokens"] for row in ended["prompts"]] == [
         t[: t.index(stop) + 1] if stop in t else t for t in alone
@@ -165,6 +167,20 @@ def test_layouts_on_two_ranks(sources) -> None:
     model = _single_process(moe)
     expected = decode(ModelStep(model, sampling, sampling.generators(range(3))), PROMPTS, NEW).tokens
     assert [row["tokens"] for row in sampled["prompts"]] == expected
+    # cp: the prefill gathers K and V per layer; a decoded token all-gathers each layer's partial
+    # outputs and log-sum-exp (fp32, 4 heads × (8 + 1) per prompt, from each of the 2 ranks) and cp
+    # rank 0 broadcasts it
+    layers = load_model("tiny").layers
+    for rank in cp_ledger["ledger"]:
+        prefill = {(r["axis"], r["op"]): r for r in rank["prefill"]}
+        assert prefill[("cp", "all_gather")]["count"] == 2 * layers
+        ops = {(r["axis"], r["op"]): r for r in rank["per_token"]}
+        assert ops[("cp", "all_gather")]["count"] == layers
+        assert ops[("cp", "all_gather")]["bytes"] == layers * 2 * len(PROMPTS) * 4 * 9 * 4
+        assert ops[("cp", "broadcast")]["count"] == 1
+    # the widened prompt (5 columns + 3 masked) is split evenly, the 5 later columns kept in turn
+    kv = [2 * layers * 2 * 8 * len(PROMPTS) * columns * 4 for columns in (4 + 3, 4 + 2)]
+    assert [r["bytes"] for r in cp_ledger["kv_cache"]] == kv
 
     layers = load_model("tiny").layers
     tp_ledger, pp_ledger = results[-4]["ledger"], results[-3]["ledger"]
@@ -189,6 +205,8 @@ def test_layouts_on_four_ranks(sources) -> None:
     # tp 4 > the 2 KV heads of every source; ep with tp (each tp rank dispatches to its own peers)
     # and with pp (each stage's experts split over the two replicas' same stage)
     layouts = [dict(tp=4), dict(tp=2, pp=2), dict(dp=2, ep=2, tp=2), dict(dp=2, ep=2, pp=2)]
+    # cp over more ranks than some rows have real columns, and with each other axis
+    layouts += [dict(cp=4), dict(cp=2, tp=2), dict(cp=2, pp=2), dict(cp=2, dp=2)]
     cases = _layouts(sources, layouts)
     jobs = [_job(sources[n][0], **lay) for lay, n in cases]
     results = _serve_all(4, jobs)
@@ -213,6 +231,8 @@ def test_cli_bad_input(sources, capsys, tmp_path) -> None:
         (["--model", "tiny", "--prompt-ids", "1", "--nproc", "2", "--ep", "2"], "needs a mixture-of-experts"),
         (["--model", "tiny-moe", "--prompt-ids", "1", "--nproc", "2", "--tp", "2", "--ep", "2"], "ep: 1,"),
         (["--model", "tiny-moe", "--prompt-ids", "1", "--nproc", "3", "--ep", "3"], "valid ep: 1, 2, 4"),
+        (["--model", "tiny-moe", "--prompt-ids", "1", "--nproc", "4", "--ep", "2", "--cp", "2"], "not both"),
+        (["--model", "tiny", "--prompt-ids", "1", "--nproc", "3", "--cp", "2"], "tp×pp×cp = 1×1×2"),
         (["--from", dense, "--prompt-ids", "1", "--nproc", "2", "--checkpoint", "9"], "available steps"),
         (["--from", str(tmp_path / "absent"), "--prompt-ids", "1", "--nproc", "2"], "no such directory"),
     ]

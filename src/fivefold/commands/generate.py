@@ -3,7 +3,7 @@
     fivefold generate (--from DIR | --model PRESET [--init-seed S])
                       (--prompt TEXT | --prompt-ids 1,2,3)... --max-new-tokens N
                       [--greedy | --temperature T --top-k K --seed S] [--ids] [--stream] [--json]
-                      [--nproc N --tp T [--pp P] [--dp R] [--ep E] [--comm]]
+                      [--nproc N --tp T [--pp P] [--dp R] [--ep E | --cp C] [--comm]]
 
 DIR is an HF checkpoint directory (`config.json` + safetensors, optional `tokenizer.json`) or a
 fivefold run directory (`config.toml` + `checkpoints/step_N/`, the latest unless --checkpoint).
@@ -13,7 +13,8 @@ generated token ids are printed, comma-separated, one line per prompt; --json pr
 timings per prompt. With --nproc N the model is served by N local ranks (`fivefold.parallel.serve`):
 tensor-parallel shards, pipeline stages and data-parallel replicas, gloo on CPU, NCCL on GPU; with
 --ep E a mixture-of-experts model's experts are split over groups of E replicas, which decode in
-lockstep. --comm adds the communication per rank (prefill and per decoded token) from the ledger.
+lockstep; with --cp C each replica's prompts and KV cache are split over C ranks. --comm adds the
+communication per rank (prefill and per decoded token) from the ledger.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where to run (auto: cuda if present)",
     )
     parser.add_argument("--nproc", type=int, default=1, help="local ranks serving the model (default 1)")
-    add_layout_arguments(parser, axes=("dp", "tp", "pp", "ep"))  # dp: replicas serving other prompts
+    add_layout_arguments(parser, axes=("dp", "tp", "pp", "cp", "ep"))  # dp: replicas serving other prompts
     parser.add_argument("--comm", action="store_true", help="with --nproc: the communication per rank")
 
 
@@ -85,11 +86,11 @@ def run(args: argparse.Namespace) -> int:
     from fivefold.parallel.serve import resolve_degrees
 
     dp = None if args.dp in (None, -1) else args.dp  # fill: nproc / (tp·pp)
-    tp, pp, ep = (1 if v is None else v for v in (args.tp, args.pp, args.ep))
-    tp, pp, dp = resolve_degrees(args.nproc, tp, pp, dp, ep)
+    tp, pp, ep, cp = (1 if v is None else v for v in (args.tp, args.pp, args.ep, args.cp))
+    tp, pp, dp = resolve_degrees(args.nproc, tp, pp, dp, ep, cp)
     if args.nproc == 1:
         return _run_here(args)
-    return _run_ranks(args, tp, pp, dp, ep)
+    return _run_ranks(args, tp, pp, dp, ep, cp)
 
 
 def _sampler(args: argparse.Namespace):
@@ -138,7 +139,7 @@ def _run_here(args: argparse.Namespace) -> int:
     return _print(args, prompts, rows, tokenizer, [])
 
 
-def _run_ranks(args: argparse.Namespace, tp: int, pp: int, dp: int, ep: int) -> int:
+def _run_ranks(args: argparse.Namespace, tp: int, pp: int, dp: int, ep: int, cp: int) -> int:
     from fivefold.parallel.serve import ModelSource, ServeJob, check_job, serve
     from fivefold.train.tokenizer import load_tokenizer
 
@@ -182,6 +183,7 @@ def _run_ranks(args: argparse.Namespace, tp: int, pp: int, dp: int, ep: int) -> 
         pp=pp,
         dp=dp,
         ep=ep,
+        cp=cp,
         device=device.type,
         stream=args.stream,
         ledger=args.comm,

@@ -16,7 +16,7 @@ def add_layout_arguments(
 ) -> None:
     """The layout flags, one definition for every command. `factors_only`: the axis sizes and their
     order, for commands that only place ranks (`mesh`) and would ignore the rest; `axes`: only these
-    axis sizes (`generate`, which serves on dp, tp, pp and ep)."""
+    axis sizes (`generate`, which serves on dp, tp, pp, cp and ep)."""
     g = parser.add_argument_group("layout")
     for axis, text in (
         ("dp", "replicated data-parallel degree (-1: fill the world)"),

@@ -1,6 +1,7 @@
-"""Parallel generation: tensor-parallel shards, pipeline stages per token, data-parallel replicas.
+"""Parallel generation: tensor-parallel shards, pipeline stages per token, data-parallel replicas,
+experts split over replicas, and the sequence split over context-parallel ranks.
 
-One rank of a `dp × pp × tp` world (the training mesh, `fivefold.parallel.device_mesh`):
+One rank of a `dp × cp × pp × tp` world (the training mesh, `fivefold.parallel.device_mesh`):
 
 * **Weights.** The rank builds its pipeline chunk on the meta device (`pipeline.build_chunk`, the
   training split), shards it with the training tensor-parallel plan (`tensor.apply_tensor_parallel`,
@@ -23,6 +24,9 @@ One rank of a `dp × pp × tp` world (the training mesh, `fivefold.parallel.devi
   MoE layer, so they decode in lockstep (`ExpertPeers`): each step they agree, by one all-reduce
   over ep, whether any still decodes, and a replica that is done runs only its experts, on the
   rows its peers send.
+* **Sequence.** With cp, the cp ranks of a replica split its prompts' columns and its KV cache
+  (`fivefold.parallel.context_decode`): prefill runs each rank's columns, decode runs the new token
+  on every cp rank and merges the attention over the cached shards.
 
 Everything runs under `torch.no_grad()` (not inference mode, whose tensors skip the ledger's
 collective kernels), so the communication ledger records generation as it records training.
@@ -77,6 +81,7 @@ class ServeJob:
     pp: int = 1
     dp: int = 1  # replicas, each decoding its own prompts
     ep: int = 1  # replicas sharing one copy of the experts (divides dp)
+    cp: int = 1  # ranks splitting each replica's sequence and KV cache
     device: str = "cpu"
     stream: bool = False
     ledger: bool = False
@@ -84,25 +89,34 @@ class ServeJob:
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
 
-def resolve_degrees(nproc: int, tp: int, pp: int, dp: int | None, ep: int = 1) -> tuple[int, int, int]:
+def resolve_degrees(
+    nproc: int, tp: int, pp: int, dp: int | None, ep: int = 1, cp: int = 1
+) -> tuple[int, int, int]:
     """(tp, pp, dp) with dp filled from nproc; one line naming the constraint otherwise."""
-    for name, value in (("--nproc", nproc), ("--tp", tp), ("--pp", pp), ("--dp", dp or 1), ("--ep", ep)):
+    given = (("--nproc", nproc), ("--tp", tp), ("--pp", pp), ("--dp", dp or 1), ("--ep", ep), ("--cp", cp))
+    for name, value in given:
         if value < 1:
             raise FivefoldError(f"{name} must be a positive integer, got {value}")
     if nproc > MAX_LOCAL_RANKS:  # each is a process: a typo must not start thousands
         raise FivefoldError(f"--nproc must be in 1..{MAX_LOCAL_RANKS} local ranks, got {nproc}")
+    if ep > 1 and cp > 1:
+        raise FivefoldError(
+            f"--ep {ep} with --cp {cp}: generate splits experts over replicas or a sequence over ranks, "
+            "not both at once; drop one of them"
+        )
+    split = tp * pp * cp  # the ranks of one replica
     if dp is None:
-        if nproc % (tp * pp):
+        if nproc % split:
             raise FivefoldError(
-                f"--nproc {nproc} is not a multiple of tp×pp = {tp}×{pp}; valid nproc: "
-                f"{suggest([tp * pp * k for k in range(1, 5)])}"
+                f"--nproc {nproc} is not a multiple of tp×pp×cp = {tp}×{pp}×{cp}; valid nproc: "
+                f"{suggest([split * k for k in range(1, 5)])}"
             )
-        dp = nproc // (tp * pp)
-    if tp * pp * dp != nproc:
-        raise FivefoldError(f"dp×tp×pp = {dp}×{tp}×{pp} = {dp * tp * pp} must equal --nproc {nproc}")
+        dp = nproc // split
+    if split * dp != nproc:
+        raise FivefoldError(f"dp×tp×pp×cp = {dp}×{tp}×{pp}×{cp} = {dp * split} must equal --nproc {nproc}")
     if dp % ep:
         raise FivefoldError(
             f"--ep {ep} must divide the {dp} replica(s) (dp = nproc / (tp×pp)): expert parallelism "
@@ -178,9 +192,11 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> dict[str, Any] | None:
     pp_group = runtime.group("pp")
     pp_ranks = dist.get_process_group_ranks(pp_group) if job.pp > 1 else [rank]
     step = StageStep(chunk, job, stage, pp_ranks, pp_group, job.sampler.generators(mine), device)
+    if job.cp > 1:
+        step.split_sequence(runtime)
     # a stage without MoE layers meets no peer: its replica's own stages are all it talks to
     peers = ExpertPeers(chunk, device) if job.ep > 1 and moe_layers(chunk) else None
-    leader = stage == job.pp - 1 and runtime.coord("tp") == 0
+    leader = stage == job.pp - 1 and runtime.coord("tp") == 0 and runtime.coord("cp") == 0
     on_token = None
     if job.stream and leader:
         from fivefold.train.tokenizer import load_tokenizer
@@ -228,7 +244,7 @@ def serving_layout(job: ServeJob) -> Layout:
     FSDP is applied: the dim only places them) so that ep can fold onto them, as in training and
     in the planner's serving layouts."""
     if job.ep == 1:
-        return Layout(dp=job.dp, tp=job.tp, pp=job.pp)
+        return Layout(dp=job.dp, tp=job.tp, pp=job.pp, cp=job.cp)
     return Layout(fsdp=job.dp, tp=job.tp, pp=job.pp, ep=job.ep)
 
 
@@ -339,15 +355,54 @@ class StageStep:
         self.pp_group = pp_group
         self.generators = generators
         self.device = device
-        self.caches = [KVCache() for _ in chunk.model.layers]
+        self.caches: list[KVCache] = [KVCache() for _ in chunk.model.layers]
         self.dtype = next(chunk.parameters()).dtype
         self.hidden = chunk.spec.hidden
         self.ledger: Any = None
+        self.steps = 0
+        self.shard: Any = None  # cp's step state (`context_decode.ShardStep`) once the sequence is split
+        self.cp_group: Any = None
+        self.cp_rank = 0
+        self.pad = 0
+
+    def split_sequence(self, runtime: Any) -> None:
+        """Split each prompt's columns and its KV cache over the cp ranks (`context_decode`)."""
+        from fivefold.parallel.context_decode import shard_decoding
+
+        self.cp_group, self.cp_rank = runtime.group("cp"), runtime.coord("cp")
+        self.shard, self.caches = shard_decoding(self.chunk, self.cp_group, self.job.cp)
+
+    def _columns(self, inputs: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor | None):
+        """This cp rank's columns of the step: the prompt's share at prefill, the new column after."""
+        from fivefold.parallel.context import shard_positions
+        from fivefold.parallel.context_decode import widen
+
+        step, cp = self.shard, self.job.cp
+        if self.steps == 0:
+            inputs, positions, key_mask, self.pad = widen(inputs, positions, key_mask, cp)
+            step.width = inputs.shape[1]
+            step.columns = shard_positions(step.width, cp, self.cp_rank)
+            step.sharded = step.keep = True
+            inputs, positions = inputs[:, step.columns], positions[:, step.columns]
+        else:
+            step.columns = torch.tensor([step.width + self.steps - 1])
+            step.sharded = False
+            step.keep = (self.steps - 1) % cp == self.cp_rank  # the new column's keys, in turn
+            if self.pad:  # the masked columns in front, before the decoder's own
+                b = inputs.shape[0]
+                seen = step.width - self.pad + self.steps  # the decoder's columns, the new one included
+                own = key_mask if key_mask is not None else torch.ones(b, seen, dtype=torch.bool)
+                key_mask = torch.cat((torch.zeros(b, self.pad, dtype=torch.bool), own), dim=1)
+        step.key_mask = key_mask
+        return inputs, positions, key_mask
 
     def __call__(self, inputs: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor | None):
         from torch.distributed.tensor import DTensor
 
         pp, last = self.job.pp, self.stage == self.job.pp - 1
+        if self.shard is not None:
+            inputs, positions, key_mask = self._columns(inputs, positions, key_mask)
+        self.steps += 1
         b, s = inputs.shape
         mask = None if key_mask is None else key_mask.to(self.device)
         for cache in self.caches:
@@ -361,11 +416,15 @@ class StageStep:
         if not last:
             dist.send(out.contiguous(), dst=self.pp_ranks[self.stage + 1])
             token = torch.empty(b, dtype=torch.long, device=self.device)
-        else:
+        elif self.cp_rank == 0:  # with cp, the rank that holds the prompt's last column
             logits = out[:, -1, :]
             if isinstance(logits, DTensor):
                 logits = logits.full_tensor()  # the vocabulary shards gathered
             token = self.job.sampler.pick(logits, self.generators).to(self.device)
+        else:
+            token = torch.empty(b, dtype=torch.long, device=self.device)
+        if last and self.job.cp > 1:
+            dist.broadcast(token, src=dist.get_global_rank(self.cp_group, 0), group=self.cp_group)
         if pp > 1:
             dist.broadcast(token, src=self.pp_ranks[-1], group=self.pp_group)
         if self.ledger is not None:

@@ -6,7 +6,7 @@ attention caches the compressed latent (kv_lora_rank + rope dim) per token inste
 Prefill is compute-bound: the layers' forward over batch × prompt tokens on the roofline. Decode is
 memory-bound: each new token reads the rank's weights (only the experts some token of the batch is
 routed to) and the whole KV cache, plus two tp all-reduces per layer that cost mostly latency (with
-cp, one more over cp: the partial attention outputs of the KV shards).
+cp, an all-gather over cp of the partial attention outputs of the KV shards).
 Pipeline stages run one after the other for one token, so their times add.
 """
 
@@ -95,16 +95,15 @@ class InferencePlan:
         }
 
 
-# `fivefold generate` decodes with tensor-parallel shards, pipeline stages, replicas and experts
-# split over replicas; context-parallel decoding is priced for the serving engines that have it
-GENERATE_NOTE = (
-    "fivefold generate runs tp, pp, ep and replicas; cp decoding is priced for engines that have it"
-)
+# `fivefold generate` decodes with tensor-parallel shards, pipeline stages, replicas, experts split
+# over replicas and sequences split over cp ranks, but not ep and cp in one layout (ep would fold
+# onto cp ranks, which then hold the same decode tokens)
+GENERATE_NOTE = "fivefold generate runs ep or cp, not both in one layout; such layouts are priced for engines"
 
 
 def generate_runs(layout: Layout) -> bool:
-    """Whether `fivefold generate` can decode with this layout (its axes: tp, pp, ep, replicas)."""
-    return layout.cp == 1
+    """Whether `fivefold generate` can decode with this layout (every axis, but not ep with cp)."""
+    return layout.ep == 1 or layout.cp == 1
 
 
 def kv_bytes_per_token(model: ModelSpec, layout: Layout, kv_bytes: int = 2) -> float:
@@ -194,14 +193,13 @@ def inference_plan(
             decode += count * t_dec
             comm["tp"] += count * t_dec
         if lay.cp > 1:
-            # prefill: ring attention passes each rank's K and V block round the cp ranks, behind the
-            # attention core of the block in hand; decode: each rank attends over its KV shard and the
-            # partial outputs (with their log-sum-exp) are summed over cp, once a layer
-            kv_block = 2 * BYTES * tokens * kv_heads_local(model, lay.tp) * model.head_dim
-            hop = collective_time(hw, "send-recv", kv_block, 2, cp_link)[1]
-            t_pre = max((lay.cp - 1) * hop - pre.attn_core_fwd, 0.0)
-            partial = BYTES * shape.batch * (model.heads // lay.tp) * (model.head_dim + 2)
-            t_dec = collective_time(hw, "all-reduce", partial, lay.cp, cp_link, cp_nics, "cp")[1]
+            # as `fivefold generate --cp` runs it (`parallel.context_decode`): prefill gathers each
+            # layer's K and V over cp before its attention; decode: each rank attends over its KV
+            # shard and the partial outputs with their log-sum-exp (fp32) are all-gathered over cp
+            k_shard = BYTES * tokens * kv_heads_local(model, lay.tp) * model.head_dim
+            t_pre = 2 * collective_time(hw, "all-gather", k_shard * lay.cp, lay.cp, cp_link, cp_nics, "cp")[1]
+            partial = 4 * shape.batch * (model.heads // lay.tp) * (model.head_dim + 1)
+            t_dec = collective_time(hw, "all-gather", partial * lay.cp, lay.cp, cp_link, cp_nics, "cp")[1]
             prefill += count * t_pre
             decode += count * t_dec
             comm["cp"] += count * t_dec

@@ -1,5 +1,6 @@
-"""Serving the `small` preset: fivefold on 1, 2 and 4 CPU ranks with tensor parallelism, against
-HF transformers' `generate` on one process (same weights), and against `plan --mode inference`.
+"""Serving the `small` preset: fivefold on 1, 2 and 4 CPU ranks with tensor parallelism and on 2 with
+context parallelism, against HF transformers' `generate` on one process (same weights), and against
+`plan --mode inference`.
 
 Every configuration decodes the same greedy continuation of the same prompt (checked). Each rank
 and the HF peer use one intra-op thread, so the ratio compares code, not thread counts. Figures
@@ -38,9 +39,13 @@ def _body(rank: int, world: int, job: ServeJob, repeats: int) -> list:
     return [serve_rank(rank, world, job) for _ in range(repeats + 1)][1:]  # the first warms up
 
 
-def fivefold_run(tp: int, prompt: list[int], new: int, repeats: int) -> dict:
-    job = ServeJob(ModelSource("preset", PRESET), (tuple(prompt),), new, Sampler(), tp=tp)
-    per_rank = spawn_ranks(_body, tp, job, repeats)
+# (tp, cp) of each fivefold run
+LAYOUTS = ((1, 1), (2, 1), (4, 1), (1, 2))
+
+
+def fivefold_run(tp: int, cp: int, prompt: list[int], new: int, repeats: int) -> dict:
+    job = ServeJob(ModelSource("preset", PRESET), (tuple(prompt),), new, Sampler(), tp=tp, cp=cp)
+    per_rank = spawn_ranks(_body, tp * cp, job, repeats)
     leader = next(r for r in per_rank if r[0]["leader"])
     rows = [rep["timings"][0] for rep in leader]
     return {
@@ -82,9 +87,10 @@ def hf_run(prompt: list[int], new: int, repeats: int) -> dict:
     return {"tokens": tokens, "ttft": ttft, "decode": (statistics.median(fulls) - ttft) / (new - 1)}
 
 
-def predicted(tp: int, prompt: int, new: int) -> tuple[float, float]:
+def predicted(tp: int, cp: int, prompt: int, new: int) -> tuple[float, float]:
     shape = InferenceShape(batch=1, context=prompt + new, prompt=prompt, weight_bytes=4, kv_bytes=4)
-    p = inference_plan(load_model(PRESET), load_hardware("cpu"), Layout(tp=tp).resolve(tp), shape)
+    layout = Layout(tp=tp, cp=cp).resolve(tp * cp)
+    p = inference_plan(load_model(PRESET), load_hardware("cpu"), layout, shape)
     return p.prefill_time_s, p.decode_time_per_token_s
 
 
@@ -101,10 +107,10 @@ def main() -> int:
     prompt = list((b"The quick brown fox jumps over the lazy dog. " * 8)[: args.prompt])
     load_before = os.getloadavg()
     hf = hf_run(prompt, args.new, args.repeats)
-    runs = {tp: fivefold_run(tp, prompt, args.new, args.repeats) for tp in (1, 2, 4)}
+    runs = {(tp, cp): fivefold_run(tp, cp, prompt, args.new, args.repeats) for tp, cp in LAYOUTS}
     load_after = os.getloadavg()
-    for tp, run in runs.items():
-        assert run["tokens"] == hf["tokens"], f"tp {tp} decoded other tokens than HF"
+    for (tp, cp), run in runs.items():
+        assert run["tokens"] == hf["tokens"], f"tp {tp} cp {cp} decoded other tokens than HF"
     lines = [
         f"`{PRESET}` preset, batch 1, prompt {args.prompt} tokens, {args.new} new tokens (greedy), fp32, "
         f"1 thread per rank; medians of {args.repeats} repeats; {os.cpu_count()} CPU cores, load average "
@@ -116,10 +122,11 @@ def main() -> int:
         f"| HF transformers generate, 1 process | {hf['ttft'] * 1e3:.1f} | {hf['decode'] * 1e3:.2f} | "
         f"{1 / hf['decode']:.0f} | 1.00 | | | |",
     ]
-    for tp, run in runs.items():
-        pre, dec = predicted(tp, args.prompt, args.new)
+    for (tp, cp), run in runs.items():
+        pre, dec = predicted(tp, cp, args.prompt, args.new)
+        name = f"tp {tp}" if cp == 1 else f"cp {cp}"
         lines.append(
-            f"| fivefold tp {tp} ({tp} rank{'s' if tp > 1 else ''}) | {run['ttft'] * 1e3:.1f} | "
+            f"| fivefold {name} ({tp * cp} rank{'s' if tp * cp > 1 else ''}) | {run['ttft'] * 1e3:.1f} | "
             f"{run['decode'] * 1e3:.2f} | {1 / run['decode']:.0f} | {hf['decode'] / run['decode']:.2f} | "
             f"{pre * 1e3:.2f} | {dec * 1e3:.3f} | {run['ttft'] / pre:.1f}, {run['decode'] / dec:.1f} |"
         )

@@ -24,10 +24,8 @@ def add_layout_arguments(
         ("tp", "tensor-parallel degree (default 1)"),
         ("pp", "pipeline-parallel degree (default 1)"),
         ("cp", "context-parallel degree (default 1)"),
-        ("ep", "expert-parallel degree, folded onto fsdp×cp ranks (default 1)"),
+        ("ep", "expert-parallel degree, folded onto fsdp×cp ranks (generate: the replicas) (default 1)"),
     ):
-        if axes is not None and "fsdp" not in axes:  # serving: the replicas are the data ranks
-            text = text.replace("fsdp×cp ranks", "the replicas (dp)")
         if axes is None or axis in axes:
             g.add_argument(f"--{axis}", type=int, default=None, help=text)
     if axes is not None:

@@ -104,8 +104,25 @@ def test_mixed_length_batch_equals_each_prompt_alone(sources) -> None:
     assert got.tokens == [alone[0][:2], alone[1], []]
 
 
+def _plan_matches_ledger(res: dict) -> None:
+    """Each rank's collectives per decoded token are the plan's (`plan.inference.decode_traffic`): to
+    the byte, but for the expert all-to-alls, whose rows follow the router (the plan's are balanced)."""
+    assert res["ledger"]
+    for rank in res["ledger"]:
+        measured = {(r["axis"], r["op"]): (r["count"], r["bytes"]) for r in rank["per_token"]}
+        planned = {(r["axis"], r["op"]): (r["count"], r["bytes"]) for r in rank["planned_per_token"]}
+        assert set(measured) == set(planned), rank
+        for key, (count, size) in planned.items():
+            assert measured[key][0] == count, (rank["rank"], key, measured[key], count)
+            if key != ("ep", "all_to_all"):
+                assert measured[key][1] == size, (rank["rank"], key, measured[key], size)
+            else:
+                assert 0.5 * size < measured[key][1] < 1.5 * size, (rank["rank"], measured[key], size)
+
+
 def _job(source: ModelSource, tp: int = 1, pp: int = 1, dp: int = 1, **kw) -> ServeJob:
     limits = kw.pop("max_new_tokens", NEW)
+    kw.setdefault("ledger", True)  # every layout's traffic is checked against the plan
     return ServeJob(source, PROMPTS, limits, kw.pop("sampler", Sampler()), tp=tp, pp=pp, dp=dp, **kw)
 
 
@@ -149,6 +166,7 @@ def test_layouts_on_two_ranks(sources) -> None:
     for (lay, name), res in zip(cases, results):
         assert [row["tokens"] for row in res["prompts"]] == sources[name][1], (lay, name)
         assert all(row["time_to_first_token_s"] > 0 and row["tokens_per_s"] > 0 for row in res["prompts"])
+        _plan_matches_ledger(res)
 
     alone = sources["moe"][1]
     limited, ended, sampled, cp_ledger, cp_sampled = results[len(cases) : len(cases) + 5]
@@ -212,6 +230,7 @@ def test_layouts_on_four_ranks(sources) -> None:
     results = _serve_all(4, jobs)
     for (lay, name), res in zip(cases, results):
         assert [row["tokens"] for row in res["prompts"]] == sources[name][1], (lay, name)
+        _plan_matches_ledger(res)
     # the KV cache: tp 4 keeps the one KV head each rank's query heads read (replicated twice),
     # tp 2 × pp 2 one head per rank and half the layers
     whole = 2 * 4 * 2 * 8 * len(PROMPTS) * (5 + NEW - 1) * 4  # K,V · layers · KV heads · head_dim · b · t · 4

@@ -233,6 +233,14 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> dict[str, Any] | None:
     if ledger is not None:
         steps = ledger.per_step()
         out["ledger"] = {"prefill": steps[0] if steps else [], "per_token": ledger.summary(skip=1)}
+        # what the plan needs to predict this rank's traffic: its stage, its replica's batch, whether
+        # it picks the tokens, the bytes of an activation
+        out["plan_facts"] = {
+            "stage": stage,
+            "batch": len(mine),
+            "picks": runtime.coord("cp") == 0,
+            "act_bytes": step.dtype.itemsize,
+        }
     if leader:
         out["tokens"] = got.tokens
         out["timings"] = [got.timings(r) for r in range(len(mine))]
@@ -508,9 +516,20 @@ def serve(job: ServeJob, nproc: int) -> dict[str, Any]:
     return collect(job, results)
 
 
+def planned_traffic(job: ServeJob, stage: int, batch: int, picks: bool, act_bytes: int) -> list[dict]:
+    """The planner's collectives per decoded token for one rank (`plan.inference.decode_traffic`),
+    as ledger rows."""
+    from fivefold.plan.inference import decode_traffic
+
+    layout = Layout(dp=job.dp, tp=job.tp, pp=job.pp, cp=job.cp, ep=job.ep)
+    rows = decode_traffic(job.source.spec(), layout, batch, stage, act_bytes, picks)
+    return [{"axis": a, "op": op, "count": c, "bytes": b} for (a, op), (c, b) in sorted(rows.items())]
+
+
 def collect(job: ServeJob, results: list[dict[str, Any] | None]) -> dict[str, Any]:
     """{"prompts": per prompt in order, its tokens and timings (from its replica's leader),
-    "ledger": each rank's communication (prefill, and the mean per decoded token),
+    "ledger": each rank's communication (prefill, and the mean per decoded token) beside the
+    planner's per decoded token,
     "kv_cache": each rank's KV heads per layer and cache bytes}."""
     rows: list[dict[str, Any]] = [{} for _ in job.prompts]
     for res in results:
@@ -518,6 +537,10 @@ def collect(job: ServeJob, results: list[dict[str, Any] | None]) -> dict[str, An
             continue
         for row, index in enumerate(res["prompts"]):
             rows[index] = {"prompt": index, "tokens": res["tokens"][row], **res["timings"][row]}
-    ledger = [{"rank": r["rank"], **r["ledger"]} for r in results if r is not None and "ledger" in r]
+    ledger = [
+        {"rank": r["rank"], **r["ledger"], "planned_per_token": planned_traffic(job, **r["plan_facts"])}
+        for r in results
+        if r is not None and "ledger" in r
+    ]
     kv = [{"rank": r["rank"], "heads": r["kv_heads"], "bytes": r["kv_cache_bytes"]} for r in results if r]
     return {"prompts": rows, "ledger": ledger, "kv_cache": kv}

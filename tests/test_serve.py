@@ -105,19 +105,22 @@ def test_mixed_length_batch_equals_each_prompt_alone(sources) -> None:
 
 
 def _plan_matches_ledger(res: dict) -> None:
-    """Each rank's collectives per decoded token are the plan's (`plan.inference.decode_traffic`): to
-    the byte, but for the expert all-to-alls, whose rows follow the router (the plan's are balanced)."""
+    """Each rank's collectives in the prefill and per decoded token are the plan's
+    (`plan.inference.decode_traffic`): to the byte, but for the expert all-to-alls, whose rows follow
+    the router (the plan's are balanced)."""
     assert res["ledger"]
     for rank in res["ledger"]:
-        measured = {(r["axis"], r["op"]): (r["count"], r["bytes"]) for r in rank["per_token"]}
-        planned = {(r["axis"], r["op"]): (r["count"], r["bytes"]) for r in rank["planned_per_token"]}
-        assert set(measured) == set(planned), rank
-        for key, (count, size) in planned.items():
-            assert measured[key][0] == count, (rank["rank"], key, measured[key], count)
-            if key != ("ep", "all_to_all"):
-                assert measured[key][1] == size, (rank["rank"], key, measured[key], size)
-            else:
-                assert 0.5 * size < measured[key][1] < 1.5 * size, (rank["rank"], measured[key], size)
+        for when in ("prefill", "per_token"):
+            measured = {(r["axis"], r["op"]): (r["count"], r["bytes"]) for r in rank[when]}
+            planned = {(r["axis"], r["op"]): (r["count"], r["bytes"]) for r in rank[f"planned_{when}"]}
+            assert set(measured) == set(planned), (when, rank)
+            for key, (count, size) in planned.items():
+                got = measured[key]
+                assert got[0] == count, (when, rank["rank"], key, got, count)
+                if key != ("ep", "all_to_all"):
+                    assert got[1] == size, (when, rank["rank"], key, got, size)
+                else:
+                    assert 0.5 * size < got[1] < 1.5 * size, (when, rank["rank"], got, size)
 
 
 def _job(source: ModelSource, tp: int = 1, pp: int = 1, dp: int = 1, **kw) -> ServeJob:

@@ -227,20 +227,21 @@ def _print(
 
 
 def comm_table(ledger: list[dict]) -> str:
-    """Per rank, per (axis, op): ops and bytes in the prefill and per decoded token, and the plan's per
-    decoded token (`plan.inference.decode_traffic`; expert rows under balanced routing)."""
-    lines = [f"{'rank':>4}  {'axis':<6} {'op':<11} {'prefill ops':>11} {'prefill bytes':>13} "
-             f"{'ops/token':>9} {'bytes/token':>11} {'plan ops':>8} {'plan bytes':>10}"]  # fmt: skip
+    """Per rank, per (axis, op): ops and bytes in the prefill and per decoded token, each beside the
+    plan's bytes (`plan.inference.decode_traffic`; expert rows under balanced routing)."""
+    lines = [f"{'rank':>4}  {'axis':<6} {'op':<11} {'prefill ops':>11} {'bytes':>9} {'plan':>9}  "
+             f"{'ops/token':>9} {'bytes':>9} {'plan':>9}"]  # fmt: skip
     for entry in ledger:
-        prefill = {(r["axis"], r["op"]): r for r in entry["prefill"]}
-        per_token = {(r["axis"], r["op"]): r for r in entry["per_token"]}
-        planned = {(r["axis"], r["op"]): r for r in entry.get("planned_per_token", [])}
-        for key in sorted(set(prefill) | set(per_token) | set(planned)):
-            p, t, q = prefill.get(key, {}), per_token.get(key, {}), planned.get(key, {})
+        tables = [
+            {(r["axis"], r["op"]): r for r in entry.get(name, [])}
+            for name in ("prefill", "planned_prefill", "per_token", "planned_per_token")
+        ]
+        for key in sorted(set().union(*tables)):
+            p, pp, t, tp = (table.get(key, {}) for table in tables)
             lines.append(
                 f"{entry['rank']:>4}  {key[0]:<6} {key[1]:<11} {p.get('count', 0):>11g} "
-                f"{p.get('bytes', 0):>13,.0f} {t.get('count', 0):>9g} {t.get('bytes', 0):>11,.0f} "
-                f"{q.get('count', 0):>8g} {q.get('bytes', 0):>10,.0f}"
+                f"{p.get('bytes', 0):>9,.0f} {pp.get('bytes', 0):>9,.0f}  {t.get('count', 0):>9g} "
+                f"{t.get('bytes', 0):>9,.0f} {tp.get('bytes', 0):>9,.0f}"
             )
     return "\n".join(lines)
 

@@ -237,7 +237,7 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> dict[str, Any] | None:
         # it picks the tokens, the bytes of an activation
         out["plan_facts"] = {
             "stage": stage,
-            "batch": len(mine),
+            "replica": replica,
             "picks": runtime.coord("cp") == 0,
             "act_bytes": step.dtype.itemsize,
         }
@@ -516,13 +516,23 @@ def serve(job: ServeJob, nproc: int) -> dict[str, Any]:
     return collect(job, results)
 
 
-def planned_traffic(job: ServeJob, stage: int, batch: int, picks: bool, act_bytes: int) -> list[dict]:
-    """The planner's collectives per decoded token for one rank (`plan.inference.decode_traffic`),
-    as ledger rows."""
+def planned_traffic(
+    job: ServeJob, stage: int, replica: int, picks: bool, act_bytes: int, prefill: bool
+) -> list[dict]:
+    """The planner's collectives of one rank (`plan.inference.decode_traffic`) in the prefill or per
+    decoded token, as ledger rows, for the prompts its replica (and its ep peers) serve."""
     from fivefold.plan.inference import decode_traffic
 
+    def served(r: int) -> tuple[int, int]:  # (prompts, their left-padded width) of replica r
+        mine = job.prompts[r :: job.dp]
+        return len(mine), max(len(p) for p in mine)
+
+    batch, width = served(replica)
+    peers = range(replica - replica % job.ep, replica - replica % job.ep + job.ep)  # ep: innermost
+    peer_tokens = sum(b * (w if prefill else 1) for b, w in map(served, peers)) / job.ep
     layout = Layout(dp=job.dp, tp=job.tp, pp=job.pp, cp=job.cp, ep=job.ep)
-    rows = decode_traffic(job.source.spec(), layout, batch, stage, act_bytes, picks)
+    prompt = width if prefill else 0
+    rows = decode_traffic(job.source.spec(), layout, batch, stage, act_bytes, picks, prompt, peer_tokens)
     return [{"axis": a, "op": op, "count": c, "bytes": b} for (a, op), (c, b) in sorted(rows.items())]
 
 
@@ -538,7 +548,12 @@ def collect(job: ServeJob, results: list[dict[str, Any] | None]) -> dict[str, An
         for row, index in enumerate(res["prompts"]):
             rows[index] = {"prompt": index, "tokens": res["tokens"][row], **res["timings"][row]}
     ledger = [
-        {"rank": r["rank"], **r["ledger"], "planned_per_token": planned_traffic(job, **r["plan_facts"])}
+        {
+            "rank": r["rank"],
+            **r["ledger"],
+            "planned_prefill": planned_traffic(job, **r["plan_facts"], prefill=True),
+            "planned_per_token": planned_traffic(job, **r["plan_facts"], prefill=False),
+        }
         for r in results
         if r is not None and "ledger" in r
     ]

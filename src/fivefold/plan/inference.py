@@ -107,21 +107,32 @@ def generate_runs(layout: Layout) -> bool:
 
 
 def decode_traffic(
-    model: ModelSpec, layout: Layout, batch: int, stage: int, act_bytes: int = 2, picks: bool = True
+    model: ModelSpec,
+    layout: Layout,
+    batch: int,
+    stage: int,
+    act_bytes: int = 2,
+    picks: bool = True,
+    prompt: int = 0,
+    peer_tokens: float | None = None,
 ) -> dict[tuple[str, str], tuple[int, int]]:
-    """The collectives one rank of `fivefold generate` issues per decoded token, in the ledger's words:
-    (axis, op) -> (count, bytes), bytes as the ledger counts them (an all-gather's gathered size).
+    """The collectives one rank of `fivefold generate` issues per decoded token (or, given `prompt`,
+    in the prefill of prompts left-padded to that many tokens), in the ledger's words: (axis, op) ->
+    (count, bytes), bytes as the ledger counts them (an all-gather's gathered size).
 
     `layout` is the generate layout (tp, pp, cp, ep; dp the replicas), `batch` the prompts of the
     rank's replica, `stage` its pipeline stage (the training split, `layout_math.stage_split`),
-    `picks` whether it picks the tokens (cp rank 0 of the last stage). Per decoded token:
+    `picks` whether it picks the tokens (cp rank 0 of the last stage), `peer_tokens` the mean tokens
+    of the step over the replicas sharing its experts (its own when None). The prefill runs the rank's
+    columns (with cp, the prompt widened to 2·cp chunks, a cp-th of them) and gathers each layer's K
+    and V over cp instead of the partial outputs; the replicas of ep agree twice. Per decoded token:
     tp: an all-reduce after attention and after a dense MLP (a MoE block is whole on every tp rank),
     one more for the vocabulary-parallel embedding on stage 0, and the head's logits gathered where
     the tokens are picked; pp: the hidden states sent on and received, and the tokens broadcast;
     cp: each layer's partial attention outputs with their log-sum-exp (fp32) gathered, the tokens
-    broadcast from cp rank 0; ep: per MoE layer the per-expert counts (int64), the rows and the
-    results (balanced routing: as many rows back as out, batch·top-k each way; the measured rows
-    follow the router), and the flag of the replicas' lockstep.
+    broadcast from cp rank 0; ep: per MoE layer the per-expert counts (int64), the rows out (tokens ·
+    top-k) and the results back (balanced routing: a rank's experts get the mean rows of the group;
+    the measured rows follow the router), and the flag of the replicas' lockstep.
     """
     from fivefold.layout_math import stage_split
 
@@ -131,27 +142,35 @@ def decode_traffic(
     moe = sum(model.is_moe_layer(i) for i in layers)
     last = stage == layout.pp - 1
     h = model.hidden
+    width = prompt + -prompt % (2 * layout.cp) if layout.cp > 1 else prompt  # cp's widened prompt
+    tokens = batch * (width // layout.cp if prompt else 1)  # the rows this rank runs
     out: dict[tuple[str, str], tuple[int, int]] = {}
     if layout.tp > 1:
         reduces = 2 * len(layers) - moe + (stage == 0)
-        out["tp", "all_reduce"] = (reduces, reduces * batch * h * act_bytes)
-        if last and picks:
+        out["tp", "all_reduce"] = (reduces, reduces * tokens * h * act_bytes)
+        if last and picks:  # the last position's logits
             out["tp", "all_gather"] = (1, batch * model.vocab * act_bytes)
     if layout.pp > 1:
         if not last:
-            out["pp", "send"] = (1, batch * h * act_bytes)
+            out["pp", "send"] = (1, tokens * h * act_bytes)
         if stage > 0:
-            out["pp", "recv"] = (1, batch * h * act_bytes)
+            out["pp", "recv"] = (1, tokens * h * act_bytes)
         out["pp", "broadcast"] = (1, batch * 8)
     if layout.cp > 1:
-        partial = layout.cp * batch * (model.heads // layout.tp) * (model.head_dim + 1) * 4
-        out["cp", "all_gather"] = (len(layers), len(layers) * partial)
+        if prompt:  # K and V of every column
+            gathered = batch * kv_heads_local(model, layout.tp) * width * model.head_dim * act_bytes
+            out["cp", "all_gather"] = (2 * len(layers), 2 * len(layers) * gathered)
+        else:
+            partial = layout.cp * batch * (model.heads // layout.tp) * (model.head_dim + 1) * 4
+            out["cp", "all_gather"] = (len(layers), len(layers) * partial)
         if last:
             out["cp", "broadcast"] = (1, batch * 8)
     if layout.ep > 1 and moe:
-        rows = batch * model.experts_per_token * h * act_bytes
-        out["ep", "all_to_all"] = (3 * moe, moe * (model.experts * 8 + 2 * rows))
-        out["ep", "all_reduce"] = (1, 8)
+        sent = tokens * model.experts_per_token * h * act_bytes
+        got = (tokens if peer_tokens is None else peer_tokens) * model.experts_per_token * h * act_bytes
+        out["ep", "all_to_all"] = (3 * moe, round(moe * (model.experts * 8 + sent + got)))
+        flags = 2 if prompt else 1
+        out["ep", "all_reduce"] = (flags, 8 * flags)
     return out
 
 

@@ -650,30 +650,6 @@ def test_a_serving_pin_no_layout_has_is_named(capsys) -> None:
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--cp 2; valid cp: 1" in err
 
 
-def test_serving_layouts_say_whether_generate_runs_them(capsys) -> None:
-    """fivefold generate decodes with tp, pp, ep, cp and replicas, but not ep and cp in one layout:
-    those are priced, and marked as not its own, in the table, the single plan and the JSON."""
-    args = ("--context", "32768", "--batch", "1", "--search", "--top", "40")
-    code, text, _ = _serving(capsys, "mixtral-8x7b", 8, *args)
-    rows = [
-        row for row in (line.split() for line in text.splitlines()) if len(row) == 10 and row[0].isdigit()
-    ]
-    assert code == 0 and rows
-    assert {(row[2] == "1", row[3] == "1") for row in rows} == {(True, True), (True, False), (False, True),
-                                                                (False, False)}  # fmt: skip
-    assert all(row[-1] == ("yes" if "1" in (row[2], row[3]) else "no") for row in rows)
-    assert "generate: fivefold generate runs ep or cp, not both" in text
-    _, data, _ = _serving(capsys, "mixtral-8x7b", 8, *args, "--json")
-    assert {p["generate_runs"] for p in data["plans"]} == {True, False}
-    assert all(p["generate_runs"] == (1 in (p["layout"]["cp"], p["layout"]["ep"])) for p in data["plans"])
-    serving = ("--context", "32768", "--batch", "1")
-    _, one, _ = _serving(capsys, "mixtral-8x7b", 8, *serving, "--cp", "2", "--ep", "2")
-    assert "note: fivefold generate runs ep or cp, not both" in one
-    for pins in (("--cp", "2"), ("--ep", "8")):
-        _, one, _ = _serving(capsys, "mixtral-8x7b", 8, *serving, *pins)
-        assert "note:" not in one, pins
-
-
 def test_serving_search_ranks_fitting_layouts_by_the_objective(capsys) -> None:
     args = ("--context", "8192", "--batch", "8", "--search", "--top", "50", "--json")
     _, latency, _ = _serving(capsys, "llama3-70b", 16, *args)

@@ -228,6 +228,8 @@ def test_layouts_on_four_ranks(sources) -> None:
     layouts = [dict(tp=4), dict(tp=2, pp=2), dict(dp=2, ep=2, tp=2), dict(dp=2, ep=2, pp=2)]
     # cp over more ranks than some rows have real columns, and with each other axis
     layouts += [dict(cp=4), dict(cp=2, tp=2), dict(cp=2, pp=2), dict(cp=2, dp=2)]
+    # ep over the cp ranks of each replica, and over both replicas' cp ranks
+    layouts += [dict(dp=2, cp=2, ep=2), dict(dp=2, cp=2, ep=4)]
     cases = _layouts(sources, layouts)
     jobs = [_job(sources[n][0], **lay) for lay, n in cases]
     results = _serve_all(4, jobs)
@@ -251,9 +253,12 @@ def test_cli_bad_input(sources, capsys, tmp_path) -> None:
         (["--model", "tiny", "--prompt-ids", "1,2", "--nproc", "8", "--pp", "8"], "valid pp"),
         (["--model", "tiny", "--prompt-ids", "1", "--nproc", "2", "--dp", "2"], "every replica needs"),
         (["--model", "tiny", "--prompt-ids", "1", "--nproc", "2", "--ep", "2"], "needs a mixture-of-experts"),
-        (["--model", "tiny-moe", "--prompt-ids", "1", "--nproc", "2", "--tp", "2", "--ep", "2"], "ep: 1,"),
+        (["--model", "tiny-moe", "--prompt-ids", "1", "--nproc", "2", "--tp", "2", "--ep", "2"], "--nproc 4"),
         (["--model", "tiny-moe", "--prompt-ids", "1", "--nproc", "3", "--ep", "3"], "valid ep: 1, 2, 4"),
-        (["--model", "tiny-moe", "--prompt-ids", "1", "--nproc", "4", "--ep", "2", "--cp", "2"], "not both"),
+        (
+            ["--model", "tiny-moe", "--prompt-ids", "1", "--nproc", "2", "--ep", "4", "--cp", "2"],
+            "ep: 1, 2, or --nproc 4",
+        ),
         (["--model", "tiny", "--prompt-ids", "1", "--nproc", "3", "--cp", "2"], "tp×pp×cp = 1×1×2"),
         (["--from", dense, "--prompt-ids", "1", "--nproc", "2", "--checkpoint", "9"], "available steps"),
         (["--from", str(tmp_path / "absent"), "--prompt-ids", "1", "--nproc", "2"], "no such directory"),

@@ -3,7 +3,7 @@
     fivefold generate (--from DIR | --model PRESET [--init-seed S])
                       (--prompt TEXT | --prompt-ids 1,2,3)... --max-new-tokens N
                       [--greedy | --temperature T --top-k K --seed S] [--ids] [--stream] [--json]
-                      [--nproc N --tp T [--pp P] [--dp R] [--ep E | --cp C] [--comm]]
+                      [--nproc N --tp T [--pp P] [--dp R] [--cp C] [--ep E] [--comm]]
 
 DIR is an HF checkpoint directory (`config.json` + safetensors, optional `tokenizer.json`) or a
 fivefold run directory (`config.toml` + `checkpoints/step_N/`, the latest unless --checkpoint).
@@ -12,8 +12,9 @@ as it would alone) and each stops at its end-of-sequence id or after N tokens. W
 generated token ids are printed, comma-separated, one line per prompt; --json prints tokens and
 timings per prompt. With --nproc N the model is served by N local ranks (`fivefold.parallel.serve`):
 tensor-parallel shards, pipeline stages and data-parallel replicas, gloo on CPU, NCCL on GPU; with
---ep E a mixture-of-experts model's experts are split over groups of E replicas, which decode in
-lockstep; with --cp C each replica's prompts and KV cache are split over C ranks. --comm adds the
+--cp C each replica's prompts and KV cache are split over C ranks; with --ep E a mixture-of-experts
+model's experts are split over groups of E of the replicas' ranks (cp first), which decode in
+lockstep. --comm adds the
 communication per rank (prefill and per decoded token) from the ledger.
 """
 

@@ -20,7 +20,8 @@ One rank of a `dp × cp × pp × tp` world (the training mesh, `fivefold.paralle
   split with the training `ExpertParallel` (each rank owns E/ep experts; a layer's rows go to their
   experts' ranks and back by all-to-all), so every replica of the group routes its own prompts to
   all E experts. The replicas are the mesh's fsdp ranks (dp 1), as the planner's serving layout
-  folds ep onto them, and ep takes the innermost of them as in training. Their steps meet in every
+  folds ep onto them, and ep takes the innermost of replicas × cp (cp first) as in training. Their
+  steps meet in every
   MoE layer, so they decode in lockstep (`ExpertPeers`): each step they agree, by one all-reduce
   over ep, whether any still decodes, and a replica that is done runs only its experts, on the
   rows its peers send.
@@ -34,6 +35,7 @@ collective kernels), so the communication ledger records generation as it record
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -102,11 +104,6 @@ def resolve_degrees(
             raise FivefoldError(f"{name} must be a positive integer, got {value}")
     if nproc > MAX_LOCAL_RANKS:  # each is a process: a typo must not start thousands
         raise FivefoldError(f"--nproc must be in 1..{MAX_LOCAL_RANKS} local ranks, got {nproc}")
-    if ep > 1 and cp > 1:
-        raise FivefoldError(
-            f"--ep {ep} with --cp {cp}: generate splits experts over replicas or a sequence over ranks, "
-            "not both at once; drop one of them"
-        )
     split = tp * pp * cp  # the ranks of one replica
     if dp is None:
         if nproc % split:
@@ -117,11 +114,12 @@ def resolve_degrees(
         dp = nproc // split
     if split * dp != nproc:
         raise FivefoldError(f"dp×tp×pp×cp = {dp}×{tp}×{pp}×{cp} = {dp * split} must equal --nproc {nproc}")
-    if dp % ep:
+    if (dp * cp) % ep:
+        enough = split * ep // math.gcd(ep, cp)  # the fewest ranks whose replicas × cp ep divides
         raise FivefoldError(
-            f"--ep {ep} must divide the {dp} replica(s) (dp = nproc / (tp×pp)): expert parallelism "
-            f"spreads the experts over replicas; valid ep: {suggest(divisors(dp))}, or --nproc "
-            f"{tp * pp * ep} and up in steps of {tp * pp * ep}"
+            f"--ep {ep} must divide replicas×cp = {dp}×{cp} = {dp * cp} (dp = nproc / (tp×pp×cp)): "
+            f"expert parallelism spreads the experts over the replicas' sequence ranks; valid ep: "
+            f"{suggest(divisors(dp * cp))}, or --nproc {enough} and up in steps of {enough}"
         )
     return tp, pp, dp
 
@@ -238,7 +236,7 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> dict[str, Any] | None:
         out["plan_facts"] = {
             "stage": stage,
             "replica": replica,
-            "picks": runtime.coord("cp") == 0,
+            "cp_rank": runtime.coord("cp"),
             "act_bytes": step.dtype.itemsize,
         }
     if leader:
@@ -249,11 +247,11 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> dict[str, Any] | None:
 
 def serving_layout(job: ServeJob) -> Layout:
     """The mesh of a serving job: without ep, dp replicas; with ep, the replicas as fsdp ranks (no
-    FSDP is applied: the dim only places them) so that ep can fold onto them, as in training and
-    in the planner's serving layouts."""
+    FSDP is applied: the dim only places them) so that ep can fold onto them and cp, cp first, as in
+    training and in the planner's serving layouts."""
     if job.ep == 1:
         return Layout(dp=job.dp, tp=job.tp, pp=job.pp, cp=job.cp)
-    return Layout(fsdp=job.dp, tp=job.tp, pp=job.pp, ep=job.ep)
+    return Layout(fsdp=job.dp, tp=job.tp, pp=job.pp, cp=job.cp, ep=job.ep)
 
 
 def build_stage(spec: ModelSpec, source: ModelSource, runtime: Any, layout: Layout, device: torch.device):
@@ -517,22 +515,30 @@ def serve(job: ServeJob, nproc: int) -> dict[str, Any]:
 
 
 def planned_traffic(
-    job: ServeJob, stage: int, replica: int, picks: bool, act_bytes: int, prefill: bool
+    job: ServeJob, stage: int, replica: int, cp_rank: int, act_bytes: int, prefill: bool
 ) -> list[dict]:
     """The planner's collectives of one rank (`plan.inference.decode_traffic`) in the prefill or per
     decoded token, as ledger rows, for the prompts its replica (and its ep peers) serve."""
     from fivefold.plan.inference import decode_traffic
 
-    def served(r: int) -> tuple[int, int]:  # (prompts, their left-padded width) of replica r
-        mine = job.prompts[r :: job.dp]
+    def served(replica: int) -> tuple[int, int]:  # (prompts, left-padded width) of a replica
+        mine = job.prompts[replica :: job.dp]
         return len(mine), max(len(p) for p in mine)
 
+    def tokens(member: int) -> float:  # rows a rank of the flattened replicas×cp (cp inner) runs
+        batch, width = served(member // job.cp)
+        if not prefill:
+            return batch  # the new token, on every cp rank
+        return batch * (width + -width % (2 * job.cp)) / job.cp if job.cp > 1 else batch * width
+
     batch, width = served(replica)
-    peers = range(replica - replica % job.ep, replica - replica % job.ep + job.ep)  # ep: innermost
-    peer_tokens = sum(b * (w if prefill else 1) for b, w in map(served, peers)) / job.ep
+    first = (replica * job.cp + cp_rank) // job.ep * job.ep  # ep: the innermost of replicas×cp
+    peer_tokens = sum(tokens(m) for m in range(first, first + job.ep))
     layout = Layout(dp=job.dp, tp=job.tp, pp=job.pp, cp=job.cp, ep=job.ep)
-    prompt = width if prefill else 0
-    rows = decode_traffic(job.source.spec(), layout, batch, stage, act_bytes, picks, prompt, peer_tokens)
+    rows = decode_traffic(
+        job.source.spec(), layout, batch, stage, act_bytes, cp_rank == 0, width if prefill else 0,
+        peer_tokens / job.ep,
+    )  # fmt: skip
     return [{"axis": a, "op": op, "count": c, "bytes": b} for (a, op), (c, b) in sorted(rows.items())]
 
 

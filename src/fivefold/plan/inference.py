@@ -91,19 +91,7 @@ class InferencePlan:
             # a layout that does not fit serves nothing: no throughput is claimed for it
             "decode_tokens_per_s": self.decode_tokens_per_s if self.fits else None,
             "comm_time_s": self.comm,
-            "generate_runs": generate_runs(lay),
         }
-
-
-# `fivefold generate` decodes with tensor-parallel shards, pipeline stages, replicas, experts split
-# over replicas and sequences split over cp ranks, but not ep and cp in one layout (ep would fold
-# onto cp ranks, which then hold the same decode tokens)
-GENERATE_NOTE = "fivefold generate runs ep or cp, not both in one layout; such layouts are priced for engines"
-
-
-def generate_runs(layout: Layout) -> bool:
-    """Whether `fivefold generate` can decode with this layout (every axis, but not ep with cp)."""
-    return layout.ep == 1 or layout.cp == 1
 
 
 def decode_traffic(
@@ -456,5 +444,7 @@ def _recipe(model: ModelSpec, hw: HardwareSpec, gpus: int, shape: InferenceShape
     if shape.context >= LONG_CONTEXT:
         steps.append(f"context {shape.context} ≥ {LONG_CONTEXT}: cp splits the prompt and the KV cache")
     if model.is_moe:
-        steps.append("mixture of experts: ep spreads the experts over replicas (all-to-all per layer)")
+        steps.append(
+            "mixture of experts: ep spreads the experts over the replicas × cp (all-to-all per layer)"
+        )
     return steps

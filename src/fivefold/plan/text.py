@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from fivefold.plan.inference import GENERATE_NOTE, generate_runs
 from fivefold.plan.result import MFU_BAND, Plan, capacity, fit_words
 
 BAR_WIDTH = 48
@@ -153,8 +152,6 @@ def inference_text(p) -> str:
         if p.fits
         else "  decode throughput                  — (does not fit: serves nothing)",
     ]
-    if not generate_runs(lay):
-        out += ["", f"note: {GENERATE_NOTE}"]
     if lay.pp > 1 and p.fits:
         out += [
             "",
@@ -177,14 +174,12 @@ def serving_search_text(result) -> str:
         out.append("  none fits: more GPUs, a smaller batch or context, or a bigger GPU")
         return "\n".join(out)
     out.append(f"  {'tp':>3} {'pp':>3} {'cp':>3} {'ep':>3} {'replicas':>8} {'GB/GPU':>7} "
-               f"{'TTFT ms':>9} {'ms/token':>9} {'tokens/s':>10}  generate")  # fmt: skip
+               f"{'TTFT ms':>9} {'ms/token':>9} {'tokens/s':>10}")  # fmt: skip
     for p in result.plans:
         lay = p.layout
         out.append(
             f"  {lay.tp:>3} {lay.pp:>3} {lay.cp:>3} {lay.ep:>3} {p.replicas:>8} {p.total / 1e9:>7.1f} "
             f"{p.prefill_time_s * 1e3:>9.2f} {p.decode_time_per_token_s * 1e3:>9.2f} "
-            f"{p.decode_tokens_per_s:>10,.0f}  {'yes' if generate_runs(lay) else 'no'}"
+            f"{p.decode_tokens_per_s:>10,.0f}"
         )
-    if not all(generate_runs(p.layout) for p in result.plans):
-        out.append(f"  generate: {GENERATE_NOTE}")
     return "\n".join(out)

@@ -642,12 +642,15 @@ def test_top_0_lists_every_layout_that_fits(capsys) -> None:
 
 def test_a_serving_pin_no_layout_has_is_named(capsys) -> None:
     """The serving search with --ep on a dense model, or a cp no serving layout takes: one line naming
-    the pin and what is valid, not "0 layouts considered, none fits: more GPUs"."""
+    the pin and what is valid, not "0 layouts considered, none fits: more GPUs". A cp the search
+    would not try at a short context, but that divides the GPUs, is searched as asked."""
     args = ("--context", "4096", "--search")
     code, _, err = _serving(capsys, "llama3-8b", 8, *args, "--ep", "2")
     assert code == 2 and "needs a mixture-of-experts model" in err
-    code, _, err = _serving(capsys, "llama3-8b", 8, *args, "--cp", "2")
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "--cp 2; valid cp: 1" in err
+    code, _, err = _serving(capsys, "llama3-8b", 8, *args, "--cp", "3")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "valid cp: 1, 2, 4, 8" in err
+    code, pinned, _ = _serving(capsys, "llama3-8b", 8, *args, "--cp", "2", "--json")
+    assert code == 0 and pinned["plans"] and {p["layout"]["cp"] for p in pinned["plans"]} == {2}
 
 
 def test_serving_search_ranks_fitting_layouts_by_the_objective(capsys) -> None:

@@ -20,7 +20,7 @@ from fivefold.errors import FivefoldError
 from fivefold.plan.comm import collective_time, ep_link, ep_members_per_node, links, ring_nics
 from fivefold.plan.compute import Rates, layer_time
 from fivefold.plan.memory import stage_counts, stage_names, stage_params
-from fivefold.plan.result import capacity
+from fivefold.plan.result import capacity, size_words
 from fivefold.plan.spec import Arch, kv_heads_local, resolve_arch
 
 BYTES = 2
@@ -336,17 +336,19 @@ def _pow2_up_to(n: int) -> list[int]:
     return out
 
 
-def serving_candidates(model: ModelSpec, gpus: int, gpus_per_node: int, context: int) -> list[Layout]:
+def serving_candidates(
+    model: ModelSpec, gpus: int, gpus_per_node: int, context: int, cp: int | None = None
+) -> list[Layout]:
     """Every serving layout of the recipe's axes on `gpus`: tp inside a node (dividing the heads, KV
-    heads split or replicated evenly), pp up to the layers, cp only for long contexts, ep for MoE
-    (folded onto replicas × cp); the replicas take what is left."""
+    heads split or replicated evenly), pp up to the layers, cp only for long contexts (or the `cp`
+    asked for), ep for MoE (folded onto replicas × cp); the replicas take what is left."""
     out = []
     tps = [
         t
         for t in _pow2_up_to(min(gpus, gpus_per_node))
         if model.heads % t == 0 and (t <= model.kv_heads or t % model.kv_heads == 0)
     ]
-    cps = _pow2_up_to(gpus) if context >= LONG_CONTEXT else [1]
+    cps = [cp] if cp is not None else _pow2_up_to(gpus) if context >= LONG_CONTEXT else [1]
     for tp in tps:
         for pp in range(1, min(model.layers, gpus // tp) + 1):
             for cp in cps:
@@ -382,7 +384,7 @@ def search_serving(
     gpn = gpus_per_node or hw.gpus_per_node
     pins = {k: v for k, v in (pins or {}).items() if v is not None}
     Layout(ep=pins.get("ep", 1)).check_experts(model)
-    candidates = list(serving_candidates(model, gpus, gpn, shape.context))
+    candidates = list(serving_candidates(model, gpus, gpn, shape.context, pins.get("cp")))
     for key, value in pins.items():  # a pin no serving layout has is named, not "none fits"
         held = sorted({getattr(lay, key) for lay in candidates})
         if value not in held:
@@ -416,7 +418,6 @@ def search_serving(
 
 def _recipe(model: ModelSpec, hw: HardwareSpec, gpus: int, shape: InferenceShape, gpn: int) -> list[str]:
     """The serving recipe's reasoning for this model: the smallest model-parallel group that fits."""
-    gb = 1e9
     cap = capacity(hw)
     steps = []
     whole = Layout().resolve(1)
@@ -424,11 +425,11 @@ def _recipe(model: ModelSpec, hw: HardwareSpec, gpus: int, shape: InferenceShape
     need = one.weights + one.kv_cache + one.activations
     if one.fits:
         steps.append(
-            f"one GPU holds the model ({need / gb:.1f} of {cap / gb:.1f} GB): serve {gpus} replicas; "
+            f"one GPU holds the model ({size_words(need)} of {size_words(cap)}): serve {gpus} replicas; "
             "tp still cuts the time per token where latency matters"
         )
     else:
-        steps.append(f"one GPU would need {need / gb:.1f} GB of {cap / gb:.1f}: split the model")
+        steps.append(f"one GPU would need {size_words(need)} of {size_words(cap)}: split the model")
         group = None
         for tp in _pow2_up_to(min(gpus, gpn)):
             try:

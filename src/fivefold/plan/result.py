@@ -16,6 +16,14 @@ MEMORY_RESERVE = 0.04  # share of HBM kept by the CUDA context, NCCL buffers and
 MFU_BAND = 0.15
 
 
+def size_words(x: float) -> str:
+    """Bytes in GB, or in MB/KB where GB would print 0.0 (a small model's weights)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if x >= 0.05 * scale:
+            return f"{x / scale:.1f} {unit}"
+    return f"{x / 1e3:.1f} KB"
+
+
 def fit_words(margin_bytes: float) -> str:
     """'fits with 6 GB to spare' / 'does not fit by 3 GB' (GB = 1e9 bytes, usable memory)."""
     gb = abs(margin_bytes) / 1e9

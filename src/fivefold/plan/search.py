@@ -33,7 +33,7 @@ from fivefold.plan.memory import (
     stage_params,
 )
 from fivefold.plan.report import _plan, check_plan_inputs, model_facts, step_lower_bound
-from fivefold.plan.result import Plan, capacity
+from fivefold.plan.result import Plan, capacity, size_words
 from fivefold.plan.spec import TrainShape, resolve_arch
 from fivefold.plan.trainers import trainer_refuses
 from fivefold.support import check_microbatches, check_trainable
@@ -383,14 +383,6 @@ def _axes_used(lay: Layout) -> int:
     return sum(getattr(lay, a) > 1 for a in ("tp", "pp", "cp", "ep"))
 
 
-def _fmt_gb(x: float) -> str:
-    """Bytes in GB, or in MB/KB where GB would print 0.0 (a small model's weights)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
-        if x >= 0.05 * scale:
-            return f"{x / scale:.1f} {unit}"
-    return f"{x / 1e3:.1f} KB"
-
-
 def explain(plans: list[Plan], model: ModelSpec, hw: HardwareSpec, gpus: int, gpn: int) -> list[str]:
     """The best layout in words, in docs/planner.md's decision order: TP, PP, DP, then SP/CP, then EP."""
     p = plans[0]
@@ -398,14 +390,14 @@ def explain(plans: list[Plan], model: ModelSpec, hw: HardwareSpec, gpus: int, gp
     lines = [
         f"Best: {plan_flags(p)}: step {p.step_time_s:.3g} s, "
         # against what the planner may fill, in the same decimal GB (an "80 GB" H100 holds 82.5 usable)
-        f"MFU {p.mfu:.1%}, {_fmt_gb(p.memory.total)} of {_fmt_gb(capacity(hw))} usable per GPU."
+        f"MFU {p.mfu:.1%}, {size_words(p.memory.total)} of {size_words(capacity(hw))} usable per GPU."
     ]
     weights = p.params * p.shape.param_bytes
     bits = 8 * p.shape.param_bytes
     if lay.tp == 1:
         how = [w for w, used in (("pipelined", lay.pp > 1), ("sharded", lay.zero >= 3)) if used]
         lines.append(
-            f"1. No tensor parallelism: the {bits}-bit weights ({_fmt_gb(weights)}) fit without it"
+            f"1. No tensor parallelism: the {bits}-bit weights ({size_words(weights)}) fit without it"
             f"{' once ' + ' and '.join(how) if how else ''}, so every matmul stays whole and no per-layer "
             "collective is paid."
         )
@@ -414,7 +406,7 @@ def explain(plans: list[Plan], model: ModelSpec, hw: HardwareSpec, gpus: int, gp
             "inside one node (NVLink)" if lay.tp <= gpn else "across nodes (slow: no smaller choice fit)"
         )
         lines.append(
-            f"1. Tensor parallel {lay.tp} {t_words}: the {bits}-bit weights are {_fmt_gb(weights)}; "
+            f"1. Tensor parallel {lay.tp} {t_words}: the {bits}-bit weights are {size_words(weights)}; "
             f"tp splits every layer's matmuls, and its per-layer collectives cost "
             f"{_axis_time(p, 'tp'):.3g} s a step on the fast link."
         )
@@ -462,7 +454,7 @@ def explain(plans: list[Plan], model: ModelSpec, hw: HardwareSpec, gpus: int, gp
     lines.append(
         "4. Activations: "
         + ("; ".join(extra) if extra else "no SP/CP/recompute needed")
-        + f" ({_fmt_gb(p.memory.activations)} per GPU)."
+        + f" ({size_words(p.memory.activations)} per GPU)."
     )
     if model.is_moe and lay.ep == 1:
         lines.append(

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.model.attention import KVCache
-from fivefold.parallel.context import gathered_positions
+from fivefold.parallel.context import gathered_positions, shard_positions
 
 _MASKED = -1e30  # a key the query may not see: weight exp(-huge) = 0, and no NaN where a shard has none
 
@@ -108,16 +108,55 @@ class ShardedDecodeCore(nn.Module):
         return ((weight * out).sum(dim=0) / weight.sum(dim=0)).to(q.dtype)
 
 
-def shard_decoding(chunk: nn.Module, group: dist.ProcessGroup, cp: int) -> tuple[ShardStep, list[KVCache]]:
-    """Give every attention layer of `chunk` a sharded cache and the core that reads it; returns the
-    step state the caller fills before each step, and the caches in layer order."""
-    step = ShardStep(columns=torch.empty(0, dtype=torch.long))
-    caches: list[KVCache] = []
-    for block in chunk.model.layers.values():
-        cache = ShardedKVCache(step)
-        block.self_attn.core = ShardedDecodeCore(cache, group, cp)
-        caches.append(cache)
-    return step, caches
+class SequenceSplit:
+    """The cp side of one rank's decoding: the columns it runs each step, the keys it keeps, and the
+    token cp rank 0 picks. Built on a chunk, it gives every attention layer a sharded cache and the
+    core that reads it."""
+
+    def __init__(self, chunk: nn.Module, group: dist.ProcessGroup, cp: int, rank: int) -> None:
+        self.group, self.cp, self.rank = group, cp, rank
+        self.step = ShardStep(columns=torch.empty(0, dtype=torch.long))
+        self.caches: list[KVCache] = []
+        for block in chunk.model.layers.values():
+            cache = ShardedKVCache(self.step)
+            block.self_attn.core = ShardedDecodeCore(cache, group, cp)
+            self.caches.append(cache)
+        self.steps = 0  # steps taken: the first is the prefill
+        self.pad = 0  # masked columns put in front of the prompt
+
+    def columns(
+        self, inputs: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This rank's share of a step's (inputs, positions) and the key mask over all columns: at the
+        prefill its chunks of the widened prompt, after it the new column, on every rank."""
+        step = self.step
+        if self.steps == 0:
+            inputs, positions, key_mask, self.pad = widen(inputs, positions, key_mask, self.cp)
+            step.width = inputs.shape[1]
+            step.columns = shard_positions(step.width, self.cp, self.rank)
+            step.sharded = step.keep = True
+            inputs, positions = inputs[:, step.columns], positions[:, step.columns]
+        else:
+            step.columns = torch.tensor([step.width + self.steps - 1])
+            step.sharded = False
+            step.keep = (self.steps - 1) % self.cp == self.rank  # the new column's keys, in turn
+            if self.pad:  # the masked columns in front, before the decoder's own
+                b = inputs.shape[0]
+                seen = step.width - self.pad + self.steps  # the decoder's columns, the new one included
+                own = key_mask if key_mask is not None else torch.ones(b, seen, dtype=torch.bool)
+                key_mask = torch.cat((torch.zeros(b, self.pad, dtype=torch.bool), own), dim=1)
+        self.steps += 1
+        step.key_mask = key_mask
+        return inputs, positions, key_mask
+
+    @property
+    def picks(self) -> bool:
+        """Whether this rank picks the tokens: cp rank 0 holds the prompt's last column."""
+        return self.rank == 0
+
+    def share(self, token: torch.Tensor) -> None:
+        """The token cp rank 0 picked, on every cp rank (in place)."""
+        dist.broadcast(token, src=dist.get_global_rank(self.group, 0), group=self.group)
 
 
 def widen(

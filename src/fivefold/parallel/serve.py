@@ -365,50 +365,21 @@ class StageStep:
         self.dtype = next(chunk.parameters()).dtype
         self.hidden = chunk.spec.hidden
         self.ledger: Any = None
-        self.steps = 0
-        self.shard: Any = None  # cp's step state (`context_decode.ShardStep`) once the sequence is split
-        self.cp_group: Any = None
-        self.cp_rank = 0
-        self.pad = 0
+        self.split: Any = None  # cp's side (`context_decode.SequenceSplit`) once the sequence is split
 
     def split_sequence(self, runtime: Any) -> None:
         """Split each prompt's columns and its KV cache over the cp ranks (`context_decode`)."""
-        from fivefold.parallel.context_decode import shard_decoding
+        from fivefold.parallel.context_decode import SequenceSplit
 
-        self.cp_group, self.cp_rank = runtime.group("cp"), runtime.coord("cp")
-        self.shard, self.caches = shard_decoding(self.chunk, self.cp_group, self.job.cp)
-
-    def _columns(self, inputs: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor | None):
-        """This cp rank's columns of the step: the prompt's share at prefill, the new column after."""
-        from fivefold.parallel.context import shard_positions
-        from fivefold.parallel.context_decode import widen
-
-        step, cp = self.shard, self.job.cp
-        if self.steps == 0:
-            inputs, positions, key_mask, self.pad = widen(inputs, positions, key_mask, cp)
-            step.width = inputs.shape[1]
-            step.columns = shard_positions(step.width, cp, self.cp_rank)
-            step.sharded = step.keep = True
-            inputs, positions = inputs[:, step.columns], positions[:, step.columns]
-        else:
-            step.columns = torch.tensor([step.width + self.steps - 1])
-            step.sharded = False
-            step.keep = (self.steps - 1) % cp == self.cp_rank  # the new column's keys, in turn
-            if self.pad:  # the masked columns in front, before the decoder's own
-                b = inputs.shape[0]
-                seen = step.width - self.pad + self.steps  # the decoder's columns, the new one included
-                own = key_mask if key_mask is not None else torch.ones(b, seen, dtype=torch.bool)
-                key_mask = torch.cat((torch.zeros(b, self.pad, dtype=torch.bool), own), dim=1)
-        step.key_mask = key_mask
-        return inputs, positions, key_mask
+        self.split = SequenceSplit(self.chunk, runtime.group("cp"), self.job.cp, runtime.coord("cp"))
+        self.caches = list(self.split.caches)
 
     def __call__(self, inputs: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor | None):
         from torch.distributed.tensor import DTensor
 
         pp, last = self.job.pp, self.stage == self.job.pp - 1
-        if self.shard is not None:
-            inputs, positions, key_mask = self._columns(inputs, positions, key_mask)
-        self.steps += 1
+        if self.split is not None:
+            inputs, positions, key_mask = self.split.columns(inputs, positions, key_mask)
         b, s = inputs.shape
         mask = None if key_mask is None else key_mask.to(self.device)
         for cache in self.caches:
@@ -422,15 +393,15 @@ class StageStep:
         if not last:
             dist.send(out.contiguous(), dst=self.pp_ranks[self.stage + 1])
             token = torch.empty(b, dtype=torch.long, device=self.device)
-        elif self.cp_rank == 0:  # with cp, the rank that holds the prompt's last column
+        elif self.split is None or self.split.picks:
             logits = out[:, -1, :]
             if isinstance(logits, DTensor):
                 logits = logits.full_tensor()  # the vocabulary shards gathered
             token = self.job.sampler.pick(logits, self.generators).to(self.device)
         else:
             token = torch.empty(b, dtype=torch.long, device=self.device)
-        if last and self.job.cp > 1:
-            dist.broadcast(token, src=dist.get_global_rank(self.cp_group, 0), group=self.cp_group)
+        if last and self.split is not None:
+            self.split.share(token)
         if pp > 1:
             dist.broadcast(token, src=self.pp_ranks[-1], group=self.pp_group)
         if self.ledger is not None:

@@ -178,10 +178,12 @@ def test_layouts_on_two_ranks(sources) -> None:
         t[: t.index(stop) + 1] if stop in t else t for t in alone
     ]
     # per decoded token each rank runs every MoE layer's three all-to-alls (counts, rows, results
-    # back) and one flag, also the replica that is done; its own rows are none of those sent
+    # back) and one flag, also the replica that is done (its steps kept apart: it decodes no token)
     moe_layers = load_model("tiny-moe").layers
+    done = [rank for rank in limited["ledger"] if "idle_per_step" in rank]
+    assert len(done) == 1 and not done[0]["per_token"]  # replica 1 decoded its one token at prefill
     for rank in limited["ledger"]:
-        ops = {(r["axis"], r["op"]): r for r in rank["per_token"]}
+        ops = {(r["axis"], r["op"]): r for r in rank["per_token"] or rank["idle_per_step"]}
         assert ops[("ep", "all_to_all")]["count"] == 3 * moe_layers, rank
         assert ops[("ep", "all_reduce")]["count"] == 1 and ops[("ep", "all_reduce")]["bytes"] == 8
         assert {axis for axis, _ in ops} == {"ep"}
@@ -300,3 +302,28 @@ def test_cli_on_two_ranks_equals_one_process(capsys) -> None:
     assert all(
         any(row["axis"] == "tp" and row["op"] == "all_reduce" for row in r["per_token"]) for r in ranks
     )
+
+
+def test_cli_verify_judges_tokens_traffic_and_cache(capsys) -> None:
+    """`generate --verify`: the served tokens against one process, each rank's collectives and KV cache
+    against the plan; a difference in any of them fails the verdict (exit 1)."""
+    from fivefold.commands.verify import judge_serving
+
+    argv = ["generate", "--model", "tiny-moe", "--prompt-ids", "5,6,7", "--prompt-ids", "8", "--greedy",
+            "--max-new-tokens", "5,2", "--nproc", "2", "--cp", "2", "--verify", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = out["verify"]["rows"]
+    assert out["verify"]["ok"] and {r["judgment"] for r in rows} == {"numerics", "comm", "memory"}
+    assert any(r["name"].startswith("cp all_gather per token") for r in rows)
+    served = {"prompts": out["prompts"], "ledger": out["communication"], "kv_cache": out["kv_cache"]}
+    alone = [r["tokens"] for r in out["prompts"]]
+    assert all(r.ok is not False for r in judge_serving(served, alone))
+    other = [alone[0], alone[1][:-1] + [alone[1][-1] + 1]]
+    assert [r.ok for r in judge_serving(served, other) if r.judgment == "numerics"] == [False]
+    served["ledger"][1]["planned_per_token"][0]["count"] += 1
+    assert any("rank" in r.name and r.ok is False for r in judge_serving(served, alone))
+    served["kv_cache"][0]["planned_bytes"] += 4
+    assert [r.ok for r in judge_serving(served, alone) if r.judgment == "memory"] == [False]
+    assert main(["generate", "--model", "tiny", "--prompt-ids", "5", "--verify"]) == 2
+    assert "--nproc 2 or more" in capsys.readouterr().err

@@ -3,7 +3,7 @@
     fivefold generate (--from DIR | --model PRESET [--init-seed S])
                       (--prompt TEXT | --prompt-ids 1,2,3)... --max-new-tokens N
                       [--greedy | --temperature T --top-k K --seed S] [--ids] [--stream] [--json]
-                      [--nproc N --tp T [--pp P] [--dp R] [--cp C] [--ep E] [--comm]]
+                      [--nproc N --tp T [--pp P] [--dp R] [--cp C] [--ep E] [--comm] [--verify]]
 
 DIR is an HF checkpoint directory (`config.json` + safetensors, optional `tokenizer.json`) or a
 fivefold run directory (`config.toml` + `checkpoints/step_N/`, the latest unless --checkpoint).
@@ -14,8 +14,10 @@ timings per prompt. With --nproc N the model is served by N local ranks (`fivefo
 tensor-parallel shards, pipeline stages and data-parallel replicas, gloo on CPU, NCCL on GPU; with
 --cp C each replica's prompts and KV cache are split over C ranks; with --ep E a mixture-of-experts
 model's experts are split over groups of E of the replicas' ranks (cp first), which decode in
-lockstep. --comm adds the
-communication per rank (prefill and per decoded token) from the ledger.
+lockstep. --comm adds the communication per rank (prefill and per decoded token) from the ledger,
+beside the plan's; --verify also decodes in one process and judges the tokens against it, the
+traffic and KV cache against the plan (`fivefold.commands.verify.judge_serving`), exit 1 on a
+difference.
 """
 
 from __future__ import annotations
@@ -72,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=1, help="local ranks serving the model (default 1)")
     add_layout_arguments(parser, axes=("dp", "tp", "pp", "cp", "ep"))  # dp: replicas serving other prompts
     parser.add_argument("--comm", action="store_true", help="with --nproc: the communication per rank")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="with --nproc: also decode in one process and judge the ranks' tokens against it, their "
+        "collectives and KV cache against the plan (exit 1 on a difference)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
     dp = None if args.dp in (None, -1) else args.dp  # fill: nproc / (tp·pp)
     tp, pp, ep, cp = (1 if v is None else v for v in (args.tp, args.pp, args.ep, args.cp))
     tp, pp, dp = resolve_degrees(args.nproc, tp, pp, dp, ep, cp)
+    if args.verify and args.nproc == 1:
+        raise FivefoldError("--verify compares ranks with one process: give --nproc 2 or more and a layout")
     if args.nproc == 1:
         return _run_here(args)
     return _run_ranks(args, tp, pp, dp, ep, cp)
@@ -120,6 +130,12 @@ def _prompts(args: argparse.Namespace, tokenizer: Any, vocab: int) -> list[list[
 
 def _run_here(args: argparse.Namespace) -> int:
     """One process: the whole model, the same decoding loop as the ranks."""
+    prompts, rows, tokenizer = _decode_here(args, stream=args.stream)
+    return _print(args, prompts, rows, tokenizer, [])
+
+
+def _decode_here(args: argparse.Namespace, stream: bool = False) -> tuple[list[list[int]], list[dict], Any]:
+    """(prompts, a row per prompt, tokenizer) of the whole model decoding in this process."""
     from fivefold.model.generate import ModelStep, decode
     from fivefold.parallel.serve import check_context, stream_printer
 
@@ -134,10 +150,10 @@ def _run_here(args: argparse.Namespace) -> int:
     check_context(model.spec, prompts, args.max_new_tokens)
     sampler = _sampler(args)
     step = ModelStep(model, sampler, sampler.generators(range(len(prompts))))
-    on_token = stream_printer(tokenizer, len(prompts), list(range(len(prompts)))) if args.stream else None
+    on_token = stream_printer(tokenizer, len(prompts), list(range(len(prompts)))) if stream else None
     got = decode(step, prompts, args.max_new_tokens, eos_ids, on_token)
     rows = [{"prompt": i, "tokens": got.tokens[i], **got.timings(i)} for i in range(len(prompts))]
-    return _print(args, prompts, rows, tokenizer, [])
+    return prompts, rows, tokenizer
 
 
 def _run_ranks(args: argparse.Namespace, tp: int, pp: int, dp: int, ep: int, cp: int) -> int:
@@ -187,12 +203,30 @@ def _run_ranks(args: argparse.Namespace, tp: int, pp: int, dp: int, ep: int, cp:
         cp=cp,
         device=device.type,
         stream=args.stream,
-        ledger=args.comm,
+        ledger=args.comm or args.verify,
         tokenizer=tokenizer_name,
     )
     check_job(spec, job)
     result = serve(job, args.nproc)
-    return _print(args, prompts, result["prompts"], tokenizer, result["ledger"], result["kv_cache"])
+    if not args.verify:
+        return _print(args, prompts, result["prompts"], tokenizer, result["ledger"], result["kv_cache"])
+    from fivefold.commands.verify import judge_serving, print_serving
+
+    alone = [row["tokens"] for row in _decode_here(args)[1]]
+    table = judge_serving(result, alone)
+    ok = all(r.ok is not False for r in table)
+    if args.json:
+        verdict = {"ok": ok, "rows": [r.to_json() for r in table]}
+        _print(args, prompts, result["prompts"], tokenizer, result["ledger"], result["kv_cache"], verdict)
+    else:
+        _print(args, prompts, result["prompts"], tokenizer, result["ledger"], result["kv_cache"])
+        split = " × ".join(
+            f"{a} {v}" for a, v in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)) if v > 1
+        )
+        print_serving(
+            f"{spec.name} served on {args.nproc} ranks ({split}) against one process and the plan", table
+        )
+    return 0 if ok else 1
 
 
 def _print(
@@ -202,6 +236,7 @@ def _print(
     tokenizer: Any,
     ledger: list[dict],
     kv_cache: list[dict] | None = None,
+    verdict: dict | None = None,
 ) -> int:
     if args.stream and not args.json:
         print()  # end the streamed line(s)
@@ -213,7 +248,9 @@ def _print(
         if ledger:
             out["communication"] = ledger
         if kv_cache:
-            out["kv_cache"] = kv_cache  # per rank: KV heads per layer, cache bytes
+            out["kv_cache"] = kv_cache  # per rank: KV heads per layer, cache bytes (and the plan's)
+        if verdict is not None:
+            out["verify"] = verdict
         print(json.dumps(out, indent=1))
         return 0
     for prompt, row in zip(prompts, rows):

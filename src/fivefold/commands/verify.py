@@ -19,6 +19,9 @@ table, a PASS/FAIL per row:
 Exit 0 when every row passes; exit 1 naming the first row that failed. DDP all-reduces every
 gradient in one bucket in step 0 and rebuilds its buckets (two small broadcasts) in step 1: measure
 step 2 or later for layouts that use it (the default, the last of 5, is).
+
+Serving layouts are judged the same way by `fivefold generate --nproc N ... --verify` (`judge_serving`):
+tokens against one process, each rank's collectives and KV cache against the plan.
 """
 
 from __future__ import annotations
@@ -362,9 +365,80 @@ def _print_table(
         extras.append(f"recompute {layout.recompute_label}")
     what = f"{axes or 'one replica'} ({', '.join(extras)})"
     print(f"verify {model} on {nproc} ranks: {what}; step {step} measured")
+    _print_rows(table)
+
+
+def _print_rows(table: list[Row]) -> None:
     width = max(len(r.name) for r in table)
     print(f"  {'judgment':<9} {'row':<{width}}  {'measured':>24}  {'planned':>24}  {'rel diff':>9}  result")
     for r in table:
         result = "-" if r.ok is None else ("PASS" if r.ok else "FAIL")
         values = f"{r.measured:>24}  {r.planned:>24}  {r.diff:>9.2e}"
         print(f"  {r.judgment:<9} {r.name:<{width}}  {values}  {result}")
+
+
+# --------------------------------------------------------------------------------------------
+# serving: `fivefold generate --nproc N ... --verify`
+
+
+def judge_serving(served: dict[str, Any], alone: list[list[int]]) -> list[Row]:
+    """The served tokens against one process's (`alone`, the same prompts, sampler and limits), each
+    rank's collectives in the prefill and per decoded token against the plan
+    (`plan.inference.decode_traffic`), and its KV cache against the plan's at the context it reached.
+    Calls and bytes must be equal; the expert all-to-alls' bytes follow the router (the plan's rows
+    are balanced), so they are shown, not judged."""
+    rows = []
+    got = [row["tokens"] for row in served["prompts"]]
+    differ = [i for i, (a, b) in enumerate(zip(got, alone)) if a != b]
+    name = f"tokens of all {len(alone)} prompts" + (f" (prompt {differ[0]} differs)" if differ else "")
+    first = differ[0] if differ else 0
+    rows.append(Row("numerics", name, _ids(got[first]), _ids(alone[first]), float(bool(differ)), not differ))
+    for phase in ("prefill", "per_token"):
+        listed = [r for rank in served["ledger"] for r in rank[phase] + rank[f"planned_{phase}"]]
+        keys = sorted({(r["axis"], r["op"]) for r in listed})
+        for axis, op in keys:
+            measured, planned, off = [0, 0], [0, 0], None
+            for rank in served["ledger"]:
+                m = next((r for r in rank[phase] if (r["axis"], r["op"]) == (axis, op)), {})
+                p = next((r for r in rank[f"planned_{phase}"] if (r["axis"], r["op"]) == (axis, op)), {})
+                pair_m = (m.get("count", 0), m.get("bytes", 0))
+                pair_p = (p.get("count", 0), p.get("bytes", 0))
+                routed = (axis, op) == ("ep", "all_to_all")
+                if (pair_m[0] != pair_p[0] or (pair_m[1] != pair_p[1] and not routed)) and off is None:
+                    off = rank["rank"]
+                measured = [measured[0] + pair_m[0], measured[1] + pair_m[1]]
+                planned = [planned[0] + pair_p[0], planned[1] + pair_p[1]]
+            what = "prefill" if phase == "prefill" else "per token"
+            label = f"{axis} {op} {what}, all ranks" + (f" (rank {off} differs)" if off is not None else "")
+            note = " (bytes: routed)" if (axis, op) == ("ep", "all_to_all") else ""
+            rows.append(
+                Row(
+                    "comm",
+                    label + note,
+                    f"{measured[0]:g} ops, {measured[1]:,.0f} B",
+                    f"{planned[0]:g} ops, {planned[1]:,.0f} B",
+                    _rel(measured[1], planned[1]),
+                    off is None,
+                )
+            )
+    kv = served["kv_cache"]
+    off = next((r["rank"] for r in kv if r["bytes"] != r["planned_bytes"]), None)
+    worst = max((_rel(r["bytes"], r["planned_bytes"]) for r in kv), default=0.0)
+    label = "KV cache bytes per rank" + (f" (rank {off} differs)" if off is not None else "")
+    rows.append(
+        Row("memory", label, f"{kv[0]['bytes']:,}", f"{kv[0]['planned_bytes']:,}", worst, off is None)
+    )
+    return rows
+
+
+def _ids(tokens: list[int]) -> str:
+    text = ",".join(map(str, tokens))
+    return text if len(text) <= 24 else text[:21] + "..."
+
+
+def print_serving(what: str, table: list[Row]) -> None:
+    """The serving judgment as `verify` prints a layout's, then PASS or the first failure."""
+    print(f"verify {what}")
+    _print_rows(table)
+    failed = next((r for r in table if r.ok is False), None)
+    print("PASS" if failed is None else f"FAIL: {failed.judgment} {failed.name}")

@@ -281,7 +281,11 @@ class CommLedger(TorchDispatchMode):
         """Mean rows per step over the recorded steps after the first `skip` (warm-up; fewer when the
         run recorded no more, so that the last step is always counted)."""
         recorded = self.steps if self.steps[-1] else self.steps[:-1]
-        steps = recorded[min(skip, max(len(recorded) - 1, 0)) :]
+        return self.mean(list(range(min(skip, max(len(recorded) - 1, 0)), len(recorded))))
+
+    def mean(self, indices: list[int]) -> list[dict]:
+        """Mean rows per step over the steps of these indices."""
+        steps = [self.steps[i] for i in indices]
         if not steps:
             return []
         total: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])

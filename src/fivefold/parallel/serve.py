@@ -227,18 +227,27 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> dict[str, Any] | None:
         # this rank's KV cache: heads held per layer, and bytes over its layers
         "kv_heads": 0 if cache.k is None else cache.k.shape[1],
         "kv_cache_bytes": sum(2 * c.k.numel() * c.k.element_size() for c in step.caches if c.k is not None),
+        "steps": step.calls,
     }
     if ledger is not None:
         steps = ledger.per_step()
-        out["ledger"] = {"prefill": steps[0] if steps else [], "per_token": ledger.summary(skip=1)}
-        # what the plan needs to predict this rank's traffic: its stage, its replica's batch, whether
-        # it picks the tokens, the bytes of an activation
-        out["plan_facts"] = {
-            "stage": stage,
-            "replica": replica,
-            "cp_rank": runtime.coord("cp"),
-            "act_bytes": step.dtype.itemsize,
-        }
+        # a step of a replica that is done serves only its peers' experts: kept apart from its own
+        idle = frozenset(peers.idle_steps) if peers is not None else frozenset()
+        if step.calls == 0:  # every limit 0: its steps (the peers' flags) are all idle
+            idle = frozenset(range(len(steps)))
+        decoded = [i for i in range(1, len(steps)) if i not in idle]  # the prefill is step 0
+        prefill = steps[0] if steps and 0 not in idle else []  # a replica with nothing to decode idles
+        out["ledger"] = {"prefill": prefill, "per_token": ledger.mean(decoded)}
+        if idle:
+            out["ledger"]["idle_per_step"] = ledger.mean(sorted(idle))
+    # what the plan needs to predict this rank's traffic and cache: its stage, its replica, its cp
+    # rank, the bytes of an activation
+    out["plan_facts"] = {
+        "stage": stage,
+        "replica": replica,
+        "cp_rank": runtime.coord("cp"),
+        "act_bytes": step.dtype.itemsize,
+    }
     if leader:
         out["tokens"] = got.tokens
         out["timings"] = [got.timings(r) for r in range(len(mine))]
@@ -366,6 +375,7 @@ class StageStep:
         self.hidden = chunk.spec.hidden
         self.ledger: Any = None
         self.split: Any = None  # cp's side (`context_decode.SequenceSplit`) once the sequence is split
+        self.calls = 0  # decoding steps run (the prefill the first)
 
     def split_sequence(self, runtime: Any) -> None:
         """Split each prompt's columns and its KV cache over the cp ranks (`context_decode`)."""
@@ -380,6 +390,7 @@ class StageStep:
         pp, last = self.job.pp, self.stage == self.job.pp - 1
         if self.split is not None:
             inputs, positions, key_mask = self.split.columns(inputs, positions, key_mask)
+        self.calls += 1
         b, s = inputs.shape
         mask = None if key_mask is None else key_mask.to(self.device)
         for cache in self.caches:
@@ -428,6 +439,7 @@ class ExpertPeers:
         self.device = device
         self.ledger: Any = None
         self.asked = False  # the first flag goes with the prefill
+        self.idle_steps: list[int] = []  # the ledger's steps in which this replica only idled
 
     def busy(self, mine: bool) -> bool:
         flag = torch.tensor([int(mine)], device=self.device)
@@ -438,6 +450,8 @@ class ExpertPeers:
         return bool(flag.item())
 
     def idle(self) -> None:
+        if self.ledger is not None:
+            self.idle_steps.append(len(self.ledger.steps) - 1)
         none = torch.empty(0, self.hidden, dtype=self.dtype, device=self.device)
         counts = torch.zeros(self.experts, dtype=torch.long, device=self.device)
         for experts in self.layers:
@@ -486,11 +500,15 @@ def serve(job: ServeJob, nproc: int) -> dict[str, Any]:
 
 
 def planned_traffic(
-    job: ServeJob, stage: int, replica: int, cp_rank: int, act_bytes: int, prefill: bool
+    job: ServeJob, stage: int, replica: int, cp_rank: int, act_bytes: int, prefill: bool, steps: int
 ) -> list[dict]:
     """The planner's collectives of one rank (`plan.inference.decode_traffic`) in the prefill or per
-    decoded token, as ledger rows, for the prompts its replica (and its ep peers) serve."""
+    decoded token, as ledger rows, for the prompts its replica (and its ep peers) serve; none where
+    its replica took no such step (every limit 0, or nothing past the prefill)."""
     from fivefold.plan.inference import decode_traffic
+
+    if steps <= (0 if prefill else 1):
+        return []
 
     def served(replica: int) -> tuple[int, int]:  # (prompts, left-padded width) of a replica
         mine = job.prompts[replica :: job.dp]
@@ -513,6 +531,20 @@ def planned_traffic(
     return [{"axis": a, "op": op, "count": c, "bytes": b} for (a, op), (c, b) in sorted(rows.items())]
 
 
+def planned_cache(job: ServeJob, steps: int, stage: int, replica: int, cp_rank: int, act_bytes: int) -> int:
+    """The planner's KV-cache bytes of one rank after `steps` decoding steps of its replica's prompts
+    (`plan.inference.kv_bytes_per_token` over the stage's layers and the columns it caches)."""
+    from fivefold.layout_math import stage_split
+    from fivefold.plan.inference import cached_columns, kv_bytes_per_token
+
+    spec = job.source.spec()
+    layout = Layout(dp=job.dp, tp=job.tp, pp=job.pp, cp=job.cp, ep=job.ep)
+    layers = stage_split(spec, layout, spec.max_seq_len)[stage] if job.pp > 1 else spec.layers
+    mine = job.prompts[replica :: job.dp]
+    columns = cached_columns(max(len(p) for p in mine), steps, job.cp, cp_rank)
+    return int(kv_bytes_per_token(spec, layout, act_bytes) * layers * len(mine) * columns)
+
+
 def collect(job: ServeJob, results: list[dict[str, Any] | None]) -> dict[str, Any]:
     """{"prompts": per prompt in order, its tokens and timings (from its replica's leader),
     "ledger": each rank's communication (prefill, and the mean per decoded token) beside the
@@ -528,11 +560,20 @@ def collect(job: ServeJob, results: list[dict[str, Any] | None]) -> dict[str, An
         {
             "rank": r["rank"],
             **r["ledger"],
-            "planned_prefill": planned_traffic(job, **r["plan_facts"], prefill=True),
-            "planned_per_token": planned_traffic(job, **r["plan_facts"], prefill=False),
+            "planned_prefill": planned_traffic(job, **r["plan_facts"], prefill=True, steps=r["steps"]),
+            "planned_per_token": planned_traffic(job, **r["plan_facts"], prefill=False, steps=r["steps"]),
         }
         for r in results
         if r is not None and "ledger" in r
     ]
-    kv = [{"rank": r["rank"], "heads": r["kv_heads"], "bytes": r["kv_cache_bytes"]} for r in results if r]
+    kv = [
+        {
+            "rank": r["rank"],
+            "heads": r["kv_heads"],
+            "bytes": r["kv_cache_bytes"],
+            "planned_bytes": planned_cache(job, r["steps"], **r["plan_facts"]),
+        }
+        for r in results
+        if r
+    ]
     return {"prompts": rows, "ledger": ledger, "kv_cache": kv}

@@ -162,6 +162,19 @@ def decode_traffic(
     return out
 
 
+def cached_columns(prompt: int, steps: int, cp: int = 1, cp_rank: int = 0) -> int:
+    """Columns of a prompt batch left-padded to `prompt` tokens one rank of `fivefold generate` caches
+    after `steps` decoding steps (the prefill one of them; the last token is never fed back): with cp,
+    its chunks of the prompt widened to 2·cp chunks and every cp-th later column, in turn."""
+    if steps <= 0:
+        return 0
+    if cp == 1:
+        return prompt + steps - 1
+    width = prompt + -prompt % (2 * cp)
+    later = steps - 1
+    return width // cp + later // cp + (cp_rank < later % cp)
+
+
 def kv_bytes_per_token(model: ModelSpec, layout: Layout, kv_bytes: int = 2) -> float:
     """KV-cache bytes per token per layer on one rank."""
     if model.is_mla:
@@ -202,8 +215,8 @@ def inference_plan(
         kv = (
             kv_bytes_per_token(model, lay, shape.kv_bytes)
             * (n_dense + n_moe)
-            * shape.context
             * shape.batch
+            * shape.context
             / lay.cp
         )
         if weights + kv > worst_weights + worst_kv:

@@ -934,3 +934,18 @@ def test_a_pipelined_serving_plan_says_its_throughput_is_one_batch_in_flight(cap
     assert code == 0 and "keeps 2 batches in flight" in text and "2× the tokens/s" in text
     code, text, _ = _serving(capsys, "llama3-70b", 16, *args, "--tp", "8")
     assert code == 0 and "in flight" not in text
+
+
+def test_a_serving_plan_lists_the_collectives_generate_issues(capsys) -> None:
+    """The serving plan shows, per decoded token and for the first and last stage, the collectives
+    `fivefold generate` issues (`decode_traffic`, which tests/test_serve.py holds to the ledger)."""
+    args = ("--context", "32768", "--batch", "4", "--tp", "2", "--pp", "2", "--cp", "2", "--ep", "2")
+    code, text, _ = _serving(capsys, "mixtral-8x7b", 16, *args)
+    assert code == 0 and "collectives per decoded token" in text
+    code, data, _ = _serving(capsys, "mixtral-8x7b", 16, *args, "--json")
+    rows = {(r["stage"], r["axis"], r["op"]): (r["count"], r["bytes"]) for r in data["decode_traffic"]}
+    layers = 32 // 2  # per stage; every Mixtral block is MoE, so tp reduces once a layer (+ the embedding)
+    assert rows[0, "tp", "all_reduce"] == (layers + 1, (layers + 1) * 4 * 4096 * 2)
+    assert rows[1, "tp", "all_gather"] == (1, 4 * 32000 * 2) and (0, "tp", "all_gather") not in rows
+    assert rows[0, "ep", "all_to_all"][0] == 3 * layers and rows[1, "cp", "broadcast"] == (1, 4 * 8)
+    assert rows[0, "pp", "send"] == rows[1, "pp", "recv"] == (1, 4 * 4096 * 2)

@@ -64,6 +64,14 @@ class InferencePlan:
     def total(self) -> float:
         return self.weights + self.kv_cache + self.activations
 
+    def traffic(self) -> dict[int, dict[tuple[str, str], tuple[int, int]]]:
+        """Per decoded token, the collectives of one rank of each distinct pipeline stage (the first,
+        one in the middle, the last), as `fivefold generate` issues them (`decode_traffic`)."""
+        pp = self.layout.pp
+        stages = sorted({0, pp // 2, pp - 1} if pp > 2 else set(range(pp)))
+        b, act = self.shape.batch, self.shape.weight_bytes
+        return {s: decode_traffic(self.model, self.layout, b, s, act) for s in stages}
+
     def to_json(self) -> dict[str, object]:
         lay = self.layout
         return {
@@ -91,6 +99,11 @@ class InferencePlan:
             # a layout that does not fit serves nothing: no throughput is claimed for it
             "decode_tokens_per_s": self.decode_tokens_per_s if self.fits else None,
             "comm_time_s": self.comm,
+            "decode_traffic": [
+                {"stage": stage, "axis": axis, "op": op, "count": count, "bytes": size}
+                for stage, rows in self.traffic().items()
+                for (axis, op), (count, size) in sorted(rows.items())
+            ],
         }
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fivefold.plan.result import MFU_BAND, Plan, capacity, fit_words
+from fivefold.plan.result import MFU_BAND, Plan, capacity, fit_words, size_words
 
 BAR_WIDTH = 48
 PARTS = (("params", "█"), ("grads", "▓"), ("optimizer", "▒"), ("activations", "░"), ("buffers", "·"))
@@ -152,6 +152,7 @@ def inference_text(p) -> str:
         if p.fits
         else "  decode throughput                  — (does not fit: serves nothing)",
     ]
+    out += _traffic_lines(p)
     if lay.pp > 1 and p.fits:
         out += [
             "",
@@ -160,6 +161,29 @@ def inference_text(p) -> str:
             f"up to {lay.pp}× the tokens/s, with {lay.pp}× the KV cache",
         ]
     return "\n".join(out)
+
+
+def _traffic_lines(p) -> list[str]:
+    """Collectives per decoded token on one rank of each distinct stage, with the time per axis."""
+    traffic = p.traffic()
+    keys = sorted({key for rows in traffic.values() for key in rows})
+    if not keys:
+        return []
+
+    def cell(count: int, size: int) -> str:  # calls × bytes of each
+        each = size / count
+        return f"{count:g} × " + (f"{each:,.0f} B" if each < 1e3 else size_words(each))
+
+    heads = [f"stage {s}" if p.layout.pp > 1 else "each rank" for s in traffic]
+    out = ["", "collectives per decoded token (as fivefold generate --comm measures them)"]
+    out.append(f"  {'axis':<5} {'op':<11} " + " ".join(f"{h:>16}" for h in heads) + f" {'axis time':>10}")
+    timed: set[str] = set()
+    for axis, op in keys:
+        cells = [cell(*rows[axis, op]) if (axis, op) in rows else "-" for rows in traffic.values()]
+        time = "" if axis in timed else f"{p.comm.get(axis, 0.0) * 1e3:.3f} ms"
+        timed.add(axis)
+        out.append(f"  {axis:<5} {op:<11} " + " ".join(f"{c:>16}" for c in cells) + f" {time:>10}")
+    return out
 
 
 def serving_search_text(result) -> str:

@@ -109,6 +109,9 @@ def _plan_matches_ledger(res: dict) -> None:
     (`plan.inference.decode_traffic`): to the byte, but for the expert all-to-alls, whose rows follow
     the router (the plan's are balanced)."""
     assert res["ledger"]
+    for rank in res["kv_cache"]:  # the weights and KV cache each rank holds: the plan's, to the byte
+        assert rank["weight_bytes"] == rank["planned_weight_bytes"], rank
+        assert rank["bytes"] == rank["planned_bytes"], rank
     for rank in res["ledger"]:
         for when in ("prefill", "per_token"):
             measured = {(r["axis"], r["op"]): (r["count"], r["bytes"]) for r in rank[when]}
@@ -324,6 +327,8 @@ def test_cli_verify_judges_tokens_traffic_and_cache(capsys) -> None:
     served["ledger"][1]["planned_per_token"][0]["count"] += 1
     assert any("rank" in r.name and r.ok is False for r in judge_serving(served, alone))
     served["kv_cache"][0]["planned_bytes"] += 4
-    assert [r.ok for r in judge_serving(served, alone) if r.judgment == "memory"] == [False]
+    assert [r.ok for r in judge_serving(served, alone) if r.judgment == "memory"] == [True, False]
+    served["kv_cache"][1]["planned_weight_bytes"] -= 4
+    assert [r.ok for r in judge_serving(served, alone) if r.judgment == "memory"] == [False, False]
     assert main(["generate", "--model", "tiny", "--prompt-ids", "5", "--verify"]) == 2
     assert "--nproc 2 or more" in capsys.readouterr().err

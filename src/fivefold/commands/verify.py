@@ -384,7 +384,8 @@ def _print_rows(table: list[Row]) -> None:
 def judge_serving(served: dict[str, Any], alone: list[list[int]]) -> list[Row]:
     """The served tokens against one process's (`alone`, the same prompts, sampler and limits), each
     rank's collectives in the prefill and per decoded token against the plan
-    (`plan.inference.decode_traffic`), and its KV cache against the plan's at the context it reached.
+    (`plan.inference.decode_traffic`), its weights (`rank_weights`) and its KV cache against the plan's
+    at the context it reached.
     Calls and bytes must be equal; the expert all-to-alls' bytes follow the router (the plan's rows
     are balanced), so they are shown, not judged."""
     rows = []
@@ -421,13 +422,16 @@ def judge_serving(served: dict[str, Any], alone: list[list[int]]) -> list[Row]:
                     off is None,
                 )
             )
-    kv = served["kv_cache"]
-    off = next((r["rank"] for r in kv if r["bytes"] != r["planned_bytes"]), None)
-    worst = max((_rel(r["bytes"], r["planned_bytes"]) for r in kv), default=0.0)
-    label = "KV cache bytes per rank" + (f" (rank {off} differs)" if off is not None else "")
-    rows.append(
-        Row("memory", label, f"{kv[0]['bytes']:,}", f"{kv[0]['planned_bytes']:,}", worst, off is None)
-    )
+    per_rank = served["kv_cache"]
+    for what, got, want in (
+        ("weight", "weight_bytes", "planned_weight_bytes"),
+        ("KV cache", "bytes", "planned_bytes"),
+    ):
+        off = next((r["rank"] for r in per_rank if r[got] != r[want]), None)
+        worst = max((_rel(r[got], r[want]) for r in per_rank), default=0.0)
+        label = f"{what} bytes per rank" + (f" (rank {off} differs)" if off is not None else "")
+        first = per_rank[0]
+        rows.append(Row("memory", label, f"{first[got]:,}", f"{first[want]:,}", worst, off is None))
     return rows
 
 

@@ -228,6 +228,8 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> dict[str, Any] | None:
         "kv_heads": 0 if cache.k is None else cache.k.shape[1],
         "kv_cache_bytes": sum(2 * c.k.numel() * c.k.element_size() for c in step.caches if c.k is not None),
         "steps": step.calls,
+        # the weights this rank holds: its shard of each (a DTensor's local piece), a tied pair once
+        "param_bytes": sum(_local(p).numel() * p.element_size() for p in chunk.parameters()),
     }
     if ledger is not None:
         steps = ledger.per_step()
@@ -531,6 +533,20 @@ def planned_traffic(
     return [{"axis": a, "op": op, "count": c, "bytes": b} for (a, op), (c, b) in sorted(rows.items())]
 
 
+def _local(param: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def planned_weights(job: ServeJob, stage: int, act_bytes: int) -> int:
+    """The planner's weight bytes on a rank of this stage (`plan.inference.rank_weights`)."""
+    from fivefold.plan.inference import rank_weights
+
+    layout = Layout(dp=job.dp, tp=job.tp, pp=job.pp, cp=job.cp, ep=job.ep)
+    return rank_weights(job.source.spec(), layout, stage) * act_bytes
+
+
 def planned_cache(job: ServeJob, steps: int, stage: int, replica: int, cp_rank: int, act_bytes: int) -> int:
     """The planner's KV-cache bytes of one rank after `steps` decoding steps of its replica's prompts
     (`plan.inference.kv_bytes_per_token` over the stage's layers and the columns it caches)."""
@@ -572,6 +588,10 @@ def collect(job: ServeJob, results: list[dict[str, Any] | None]) -> dict[str, An
             "heads": r["kv_heads"],
             "bytes": r["kv_cache_bytes"],
             "planned_bytes": planned_cache(job, r["steps"], **r["plan_facts"]),
+            "weight_bytes": r["param_bytes"],
+            "planned_weight_bytes": planned_weights(
+                job, r["plan_facts"]["stage"], r["plan_facts"]["act_bytes"]
+            ),
         }
         for r in results
         if r

@@ -175,6 +175,39 @@ def decode_traffic(
     return out
 
 
+def rank_weights(model: ModelSpec, layout: Layout, stage: int) -> int:
+    """Weight elements one rank of `fivefold generate` holds on pipeline stage `stage`, from the
+    runtime's per-parameter shapes (`layout_math`: tp's splits, K/V whole where tp > kv_heads,
+    experts divided over ep; the stage's layers, the embedding on the first, the final norm and the
+    head on the last, a tied head's own copy there). The serving plan's `weights` count K/V heads
+    as engines replicate them (one per rank where tp > kv_heads); this is what the run holds."""
+    from fivefold.layout_math import (
+        chunk_param_shapes,
+        is_expert,
+        names_by_layer,
+        numel,
+        stage_split,
+        tp_local_shape,
+    )
+
+    shapes = chunk_param_shapes(model)
+    counts = stage_split(model, layout, model.max_seq_len) if layout.pp > 1 else [model.layers]
+    first = sum(counts[:stage])
+    by_layer = names_by_layer(model)
+    names = [n for i in range(first, first + counts[stage]) for n in by_layer[i]]
+    if stage == 0:
+        names.append("model.embed_tokens.weight")
+    if stage == layout.pp - 1:
+        names.append("model.norm.weight")
+        if not (model.tie_embeddings and stage == 0):  # tied in one chunk: the head is the embedding
+            names.append("lm_head.weight")
+    total = 0
+    for name in names:
+        local = tp_local_shape(name, shapes[name], model, layout.tp)
+        total += numel(local) // (layout.ep if is_expert(name) else 1)
+    return total
+
+
 def cached_columns(prompt: int, steps: int, cp: int = 1, cp_rank: int = 0) -> int:
     """Columns of a prompt batch left-padded to `prompt` tokens one rank of `fivefold generate` caches
     after `steps` decoding steps (the prefill one of them; the last token is never fed back): with cp,

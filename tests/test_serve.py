@@ -324,6 +324,8 @@ def test_cli_verify_judges_tokens_traffic_and_cache(capsys) -> None:
     assert all(r.ok is not False for r in judge_serving(served, alone))
     other = [alone[0], alone[1][:-1] + [alone[1][-1] + 1]]
     assert [r.ok for r in judge_serving(served, other) if r.judgment == "numerics"] == [False]
+    # 16-bit weights: a near-tie may flip, so the tokens are shown, not judged
+    assert [r.ok for r in judge_serving(served, other, exact=False) if r.judgment == "numerics"] == [None]
     served["ledger"][1]["planned_per_token"][0]["count"] += 1
     assert any("rank" in r.name and r.ok is False for r in judge_serving(served, alone))
     served["kv_cache"][0]["planned_bytes"] += 4

@@ -381,19 +381,23 @@ def _print_rows(table: list[Row]) -> None:
 # serving: `fivefold generate --nproc N ... --verify`
 
 
-def judge_serving(served: dict[str, Any], alone: list[list[int]]) -> list[Row]:
+def judge_serving(served: dict[str, Any], alone: list[list[int]], exact: bool = True) -> list[Row]:
     """The served tokens against one process's (`alone`, the same prompts, sampler and limits), each
     rank's collectives in the prefill and per decoded token against the plan
     (`plan.inference.decode_traffic`), its weights (`rank_weights`) and its KV cache against the plan's
     at the context it reached.
     Calls and bytes must be equal; the expert all-to-alls' bytes follow the router (the plan's rows
-    are balanced), so they are shown, not judged."""
+    are balanced), so they are shown, not judged; so are the tokens where not `exact` (16-bit weights,
+    whose sums in another order can flip a near-tie)."""
     rows = []
     got = [row["tokens"] for row in served["prompts"]]
     differ = [i for i, (a, b) in enumerate(zip(got, alone)) if a != b]
     name = f"tokens of all {len(alone)} prompts" + (f" (prompt {differ[0]} differs)" if differ else "")
+    if not exact:
+        name += " (16-bit: shown, not judged)"
     first = differ[0] if differ else 0
-    rows.append(Row("numerics", name, _ids(got[first]), _ids(alone[first]), float(bool(differ)), not differ))
+    verdict = (not differ) if exact else None
+    rows.append(Row("numerics", name, _ids(got[first]), _ids(alone[first]), float(bool(differ)), verdict))
     for phase in ("prefill", "per_token"):
         listed = [r for rank in served["ledger"] for r in rank[phase] + rank[f"planned_{phase}"]]
         keys = sorted({(r["axis"], r["op"]) for r in listed})

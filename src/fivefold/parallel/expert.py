@@ -13,6 +13,8 @@ outside with `parallelize_module`, as the tensor-parallel styles are. Through `d
     all-to-all to the ranks that routed them. The MoE block's weighting and scatter are unchanged.
 
 `ep` folds onto the data-parallel ranks (it divides fsdp×cp), so every rank routes its own tokens.
+In generation the replicas sharing experts meet in every MoE layer, so they decode in lockstep
+(`ExpertPeers`, at the end).
 
 Gradients: an expert's gradient on its owner sums the contributions of the whole ep group's tokens
 (the dispatch brought them all in), while the loss is the mean over data ranks: the ep share of
@@ -29,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
@@ -214,3 +216,42 @@ def reduce_expert_replicas(model: nn.Module, runtime_mesh: Any) -> None:
             for group in groups:
                 dist.all_reduce(local, group=group)
             local.div_(divide)
+
+
+class ExpertPeers:
+    """The lockstep of the replicas that share experts (`fivefold.model.generate.Lockstep`).
+
+    Every MoE layer's dispatch is a collective of the ep group, so each replica must run each MoE
+    layer as often as its peers, even once its own rows are done. Each step the peers agree, with
+    one all-reduce (max) of a flag over the ep group, whether any still decodes; a replica that is
+    done then runs only its chunk's experts, in layer order, on no rows of its own: its dispatch
+    sends nothing and its experts compute the rows the peers send them.
+    """
+
+    def __init__(self, chunk: Any, device: torch.device) -> None:
+        self.layers = [moe.experts for moe in moe_layers(chunk)]
+        self.experts = chunk.spec.experts
+        self.group = self.layers[0].dispatch_group
+        self.dtype = next(chunk.parameters()).dtype
+        self.hidden = chunk.spec.hidden
+        self.device = device
+        self.ledger: Any = None
+        self.asked = False  # the first flag goes with the prefill
+        self.idle_steps: list[int] = []  # the ledger's steps in which this replica only idled
+
+    def busy(self, mine: bool) -> bool:
+        flag = torch.tensor([int(mine)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if self.ledger is not None and self.asked:  # the ledger's steps end here, not in StageStep
+            self.ledger.next_step()
+        self.asked = True
+        return bool(flag.item())
+
+    def idle(self) -> None:
+        if self.ledger is not None:
+            self.idle_steps.append(len(self.ledger.steps) - 1)
+        none = torch.empty(0, self.hidden, dtype=self.dtype, device=self.device)
+        counts = torch.zeros(self.experts, dtype=torch.long, device=self.device)
+        for experts in self.layers:
+            # the combine's output has no rows, so nothing reads it: wait for it, as a read would
+            wait_tensor(experts(none, counts))

@@ -45,12 +45,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import wait_tensor
 
 from fivefold.config import Layout, ModelSpec, load_model
 from fivefold.errors import FivefoldError, divisors, suggest
 from fivefold.model.generate import Sampler, decode
 from fivefold.model.moe import moe_layers
+from fivefold.parallel.expert import ExpertPeers
+from fivefold.parallel.serve_plan import planned_cache, planned_traffic, planned_weights
 from fivefold.parallel.spawn import MAX_LOCAL_RANKS
 
 
@@ -422,43 +423,10 @@ class StageStep:
         return token.cpu()
 
 
-class ExpertPeers:
-    """The lockstep of the replicas that share experts (`fivefold.model.generate.Lockstep`).
+def _local(param: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
 
-    Every MoE layer's dispatch is a collective of the ep group, so each replica must run each MoE
-    layer as often as its peers, even once its own rows are done. Each step the peers agree, with
-    one all-reduce (max) of a flag over the ep group, whether any still decodes; a replica that is
-    done then runs only its chunk's experts, in layer order, on no rows of its own: its dispatch
-    sends nothing and its experts compute the rows the peers send them.
-    """
-
-    def __init__(self, chunk: Any, device: torch.device) -> None:
-        self.layers = [moe.experts for moe in moe_layers(chunk)]
-        self.experts = chunk.spec.experts
-        self.group = self.layers[0].dispatch_group
-        self.dtype = next(chunk.parameters()).dtype
-        self.hidden = chunk.spec.hidden
-        self.device = device
-        self.ledger: Any = None
-        self.asked = False  # the first flag goes with the prefill
-        self.idle_steps: list[int] = []  # the ledger's steps in which this replica only idled
-
-    def busy(self, mine: bool) -> bool:
-        flag = torch.tensor([int(mine)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if self.ledger is not None and self.asked:  # the ledger's steps end here, not in StageStep
-            self.ledger.next_step()
-        self.asked = True
-        return bool(flag.item())
-
-    def idle(self) -> None:
-        if self.ledger is not None:
-            self.idle_steps.append(len(self.ledger.steps) - 1)
-        none = torch.empty(0, self.hidden, dtype=self.dtype, device=self.device)
-        counts = torch.zeros(self.experts, dtype=torch.long, device=self.device)
-        for experts in self.layers:
-            # the combine's output has no rows, so nothing reads it: wait for it, as a read would
-            wait_tensor(experts(none, counts))
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def stream_printer(tokenizer: Any, total: int, indices: list[int]):
@@ -499,66 +467,6 @@ def serve(job: ServeJob, nproc: int) -> dict[str, Any]:
         )
     results = spawn_ranks(serve_rank, nproc, job, backend=backend)
     return collect(job, results)
-
-
-def planned_traffic(
-    job: ServeJob, stage: int, replica: int, cp_rank: int, act_bytes: int, prefill: bool, steps: int
-) -> list[dict]:
-    """The planner's collectives of one rank (`plan.inference.decode_traffic`) in the prefill or per
-    decoded token, as ledger rows, for the prompts its replica (and its ep peers) serve; none where
-    its replica took no such step (every limit 0, or nothing past the prefill)."""
-    from fivefold.plan.inference import decode_traffic
-
-    if steps <= (0 if prefill else 1):
-        return []
-
-    def served(replica: int) -> tuple[int, int]:  # (prompts, left-padded width) of a replica
-        mine = job.prompts[replica :: job.dp]
-        return len(mine), max(len(p) for p in mine)
-
-    def tokens(member: int) -> float:  # rows a rank of the flattened replicas×cp (cp inner) runs
-        batch, width = served(member // job.cp)
-        if not prefill:
-            return batch  # the new token, on every cp rank
-        return batch * (width + -width % (2 * job.cp)) / job.cp if job.cp > 1 else batch * width
-
-    batch, width = served(replica)
-    first = (replica * job.cp + cp_rank) // job.ep * job.ep  # ep: the innermost of replicas×cp
-    peer_tokens = sum(tokens(m) for m in range(first, first + job.ep))
-    layout = Layout(dp=job.dp, tp=job.tp, pp=job.pp, cp=job.cp, ep=job.ep)
-    rows = decode_traffic(
-        job.source.spec(), layout, batch, stage, act_bytes, cp_rank == 0, width if prefill else 0,
-        peer_tokens / job.ep,
-    )  # fmt: skip
-    return [{"axis": a, "op": op, "count": c, "bytes": b} for (a, op), (c, b) in sorted(rows.items())]
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return param.to_local() if isinstance(param, DTensor) else param
-
-
-def planned_weights(job: ServeJob, stage: int, act_bytes: int) -> int:
-    """The planner's weight bytes on a rank of this stage (`plan.inference.rank_weights`)."""
-    from fivefold.plan.inference import rank_weights
-
-    layout = Layout(dp=job.dp, tp=job.tp, pp=job.pp, cp=job.cp, ep=job.ep)
-    return rank_weights(job.source.spec(), layout, stage) * act_bytes
-
-
-def planned_cache(job: ServeJob, steps: int, stage: int, replica: int, cp_rank: int, act_bytes: int) -> int:
-    """The planner's KV-cache bytes of one rank after `steps` decoding steps of its replica's prompts
-    (`plan.inference.kv_bytes_per_token` over the stage's layers and the columns it caches)."""
-    from fivefold.layout_math import stage_split
-    from fivefold.plan.inference import cached_columns, kv_bytes_per_token
-
-    spec = job.source.spec()
-    layout = Layout(dp=job.dp, tp=job.tp, pp=job.pp, cp=job.cp, ep=job.ep)
-    layers = stage_split(spec, layout, spec.max_seq_len)[stage] if job.pp > 1 else spec.layers
-    mine = job.prompts[replica :: job.dp]
-    columns = cached_columns(max(len(p) for p in mine), steps, job.cp, cp_rank)
-    return int(kv_bytes_per_token(spec, layout, act_bytes) * layers * len(mine) * columns)
 
 
 def collect(job: ServeJob, results: list[dict[str, Any] | None]) -> dict[str, Any]:

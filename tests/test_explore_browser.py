@@ -378,6 +378,15 @@ def test_inference_view_is_the_planners(lab_page) -> None:
     lab_page.evaluate("renderInference()")  # drawn afresh: the row it shows first
     assert lab_page.inner_text("#inferenceTable tr[data-best] td") == f"tp {best['tp']} · pp {best['pp']}"
     assert lab_page.inner_text("#inferenceMemory div").startswith(f"tp {best['tp']} · pp {best['pp']},")
+    # the collectives one rank of each stage issues per decoded token: the plan's decode_traffic
+    shown = plan_json(lab_page.inner_text("#inferenceMemory code"))["decode_traffic"]
+    assert shown, "the best serving layout splits the model, so its ranks talk"
+    cells = lab_page.eval_on_selector_all(
+        "[data-role=decode-traffic] tr", "rs => rs.slice(1).map(r => [...r.cells].map(c => c.textContent))"
+    )
+    assert cells == [
+        [str(r["stage"]), r["axis"], r["op"], str(r["count"]), fbytes(r["bytes"])] for r in shown
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -199,6 +199,12 @@ def balanced_split(costs: StageCosts, chunks: int) -> list[int]:
     return counts[::-1]
 
 
+def cp_prefill_width(width: int, cp: int) -> int:
+    """Columns a prompt batch left-padded to `width` is widened to (masked in front) so that it splits
+    into 2·cp chunks, as `fivefold generate --cp` splits it (cp 1: as is)."""
+    return width + -width % (2 * cp) if cp > 1 else width
+
+
 def stage_split(spec: ModelSpec, layout: Layout, seq_len: int) -> list[int]:
     """Layers per chunk the run uses: `--pp-split` when given, else the cost-balanced split."""
     chunks = layout.pp * layout.virtual_stages

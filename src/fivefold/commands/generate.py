@@ -130,12 +130,15 @@ def _prompts(args: argparse.Namespace, tokenizer: Any, vocab: int) -> list[list[
 
 def _run_here(args: argparse.Namespace) -> int:
     """One process: the whole model, the same decoding loop as the ranks."""
-    prompts, rows, tokenizer = _decode_here(args, stream=args.stream)
+    prompts, rows, tokenizer, _ = _decode_here(args, stream=args.stream)
     return _print(args, prompts, rows, tokenizer, [])
 
 
-def _decode_here(args: argparse.Namespace, stream: bool = False) -> tuple[list[list[int]], list[dict], Any]:
-    """(prompts, a row per prompt, tokenizer) of the whole model decoding in this process."""
+def _decode_here(
+    args: argparse.Namespace, stream: bool = False
+) -> tuple[list[list[int]], list[dict], Any, Any]:
+    """(prompts, a row per prompt, tokenizer, the weights' dtype) of the whole model decoding in this
+    process."""
     from fivefold.model.generate import ModelStep, decode
     from fivefold.parallel.serve import check_context, stream_printer
 
@@ -153,9 +156,7 @@ def _decode_here(args: argparse.Namespace, stream: bool = False) -> tuple[list[l
     on_token = stream_printer(tokenizer, len(prompts), list(range(len(prompts)))) if stream else None
     got = decode(step, prompts, args.max_new_tokens, eos_ids, on_token)
     rows = [{"prompt": i, "tokens": got.tokens[i], **got.timings(i)} for i in range(len(prompts))]
-    for row in rows:
-        row["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return prompts, rows, tokenizer
+    return prompts, rows, tokenizer, next(model.parameters()).dtype
 
 
 def _run_ranks(args: argparse.Namespace, tp: int, pp: int, dp: int, ep: int, cp: int) -> int:
@@ -212,12 +213,14 @@ def _run_ranks(args: argparse.Namespace, tp: int, pp: int, dp: int, ep: int, cp:
     result = serve(job, args.nproc)
     if not args.verify:
         return _print(args, prompts, result["prompts"], tokenizer, result["ledger"], result["kv_cache"])
+    import torch
+
     from fivefold.commands.verify import judge_serving, print_serving
 
-    here = _decode_here(args)[1]
+    _, here, _, dtype = _decode_here(args)
     # 16-bit weights sum in another order over ranks: a near-tie may pick another token, so there the
     # tokens are shown, not judged (fp32 judges them exactly)
-    table = judge_serving(result, [row["tokens"] for row in here], exact=here[0]["dtype"] == "float32")
+    table = judge_serving(result, [row["tokens"] for row in here], exact=dtype == torch.float32)
     ok = all(r.ok is not False for r in table)
     if args.json:
         verdict = {"ok": ok, "rows": [r.to_json() for r in table]}

@@ -398,24 +398,25 @@ def judge_serving(served: dict[str, Any], alone: list[list[int]], exact: bool = 
     first = differ[0] if differ else 0
     verdict = (not differ) if exact else None
     rows.append(Row("numerics", name, _ids(got[first]), _ids(alone[first]), float(bool(differ)), verdict))
+
+    def by_key(listed: list[dict]) -> dict[tuple[str, str], tuple[float, float]]:
+        return {(r["axis"], r["op"]): (r["count"], r["bytes"]) for r in listed}
+
     for phase in ("prefill", "per_token"):
-        listed = [r for rank in served["ledger"] for r in rank[phase] + rank[f"planned_{phase}"]]
-        keys = sorted({(r["axis"], r["op"]) for r in listed})
+        ranks = [(r["rank"], by_key(r[phase]), by_key(r[f"planned_{phase}"])) for r in served["ledger"]]
+        keys = sorted(set().union(*(set(m) | set(p) for _, m, p in ranks)))
         for axis, op in keys:
-            measured, planned, off = [0, 0], [0, 0], None
-            for rank in served["ledger"]:
-                m = next((r for r in rank[phase] if (r["axis"], r["op"]) == (axis, op)), {})
-                p = next((r for r in rank[f"planned_{phase}"] if (r["axis"], r["op"]) == (axis, op)), {})
-                pair_m = (m.get("count", 0), m.get("bytes", 0))
-                pair_p = (p.get("count", 0), p.get("bytes", 0))
-                routed = (axis, op) == ("ep", "all_to_all")
-                if (pair_m[0] != pair_p[0] or (pair_m[1] != pair_p[1] and not routed)) and off is None:
-                    off = rank["rank"]
-                measured = [measured[0] + pair_m[0], measured[1] + pair_m[1]]
-                planned = [planned[0] + pair_p[0], planned[1] + pair_p[1]]
+            routed = (axis, op) == ("ep", "all_to_all")  # bytes follow the router: not judged
+            measured, planned, off = [0.0, 0.0], [0.0, 0.0], None
+            for rank, m_rows, p_rows in ranks:
+                m, p = m_rows.get((axis, op), (0, 0)), p_rows.get((axis, op), (0, 0))
+                if (m[0] != p[0] or (m[1] != p[1] and not routed)) and off is None:
+                    off = rank
+                measured = [measured[0] + m[0], measured[1] + m[1]]
+                planned = [planned[0] + p[0], planned[1] + p[1]]
             what = "prefill" if phase == "prefill" else "per token"
             label = f"{axis} {op} {what}, all ranks" + (f" (rank {off} differs)" if off is not None else "")
-            note = " (bytes: routed)" if (axis, op) == ("ep", "all_to_all") else ""
+            note = " (bytes: routed)" if routed else ""
             rows.append(
                 Row(
                     "comm",

@@ -77,7 +77,7 @@ def split_sequence(tokens: torch.Tensor, cp: int, rank: int) -> tuple[torch.Tens
     return tokens[:, pos], pos.unsqueeze(0).expand(b, -1)
 
 
-def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     """K/V heads repeated so query head j reads kv head j // (heads / kv_heads), as SDPA's GQA does."""
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
@@ -111,7 +111,7 @@ class ContextParallelCore(nn.Module):
         if heads % self.cp:
             raise FivefoldError(f"--cp-impl ulysses needs local heads ({heads}) divisible by --cp {self.cp}")
         if k.shape[1] % self.cp:  # too few KV heads to split: give every query head its own
-            k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
+            k, v = repeat_kv(k, heads), repeat_kv(v, heads)
         order = gathered_positions(seq_len, self.cp).to(q.device)
         to_positions = torch.argsort(order)
         q, k, v = (self._heads_to_sequence(t)[:, :, to_positions] for t in (q, k, v))
@@ -243,7 +243,7 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % cp
             nxt = _pass_on(kv, group, cp) if step < cp - 1 else None
             k_pos = shard_positions(seq_len, cp, src).to(q.device)
-            k_rep, v_rep = _repeat_kv(kv[0], heads), _repeat_kv(kv[1], heads)
+            k_rep, v_rep = repeat_kv(kv[0], heads), repeat_kv(kv[1], heads)
             block_out, block_lse = _block_forward(q, k_rep, v_rep, q_pos, k_pos, scale)
             if out is None:  # the own block: every query sees at least itself, so lse is finite
                 out, lse = block_out, block_lse
@@ -272,7 +272,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             src = (rank - step) % cp
             k_pos = shard_positions(seq_len, cp, src).to(q.device)
-            k_rep, v_rep = _repeat_kv(kv[0], heads).float(), _repeat_kv(kv[1], heads).float()
+            k_rep, v_rep = repeat_kv(kv[0], heads).float(), repeat_kv(kv[1], heads).float()
             block_q, grad_k, grad_v = _block_backward(
                 grad_out, qf, k_rep, v_rep, out, lse, q_pos, k_pos, scale
             )

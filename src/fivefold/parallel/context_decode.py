@@ -26,8 +26,9 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
+from fivefold.layout_math import cp_prefill_width
 from fivefold.model.attention import KVCache
-from fivefold.parallel.context import gathered_positions, shard_positions
+from fivefold.parallel.context import gathered_positions, repeat_kv, shard_positions
 
 _MASKED = -1e30  # a key the query may not see: weight exp(-huge) = 0, and no NaN where a shard has none
 
@@ -93,9 +94,7 @@ class ShardedDecodeCore(nn.Module):
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=gqa)
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: ShardStep) -> torch.Tensor:
-        heads = q.shape[1]
-        k = k.repeat_interleave(heads // k.shape[1], dim=1).float()
-        v = v.repeat_interleave(heads // v.shape[1], dim=1).float()
+        k, v = repeat_kv(k, q.shape[1]).float(), repeat_kv(v, q.shape[1]).float()
         scores = (q.float() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [b, hq, s, t_local]
         if step.key_mask is not None:
             seen = step.key_mask.to(q.device)[:, self.cache.columns.to(q.device)]
@@ -165,7 +164,7 @@ def widen(
     """The prompt batch with masked columns in front, to a width that splits into 2·cp chunks;
     returns (inputs, positions, key mask, columns added)."""
     b, width = inputs.shape
-    pad = -width % (2 * cp)
+    pad = cp_prefill_width(width, cp) - width
     if pad == 0:
         return inputs, positions, key_mask, 0
     front = torch.zeros(b, pad, dtype=inputs.dtype)

@@ -480,12 +480,15 @@ def collect(job: ServeJob, results: list[dict[str, Any] | None]) -> dict[str, An
             continue
         for row, index in enumerate(res["prompts"]):
             rows[index] = {"prompt": index, "tokens": res["tokens"][row], **res["timings"][row]}
+    spec = job.source.spec()  # read once: a run's config.toml or an HF config.json
     ledger = [
         {
             "rank": r["rank"],
             **r["ledger"],
-            "planned_prefill": planned_traffic(job, **r["plan_facts"], prefill=True, steps=r["steps"]),
-            "planned_per_token": planned_traffic(job, **r["plan_facts"], prefill=False, steps=r["steps"]),
+            "planned_prefill": planned_traffic(job, spec, **r["plan_facts"], prefill=True, steps=r["steps"]),
+            "planned_per_token": planned_traffic(
+                job, spec, **r["plan_facts"], prefill=False, steps=r["steps"]
+            ),
         }
         for r in results
         if r is not None and "ledger" in r
@@ -495,10 +498,10 @@ def collect(job: ServeJob, results: list[dict[str, Any] | None]) -> dict[str, An
             "rank": r["rank"],
             "heads": r["kv_heads"],
             "bytes": r["kv_cache_bytes"],
-            "planned_bytes": planned_cache(job, r["steps"], **r["plan_facts"]),
+            "planned_bytes": planned_cache(job, spec, r["steps"], **r["plan_facts"]),
             "weight_bytes": r["param_bytes"],
             "planned_weight_bytes": planned_weights(
-                job, r["plan_facts"]["stage"], r["plan_facts"]["act_bytes"]
+                job, spec, r["plan_facts"]["stage"], r["plan_facts"]["act_bytes"]
             ),
         }
         for r in results

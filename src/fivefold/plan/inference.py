@@ -19,7 +19,7 @@ from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError
 from fivefold.plan.comm import collective_time, ep_link, ep_members_per_node, links, ring_nics
 from fivefold.plan.compute import Rates, layer_time
-from fivefold.plan.memory import stage_counts, stage_names, stage_params
+from fivefold.plan.memory import chunk_layers, stage_counts, stage_names, stage_params
 from fivefold.plan.result import capacity, size_words
 from fivefold.plan.spec import Arch, kv_heads_local, resolve_arch
 
@@ -107,6 +107,11 @@ class InferencePlan:
         }
 
 
+def stage_layers(model: ModelSpec, layout: Layout, stage: int) -> list[int]:
+    """The layers pipeline rank `stage` holds (the training split, `plan.memory.chunk_layers`)."""
+    return [i for chunk in chunk_layers(model, layout, model.max_seq_len, stage) for i in chunk]
+
+
 def decode_traffic(
     model: ModelSpec,
     layout: Layout,
@@ -135,15 +140,13 @@ def decode_traffic(
     top-k) and the results back (balanced routing: a rank's experts get the mean rows of the group;
     the measured rows follow the router), and the flag of the replicas' lockstep.
     """
-    from fivefold.layout_math import stage_split
+    from fivefold.layout_math import cp_prefill_width
 
-    counts = stage_split(model, layout, model.max_seq_len) if layout.pp > 1 else [model.layers]
-    first = sum(counts[:stage])
-    layers = range(first, first + counts[stage])
+    layers = stage_layers(model, layout, stage)
     moe = sum(model.is_moe_layer(i) for i in layers)
     last = stage == layout.pp - 1
     h = model.hidden
-    width = prompt + -prompt % (2 * layout.cp) if layout.cp > 1 else prompt  # cp's widened prompt
+    width = cp_prefill_width(prompt, layout.cp)
     tokens = batch * (width // layout.cp if prompt else 1)  # the rows this rank runs
     out: dict[tuple[str, str], tuple[int, int]] = {}
     if layout.tp > 1:
@@ -181,20 +184,11 @@ def rank_weights(model: ModelSpec, layout: Layout, stage: int) -> int:
     experts divided over ep; the stage's layers, the embedding on the first, the final norm and the
     head on the last, a tied head's own copy there). The serving plan's `weights` count K/V heads
     as engines replicate them (one per rank where tp > kv_heads); this is what the run holds."""
-    from fivefold.layout_math import (
-        chunk_param_shapes,
-        is_expert,
-        names_by_layer,
-        numel,
-        stage_split,
-        tp_local_shape,
-    )
+    from fivefold.layout_math import chunk_param_shapes, is_expert, names_by_layer, numel, tp_local_shape
 
     shapes = chunk_param_shapes(model)
-    counts = stage_split(model, layout, model.max_seq_len) if layout.pp > 1 else [model.layers]
-    first = sum(counts[:stage])
     by_layer = names_by_layer(model)
-    names = [n for i in range(first, first + counts[stage]) for n in by_layer[i]]
+    names = [n for i in stage_layers(model, layout, stage) for n in by_layer[i]]
     if stage == 0:
         names.append("model.embed_tokens.weight")
     if stage == layout.pp - 1:
@@ -212,13 +206,14 @@ def cached_columns(prompt: int, steps: int, cp: int = 1, cp_rank: int = 0) -> in
     """Columns of a prompt batch left-padded to `prompt` tokens one rank of `fivefold generate` caches
     after `steps` decoding steps (the prefill one of them; the last token is never fed back): with cp,
     its chunks of the prompt widened to 2·cp chunks and every cp-th later column, in turn."""
+    from fivefold.layout_math import cp_prefill_width
+
     if steps <= 0:
         return 0
     if cp == 1:
         return prompt + steps - 1
-    width = prompt + -prompt % (2 * cp)
     later = steps - 1
-    return width // cp + later // cp + (cp_rank < later % cp)
+    return cp_prefill_width(prompt, cp) // cp + later // cp + (cp_rank < later % cp)
 
 
 def kv_bytes_per_token(model: ModelSpec, layout: Layout, kv_bytes: int = 2) -> float:

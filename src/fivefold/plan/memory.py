@@ -242,7 +242,7 @@ def _chunk_sizes(model: ModelSpec, layout: Layout, seq_len: int = 0) -> list[int
     return stage_split(model, layout, seq_len or model.max_seq_len)
 
 
-def _chunk_layers(model: ModelSpec, layout: Layout, seq_len: int, rank: int) -> list[range]:
+def chunk_layers(model: ModelSpec, layout: Layout, seq_len: int, rank: int) -> list[range]:
     """The layers of each chunk pp rank `rank` holds (the whole model without pipelining)."""
     if layout.pp == 1:
         return [range(model.layers)]
@@ -262,7 +262,7 @@ def _rank_layers(model: ModelSpec, layout: Layout, seq_len: int) -> list[tuple[i
     key = _split_key(model, layout, seq_len)
     if key not in _SPLITS:
         _SPLITS[key] = [
-            _dense_and_moe(model, [i for chunk in _chunk_layers(model, layout, seq_len, rank) for i in chunk])
+            _dense_and_moe(model, [i for chunk in chunk_layers(model, layout, seq_len, rank) for i in chunk])
             for rank in range(layout.pp)
         ]
     return _SPLITS[key]
@@ -276,7 +276,7 @@ def recomputed_counts(model: ModelSpec, layout: Layout, which: str, seq_len: int
     seq_len = seq_len or model.max_seq_len
     key = ("rc", *_split_key(model, layout, seq_len), layout.recompute_layers, which)
     if key not in _SPLITS:
-        chunks = _chunk_layers(model, layout, seq_len, stage_rank(which, layout.pp))
+        chunks = chunk_layers(model, layout, seq_len, stage_rank(which, layout.pp))
         again = [
             i for ch in chunks for i in ch[: recomputed_blocks("full", layout.recompute_layers, len(ch))]
         ]

@@ -31,6 +31,10 @@ def test_405b_on_16k_gpus_is_fast_and_sensible() -> None:
     text = "\n".join(result.explanation)
     assert f"Tensor parallel {lay.tp} inside one node" in text and "Pipeline parallel" in text
     assert text.index("Tensor parallel") < text.index("Pipeline parallel") < text.index("Data parallel")
+    # the gradient traffic it quotes is the plan's, whatever the data group is called (cp folds in)
+    quoted = float(re.search(r"gradient traffic ([0-9.e-]+) s a step", text).group(1))
+    data_axes = {"dp", "fsdp", "batch", "fsdp_cp", "dp_fsdp_cp"}
+    assert quoted > 0 and quoted == float(f"{sum(c.time_s for c in best.comm if c.axis in data_axes):.3g}")
 
 
 def test_search_agrees_with_plan_and_prefers_simple_layouts_for_small_models() -> None:

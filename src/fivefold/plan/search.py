@@ -441,8 +441,8 @@ def explain(plans: list[Plan], model: ModelSpec, hw: HardwareSpec, gpus: int, gp
     else:
         lines.append(
             f"3. Data parallel {data} for throughput: {zero_words}{hsdp}; gradient traffic "
-            f"{_axis_time(p, 'dp') + _axis_time(p, 'fsdp'):.3g} s a step, "
-            f"{_axis_exposed(p, ('dp', 'fsdp')):.3g} s of it not hidden behind the backward."
+            f"{sum(_axis_time(p, a) for a in GRADIENT_AXES):.3g} s a step, "
+            f"{_axis_exposed(p, GRADIENT_AXES):.3g} s of it not hidden behind the backward."
         )
     extra = []
     if lay.sp:
@@ -470,6 +470,11 @@ def explain(plans: list[Plan], model: ModelSpec, hw: HardwareSpec, gpus: int, gp
             f"#{i}: {plan_flags(q)}: {q.step_time_s / p.step_time_s - 1:+.1%} step time ({_why(p, q)})."
         )
     return lines
+
+
+# the ledger's names of the groups gradients are reduced over: the data axes alone or flattened with
+# cp (layout_math.replica_axis), whose ranks also hold a share of every weight
+GRADIENT_AXES = ("dp", "fsdp", "batch", "fsdp_cp", "dp_fsdp_cp")
 
 
 def _axis_time(p: Plan, axis: str) -> float:

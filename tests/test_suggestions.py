@@ -75,3 +75,12 @@ def test_ep_on_plain_replicas_suggests_sharding_them():
         Layout(dp=4, ep=2).resolve(4)
     suggested = str(refused.value).rsplit(": ", 1)[1].split()
     assert Layout(fsdp=int(suggested[1]), dp=int(suggested[3]), ep=2).resolve(4).ep == 2
+
+
+def test_zero1_on_sharded_ranks_is_answered_by_relabelling_them(capsys):
+    """ZeRO-1 on fsdp ranks: the nearest layout moves the data ranks to dp, not into an unrelated axis
+    such as cp (which a plain distance over the factors ranked equal)."""
+    base = ["plan", "--model", "llama3-8b", "--gpus", "64", "--tp", "8", "--seq-len", "4096"]
+    assert main([*base, "--fsdp", "8", "--zero", "1"]) == 2
+    first = SUGGESTED.search(capsys.readouterr().err.strip()).group(1).split(" | ")[0]
+    assert first == "--dp 8 --tp 8"

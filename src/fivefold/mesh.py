@@ -260,6 +260,9 @@ def nearest_layouts(
             rest = d * math.prod(fixed[a] for a in AXES if a not in (axis, data_axis))
             if world % rest == 0:
                 trials.append(dict(fixed, **{axis: d, data_axis: world // rest}))
+    # the data ranks move between dp and fsdp (a ZeRO stage that needs the other kind of data axis)
+    data = fixed["dp"] * fixed["fsdp"]
+    trials += [dict(fixed, dp=data, fsdp=1), dict(fixed, dp=1, fsdp=data)]
     scored: list[tuple[float, str]] = []
     for trial in trials:
         room = trial["fsdp"] * trial["cp"]
@@ -278,7 +281,11 @@ def nearest_layouts(
                 candidate.resolve(world)
             except FivefoldError:
                 continue
-        distance = sum(abs(math.log2(trial[a] / fixed[a])) for a in trial)
+        # dp and fsdp are one pool of data ranks: re-labelling them moves less than re-purposing them
+        model_moves = sum(abs(math.log2(trial[a] / fixed[a])) for a in trial if a not in ("dp", "fsdp"))
+        data_moves = abs(math.log2(trial["dp"] * trial["fsdp"] / data))
+        relabelled = 0.5 if (trial["dp"], trial["fsdp"]) != (fixed["dp"], fixed["fsdp"]) else 0.0
+        distance = model_moves + data_moves + relabelled
         scored.append((distance, _flags(trial)))
     out: list[str] = []
     for _, text in sorted(scored):

@@ -230,3 +230,52 @@ def test_a_stop_signal_repeated_at_once_counts_once(tmp_path):
             time.sleep(0.01)  # the handler runs between bytecodes
         assert stop_requested() == signal.SIGINT and stopped_by_signal()
     assert tmp_path.exists()
+
+
+@pytest.mark.slow
+def test_a_reader_that_goes_away_does_not_end_the_run(tmp_path, corpus):
+    """`fivefold train ... | head -1`: the ranks' progress lines then meet a closed pipe. The run goes
+    on to its last step and its checkpoint, and exits 0 because it succeeded, not because it was cut."""
+    run = tmp_path / "run"
+    argv = [
+        "train",
+        "--model",
+        "tiny",
+        "--nproc",
+        "2",
+        "--steps",
+        "30",
+        "--seq-len",
+        "16",
+        "--micro-batch",
+        "2",
+    ]
+    argv += [
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--data",
+        corpus,
+        "--eval-every",
+        "100000",
+        "--run-dir",
+        str(run),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fivefold", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        first = proc.stdout.readline()  # the step-10 line: the pipe is closed before steps 20 and 30
+        proc.stdout.close()
+        assert proc.wait(timeout=240) == 0, first
+    finally:
+        _end(proc)
+    steps = (run / "metrics.jsonl").read_text().splitlines()
+    assert len(steps) == 30 and (run / "run.json").exists()
+    assert list_checkpoints(run)[-1][0] == 30

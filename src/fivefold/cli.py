@@ -7,6 +7,7 @@ Bad input surfaces as `FivefoldError`: one line on stderr, exit code 2, no trace
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
 import os
@@ -15,6 +16,7 @@ from typing import NoReturn
 
 from fivefold import __version__
 from fivefold.errors import FivefoldError
+from fivefold.outputs import outlive_the_reader
 
 COMMANDS: dict[str, str] = {
     "plan": "predict memory, communication, bubble, step time and MFU; search layouts",
@@ -27,6 +29,8 @@ COMMANDS: dict[str, str] = {
     "demo": "set-up check: train the default model on the embedded corpus",
     "presets": "list model and hardware presets",
 }
+# commands that run a job: their output is progress, and a closed pipe must not end the job early
+JOBS = ("train", "verify", "demo")
 
 
 # what a newcomer does first, in order, with one example each
@@ -100,8 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog=f"fivefold {name}", description=COMMANDS[name], formatter_class=DefaultsShown)
     module.add_arguments(parser)
     args = parser.parse_args(rest)
+    # a job's exit code says how the job ended, also when its output's reader has gone away
+    reader = outlive_the_reader() if name in JOBS else contextlib.nullcontext()
     try:
-        return int(module.run(args) or 0)
+        with reader:
+            return int(module.run(args) or 0)
     except FivefoldError as exc:
         print(f"fivefold {name}: {exc.label}: {exc}", file=sys.stderr)
         return exc.exit_code

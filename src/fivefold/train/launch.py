@@ -31,6 +31,7 @@ from torch.distributed.launcher.api import elastic_launch
 
 from fivefold.config import RunConfig
 from fivefold.errors import FivefoldError
+from fivefold.outputs import ReaderGoneStream
 from fivefold.parallel.spawn import local_launcher, threads_per_rank
 from fivefold.train.loop import train
 from fivefold.train.supervise import (
@@ -82,6 +83,7 @@ def run_job(job: TrainJob, control_folder: str | None = None) -> int:
 def _rank_entry(job: TrainJob, error_dir: str) -> int:
     """Runs in each spawned rank."""
     rank = os.environ.get("RANK", "?")
+    sys.stdout, sys.stderr = ReaderGoneStream(sys.stdout), ReaderGoneStream(sys.stderr)
     launcher = os.getppid()
     (Path(error_dir) / f"rank{rank}.pid").write_text(str(os.getpid()))  # for forwarded signals
     interrupted = False

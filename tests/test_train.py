@@ -253,3 +253,27 @@ def test_mfu_is_counted_against_the_gpus_own_peak(monkeypatch, name, preset):
     assert hardware_preset_for(torch.device("cuda")) == preset
     if preset != "h100-80gb":  # a published run on the same GPU is planned on the same preset
         assert hardware({"id": "r", "hardware": {"gpu": name}}).name == load_hardware(preset).name
+
+
+def test_a_diverging_run_stops_before_non_finite_gradients_reach_the_weights(tmp_path, corpus):
+    """lr 1e30: step 1 leaves huge but finite weights, step 2's gradients are not finite. The run
+    stops there with one line, before the optimizer writes NaN into the weights, so every checkpoint
+    it kept holds finite numbers."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from fivefold.train.checkpoint import list_checkpoints
+
+    run = tmp_path / "run"
+    with pytest.raises(
+        FivefoldError, match=r"the gradient norm became (nan|inf) at step 2 .*lower --lr"
+    ) as err:
+        train(tiny_run(corpus, steps=6, lr=1e30, warmup_steps=0, checkpoint_every=1), run, progress=False)
+    assert "--dtype fp32" not in str(err.value)  # it already is fp32
+    ((step, path),) = list_checkpoints(run)
+    assert step == 1
+    dcp_to_torch_save(path, tmp_path / "step1.pt")
+    state = torch.load(tmp_path / "step1.pt", weights_only=True)
+    tensors = [
+        t for part in state["model"].values() for t in (part.values() if isinstance(part, dict) else [part])
+    ]
+    assert tensors and all(torch.isfinite(t).all() for t in tensors if torch.is_tensor(t))

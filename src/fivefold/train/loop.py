@@ -497,10 +497,16 @@ def _train(
                 supervise.mark(step, "optimizer")
                 with tracer.span("optimizer", cat="optimizer", step=step):
                     grad_norm = runner.clip_grad_norm(tspec.grad_clip)
+                    # the norm is global (every rank reads the same value, so all stop together): a
+                    # step with non-finite gradients would write NaN into the weights and the next
+                    # checkpoint, so the run stops before it, with the last step's weights intact
+                    norm_value = float(grad_norm)
+                    if not math.isfinite(norm_value):
+                        raise FivefoldError(_diverged("gradient norm", norm_value, step, tspec, loss))
                     for opt in optimizers:
                         opt.step()
                     runner.after_optimizer_step()
-            loss_value, norm_value = float(loss), float(grad_norm)
+            loss_value = float(loss)
             _sync(device)
             seconds = time.perf_counter() - t0
             memory = state_bytes(parts, None)  # gradients are still there until zero_grad
@@ -511,7 +517,7 @@ def _train(
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
             if not math.isfinite(loss_value):
-                raise FivefoldError(f"the loss became {loss_value} at step {step}; lower --lr or use fp32")
+                raise FivefoldError(_diverged("loss", loss_value, step, tspec))
             tokens_per_s, mfu_value = mfu(tokens_per_step, seconds)
             rec: dict[str, Any] = {
                 "step": step,
@@ -551,6 +557,14 @@ def _train(
     supervise.mark(tspec.steps, "writing the run's outputs")
     _write_outputs(run_dir, rank, world, tracer, ledger, runner, spec.vocab, mfu.hardware)
     return result
+
+
+def _diverged(what: str, value: float, step: int, tspec: TrainSpec, loss: torch.Tensor | None = None) -> str:
+    """One line for a run whose loss or gradients stopped being finite numbers."""
+    seen = f" (the loss was {float(loss):.4g})" if loss is not None else ""
+    fix = "lower --lr" + (" or train in fp32 (--dtype fp32)" if tspec.dtype != "fp32" else "")
+    kept = f"; the step was not applied, the weights are step {step - 1}'s" if what != "loss" else ""
+    return f"the {what} became {value} at step {step}{seen}{kept}: {fix}"
 
 
 def _measures_memory(step: int, tspec: TrainSpec) -> bool:

@@ -134,8 +134,10 @@ def test_corrupt_or_missing_checkpoints_are_clear_errors(tmp_path, corpus):
         data_file.write_bytes(data_file.read_bytes()[:100])  # truncated on disk
     with pytest.raises(FivefoldError, match="step_3 is incomplete .shard __0_0.distcp is 100 bytes"):
         train(config(corpus, steps=6), run, resume="latest", progress=False)
-    with pytest.raises(FivefoldError, match="corrupt or incomplete"):  # asked for by step: loaded as is
-        train(config(corpus, steps=6), run, resume="3", progress=False)
+    # asked for by step or by path: the same check, refused before any rank reads it
+    for which in ("3", str(step)):
+        with pytest.raises(FivefoldError, match="step_3 is incomplete .shard __0_0.distcp is 100 bytes"):
+            train(config(corpus, steps=6), run, resume=which, progress=False)
     (step / ".metadata").unlink()
     with pytest.raises(FivefoldError, match=r"\.metadata is missing"):
         train(config(corpus, steps=6), run, resume="latest", progress=False)
@@ -143,6 +145,19 @@ def test_corrupt_or_missing_checkpoints_are_clear_errors(tmp_path, corpus):
         ckpt.find_checkpoint(run, "5")
     with pytest.raises(FivefoldError, match="no checkpoint"):
         train(config(corpus), tmp_path / "empty", resume="latest", progress=False)
+
+
+def test_a_trainer_record_of_another_step_is_not_a_whole_checkpoint(tmp_path, corpus, capsys):
+    """step_4's trainer.json saying step 3 would make resume train step 4 again on step 4's weights."""
+    run = tmp_path / "run"
+    train(config(corpus, steps=4, checkpoint_every=1), run, progress=False)
+    record = run / "checkpoints" / "step_4" / "trainer.json"
+    record.write_text(record.read_text().replace('"step": 4', '"step": 3'))
+    assert ckpt.checkpoint_problem(record.parent) == "trainer.json says step 3, its directory step_4"
+    assert ckpt.find_checkpoint(run, "latest").name == "step_3"
+    assert "falling back to step_3" in capsys.readouterr().err
+    with pytest.raises(FivefoldError, match="step_4 is incomplete .trainer.json says step 3"):
+        ckpt.find_checkpoint(run, "4")
 
 
 def test_a_finished_run_directory_is_not_overwritten(tmp_path, corpus):

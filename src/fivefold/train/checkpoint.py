@@ -154,7 +154,7 @@ def find_checkpoint(run_dir: Path, which: str = "latest", warn: bool = True) -> 
 
 def _find_checkpoint(run_dir: Path, which: str, warn: bool) -> Path:
     if which not in ("latest", "") and Path(which).is_dir():
-        return Path(which)
+        return _whole_or_refused(Path(which))
     found = list_checkpoints(run_dir)
     if not found:
         raise FivefoldError(f"no checkpoint to resume from in {checkpoints_root(run_dir)}")
@@ -171,10 +171,22 @@ def _find_checkpoint(run_dir: Path, which: str, warn: bool) -> Path:
             f"no whole checkpoint in {checkpoints_root(run_dir)} ({skipped[0]}); start a new run"
         )
     if which.isdigit() and (match := [p for s, p in found if s == int(which)]):
-        return match[0]
+        return _whole_or_refused(match[0])
     raise FivefoldError(
         f"checkpoint {which!r} not found; available steps: {', '.join(str(s) for s, _ in found)}"
     )
+
+
+def _whole_or_refused(path: Path) -> Path:
+    """A checkpoint asked for by name: checked as `latest` checks its candidates, before any rank
+    starts reading it, but refused rather than passed over."""
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise FivefoldError(
+            f"checkpoint {path} is incomplete ({problem}); resume from another step_<N> directory "
+            "(--resume with no step takes the newest whole one) or start a new run"
+        )
+    return path
 
 
 def _whole(value: Any) -> bool:
@@ -214,9 +226,12 @@ def checkpoint_problem(path: Path) -> str | None:
     """Why `path` is not a whole checkpoint, or None. Reads only the index and the file sizes."""
     path = Path(path)
     try:
-        checkpoint_step(path)
+        step = checkpoint_step(path)
     except ValueError as exc:
         return str(exc)
+    named = _STEP_DIR.match(path.name)
+    if named and int(named.group(1)) != step:  # a trainer.json from another step: resume would redo steps
+        return f"trainer.json says step {step}, its directory {path.name}"
     try:
         metadata = read_metadata(path)
     except FileNotFoundError:

@@ -236,3 +236,42 @@ def test_a_full_disk_is_one_line_and_exit_code_1_in_any_command(tmp_path, monkey
     assert main(["explore", "--model", "tiny", "--gpus", "2", "--out", str(out)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"fivefold explore: error: No space left on device: {out}"]
+
+
+def test_a_full_disk_under_the_metrics_log_names_the_file_whenever_it_surfaces(tmp_path):
+    """A full disk can show at a line's flush or only when the file closes: either way the one line
+    names metrics.jsonl, which a rank then reports without a traceback."""
+    import errno
+
+    from fivefold.errors import storage_full
+    from fivefold.train.metrics import MetricsLog
+
+    class NoRoom:
+        def __init__(self, at: str) -> None:
+            self.at = at
+
+        def write(self, text: str) -> int:
+            return len(text)
+
+        def flush(self) -> None:
+            if self.at == "flush":
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    for at in ("flush", "close"):
+        log = MetricsLog(tmp_path, rank=0, world=1, total_steps=1, start_step=0, progress=False)
+        log._fh.close()
+        log._fh = NoRoom(at)
+        rec = {"step": 1, "loss": 1.0, "lr": 0.1, "grad_norm": 1.0, "tokens_per_s": 1.0}
+        with pytest.raises(OSError) as failed:
+            log.record(rec)
+            log.close()
+        assert storage_full(failed.value) == f"No space left on device: {tmp_path / 'metrics.jsonl'}"
+    assert storage_full(ValueError("x")) is None
+    assert storage_full(OSError(errno.EACCES, "Permission denied")) is None
+    assert (
+        storage_full(OSError(errno.ENOSPC, "No space left on device"), "run")
+        == "No space left on device: run"
+    )

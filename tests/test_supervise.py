@@ -279,3 +279,17 @@ def test_a_reader_that_goes_away_does_not_end_the_run(tmp_path, corpus):
     steps = (run / "metrics.jsonl").read_text().splitlines()
     assert len(steps) == 30 and (run / "run.json").exists()
     assert list_checkpoints(run)[-1][0] == 30
+
+
+def test_the_cause_is_reported_even_when_its_echo_was_written_first(tmp_path):
+    """A rank that fails closes its connections while it unwinds, before it writes its report, so its
+    peer's 'connection closed' can be on disk first (a full disk at start-up did this)."""
+    from fivefold.train.launch import _first_failure
+
+    echo = "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:14256 (traceback: x)"
+    (tmp_path / "rank1.error").write_text(f"1\n{echo}")
+    time.sleep(0.01)
+    (tmp_path / "rank0.error").write_text("1\nOSError: [Errno 28] No space left on device")
+    assert _first_failure(tmp_path) == (0, 1, "OSError: [Errno 28] No space left on device")
+    (tmp_path / "rank0.error").unlink()
+    assert _first_failure(tmp_path) == (1, 1, echo)  # only echoes: the earliest

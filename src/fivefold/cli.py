@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import importlib
 import os
 import sys
 from typing import NoReturn
 
 from fivefold import __version__
-from fivefold.errors import FivefoldError
+from fivefold.errors import FivefoldError, storage_full
 from fivefold.outputs import outlive_the_reader
 
 COMMANDS: dict[str, str] = {
@@ -87,9 +86,6 @@ def _top_parser() -> argparse.ArgumentParser:
     return parser
 
 
-STORAGE_FULL = (errno.ENOSPC, errno.EDQUOT)  # writes that fail for want of space, whatever the command
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
@@ -119,11 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         _silence_stdout()
         return 0
     except OSError as exc:
-        if exc.errno not in STORAGE_FULL:
+        full = storage_full(exc)
+        if full is None:
             raise
         # a fault of the machine, not of the input: one line naming the file, exit code 1
-        where = f": {exc.filename}" if exc.filename else ""
-        print(f"fivefold {name}: error: {exc.strerror or os.strerror(exc.errno)}{where}", file=sys.stderr)
+        print(f"fivefold {name}: error: {full}", file=sys.stderr)
         return 1
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import Iterable
 
 
@@ -10,6 +12,18 @@ class FivefoldError(Exception):
 
     exit_code = 2
     label = "error"  # the word after the command in its one line
+
+
+STORAGE_FULL = (errno.ENOSPC, errno.EDQUOT)  # writes that fail for want of space, whatever the command
+
+
+def storage_full(exc: BaseException, where: object = None) -> str | None:
+    """The one line for a write that failed for want of space ("No space left on device: FILE"; the
+    file, or `where` when the error does not name one), or None for any other error."""
+    if not isinstance(exc, OSError) or exc.errno not in STORAGE_FULL:
+        return None
+    file = exc.filename or where
+    return f"{exc.strerror or os.strerror(exc.errno)}" + (f": {file}" if file else "")
 
 
 def reason(exc: BaseException, limit: int = 200) -> str:

@@ -208,8 +208,14 @@ def last_words(failure: Any) -> str:
     return lines[0].strip()[:300] if lines else ""
 
 
-# what a rank says when another rank went away first: not the cause of the failure
-LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "connection closed", "Broken pipe")
+# what a rank says when another rank went away first (how gloo and the store word it): not the cause
+LOST_PEER = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "connection closed",
+    "Broken pipe",
+    "Connection refused",
+)
 
 
 def the_cause(failures: dict[int, Any]) -> tuple[int, Any]:

@@ -30,9 +30,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 
 from fivefold.config import RunConfig
-from fivefold.errors import FivefoldError
+from fivefold.errors import FivefoldError, storage_full
 from fivefold.outputs import ReaderGoneStream
-from fivefold.parallel.spawn import local_launcher, threads_per_rank
+from fivefold.parallel.spawn import LOST_PEER, local_launcher, threads_per_rank
 from fivefold.train.loop import train
 from fivefold.train.supervise import (
     Watchdog,
@@ -97,6 +97,10 @@ def _rank_entry(job: TrainJob, error_dir: str) -> int:
         _report(error_dir, rank, 130, "interrupted by SIGINT before the first step")
         sys.exit(130)
     except BaseException as exc:  # noqa: BLE001 - anything else is reported with its traceback
+        full = storage_full(exc, job.run_dir)
+        if full is not None:  # a fault of the machine, not of the code: no traceback to read
+            _report(error_dir, rank, 1, full)
+            sys.exit(1)
         trace = Path(error_dir) / f"rank{rank}.traceback"
         with contextlib.suppress(OSError):
             trace.write_text(traceback.format_exc())
@@ -123,13 +127,26 @@ def _report(error_dir: str, rank: str, code: int, message: str) -> None:
 
 
 def _first_failure(error_dir: Path) -> tuple[int, int, str] | None:
-    """(rank, code, message) of the earliest reported failure: the cause, not its echoes."""
-    reports = sorted(error_dir.glob("rank*.error"), key=lambda p: (p.stat().st_mtime_ns, p.name))
-    for path in reports:
+    """(rank, code, message) of the cause: the earliest reported failure that is not an echo (a rank
+    that lost its peer). A failing rank can close its connections while it unwinds, before it reports,
+    so an echo may be written first."""
+    reports = []
+    for path in error_dir.glob("rank*.error"):
         code, _, message = path.read_text().partition("\n")
         rank = path.stem.removeprefix("rank")
-        return (int(rank) if rank.isdigit() else -1), int(code), message
-    return None
+        echo = any(words in message for words in LOST_PEER)
+        reports.append(
+            (
+                (echo, path.stat().st_mtime_ns, path.name),
+                int(rank) if rank.isdigit() else -1,
+                int(code),
+                message,
+            )
+        )
+    if not reports:
+        return None
+    _, rank, code, message = min(reports)
+    return rank, code, message
 
 
 def _keep_traceback(error_dir: Path, rank: int, message: str) -> str:

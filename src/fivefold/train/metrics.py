@@ -9,8 +9,10 @@ preset (an order-of-magnitude figure) on CPU; on GPU the preset named by the dev
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +79,9 @@ class MetricsLog:
 
     def record(self, rec: dict[str, Any]) -> None:
         if self._fh is not None:
-            self._fh.write(json.dumps(rec) + "\n")
-            self._fh.flush()
+            with self._naming_the_file():
+                self._fh.write(json.dumps(rec) + "\n")
+                self._fh.flush()
         step = rec["step"]
         if self._bar is not None:
             post = {"loss": f"{rec['loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
@@ -111,7 +114,17 @@ class MetricsLog:
         if self._bar is not None:
             self._bar.close()
         if self._fh is not None:
-            self._fh.close()
+            fh, self._fh = self._fh, None
+            with self._naming_the_file():
+                fh.close()
+
+    @contextlib.contextmanager
+    def _naming_the_file(self) -> Iterator[None]:
+        """A full disk can surface at a flush or only at the close: either way, name the file."""
+        try:
+            yield
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
 
 
 def _truncate_after(path: Path, step: int) -> None:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.errors import FivefoldError
+from fivefold.parallel.spawn import LOST_PEER
 
 BEAT_SECONDS = 1.0
 STOP_FILE = "stop"
@@ -156,13 +157,9 @@ class ParentWatch:
         self._thread.join(timeout=2)
 
 
-# how gloo (and the store) word a peer that went away mid-collective
-_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
-
-
 def lost_peer(exc: BaseException) -> bool:
     """`exc` is a collective failing because another rank's process is gone."""
-    return isinstance(exc, RuntimeError) and any(words in str(exc) for words in _LOST_PEER)
+    return isinstance(exc, RuntimeError) and any(words in str(exc) for words in LOST_PEER)
 
 
 def launched() -> bool:

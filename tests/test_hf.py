@@ -211,3 +211,24 @@ def test_unexportable_moe_is_refused() -> None:
 
     with pytest.raises(FivefoldError, match="shared expert"):
         hf_config(load_model("tiny-moe"))
+
+
+def test_a_shard_index_cannot_reach_outside_its_directory_and_non_finite_weights_are_refused(
+    tmp_path,
+) -> None:
+    hf = _hf_model(_llama(tied=False, kv_heads=2))
+    elsewhere, root = tmp_path / "other", tmp_path / "ckpt"
+    hf.save_pretrained(elsewhere)
+    hf.save_pretrained(root, max_shard_size="40KB")
+    index = json.loads((root / "model.safetensors.index.json").read_text())
+    for name in ("../other/model.safetensors", str(elsewhere / "model.safetensors"), ".."):
+        key = next(iter(index["weight_map"]))
+        changed = dict(index, weight_map=dict(index["weight_map"], **{key: name}))
+        (root / "model.safetensors.index.json").write_text(json.dumps(changed))
+        with pytest.raises(FivefoldError, match="shard names must be file names in its directory"):
+            load_hf(root)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    state["model.layers.0.mlp.up_proj.weight"][3, 1] = float("inf")
+    safetensors_torch.save_file(state, str(elsewhere / "model.safetensors"))
+    with pytest.raises(FivefoldError, match="weight model.layers.0.mlp.up_proj.weight holds NaN"):
+        load_hf(elsewhere)

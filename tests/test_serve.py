@@ -250,7 +250,22 @@ def test_layouts_on_four_ranks(sources) -> None:
 
 def test_cli_bad_input(sources, capsys, tmp_path) -> None:
     dense = sources["dense"][0].path
+    # a NaN in the last row of one k projection: only the second tp rank's shard holds it, and the
+    # first must not wait for it in a collective
+    damaged = _run_dir(tmp_path / "nan", "tiny")
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    step = damaged / "checkpoints" / "step_3"
+    dcp_to_torch_save(step, tmp_path / "state.pt")
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+    state["model"]["model.layers.1.self_attn.k_proj.weight"][-1, 0] = float("nan")
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=str(step))
+    nan = "weight model.layers.1.self_attn.k_proj.weight holds NaN"
     cases = [
+        (["--from", str(damaged), "--prompt-ids", "1"], nan),
+        (["--from", str(damaged), "--prompt-ids", "1", "--nproc", "2", "--tp", "2"], nan),
         (["--model", "tiny", "--prompt-ids", ",".join(["1"] * 300)], "longer than the context"),
         (["--model", "tiny", "--prompt-ids", "1,2", "--max-new-tokens", "255"], "valid --max-new-tokens"),
         (["--model", "tiny", "--prompt-ids", "1,2", "--nproc", "3", "--tp", "3"], "valid tp"),

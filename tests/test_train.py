@@ -277,3 +277,18 @@ def test_a_diverging_run_stops_before_non_finite_gradients_reach_the_weights(tmp
         t for part in state["model"].values() for t in (part.values() if isinstance(part, dict) else [part])
     ]
     assert tensors and all(torch.isfinite(t).all() for t in tensors if torch.is_tensor(t))
+
+
+def test_weights_that_overflow_are_never_checkpointed_and_a_nan_held_out_loss_fails_the_run(tmp_path, corpus):
+    """lr 1e308: step 1's loss and gradients are finite, its update is not. A checkpoint after it
+    is refused, and a run whose last held-out loss is NaN does not end as a success."""
+    from fivefold.train.checkpoint import list_checkpoints
+
+    run = tmp_path / "ckpt"
+    with pytest.raises(
+        FivefoldError, match="the weights stopped being finite numbers at step 1, and no checkpoint"
+    ):
+        train(tiny_run(corpus, steps=3, lr=1e308, warmup_steps=0, checkpoint_every=1), run, progress=False)
+    assert list_checkpoints(run) == []
+    with pytest.raises(FivefoldError, match="the held-out loss became nan at step 1: lower --lr"):
+        train(tiny_run(corpus, steps=1, lr=1e308, warmup_steps=0), tmp_path / "eval", progress=False)

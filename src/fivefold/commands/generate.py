@@ -351,7 +351,7 @@ def load_run(run_dir: Path, checkpoint: str = "latest", dtype: str | None = None
     import torch
 
     from fivefold.config import RunConfig
-    from fivefold.model.hf import DTYPES, empty_model
+    from fivefold.model.hf import DTYPES, NON_FINITE_CHECKPOINT, empty_model, refuse_non_finite
     from fivefold.train.checkpoint import check_model_shapes, check_saved_model, find_checkpoint
     from fivefold.train.safe_metadata import load_weights, read_metadata
 
@@ -376,6 +376,11 @@ def load_run(run_dir: Path, checkpoint: str = "latest", dtype: str | None = None
         )
     check_model_shapes(path, weights, stored, run_dir / "config.toml")
     load_weights(weights, path)  # in place, cast to the model's dtype
+    refuse_non_finite(
+        weights.items(),
+        f"checkpoint {path}",
+        NON_FINITE_CHECKPOINT,
+    )
     with torch.no_grad():  # dcp.load may have replaced tensors in the dict instead of filling them
         for name, tensor in model.state_dict().items():
             if name in weights and weights[name] is not tensor:

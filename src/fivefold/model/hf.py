@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -45,6 +45,21 @@ _PER_EXPERT_KIND = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _ROTARY_ROWS = tuple(
     f".self_attn.{part}" for part in ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
 ) + (".self_attn.q_norm.weight", ".self_attn.k_norm.weight")
+
+
+# what to do about a training checkpoint with non-finite weights
+NON_FINITE_CHECKPOINT = (
+    "its training diverged or the file is damaged: generate from an earlier checkpoint (--checkpoint STEP)"
+)
+
+
+def refuse_non_finite(tensors: Iterable[tuple[str, torch.Tensor]], where: object, remedy: str) -> None:
+    """A weight that is not all finite numbers (a diverged run, a damaged file) would generate
+    garbage or fail deep in sampling: refuse it by name."""
+    for name, tensor in tensors:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            raise FivefoldError(f"{where}: weight {name} holds NaN or infinite values; {remedy}")
 
 
 def rotary_rows(name: str, tensor: torch.Tensor, head_dim: int, to_hf: bool = False) -> torch.Tensor:
@@ -92,6 +107,7 @@ def load_hf(
                 f"{root}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies "
                 f"{tuple(slot.shape)}"
             )
+        refuse_non_finite([(name, tensor)], root, "this checkpoint cannot be served as it is")
         with torch.no_grad():
             slot.copy_(rotary_rows(name, tensor, spec.head_dim))
         loaded.add(name)
@@ -114,6 +130,11 @@ def safetensors_files(root: Path) -> list[Path]:
             names = set(weight_map.values())
             if not all(isinstance(name, str) for name in names):
                 raise ValueError("weight_map values must be file names")
+            # shards live beside the index: a path (../x, /etc/x) would read files the checkpoint
+            # does not own
+            outside = sorted(n for n in names if not n or Path(n).name != n or n in (".", ".."))
+            if outside:
+                raise ValueError(f"shard names must be file names in its directory, not {outside[0]!r}")
         except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError) as exc:
             raise FivefoldError(f"malformed shard index {index}: {exc}") from None
         files = [root / f for f in sorted(names)]

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fivefold.config import Layout, ModelSpec, RunConfig, TrainSpec, check_buildable, check_seq_len
 from fivefold.errors import FivefoldError
@@ -537,10 +539,13 @@ def _train(
                     )
                 result.held_out_loss = rec["held_out_loss"]
             metrics.record(rec)
+            if not math.isfinite(rec.get("held_out_loss", 0.0)):
+                raise FivefoldError(_diverged("held-out loss", rec["held_out_loss"], step, tspec))
             result.losses.append(loss_value)
             saved = None
             every = tspec.checkpoint_every
             if (step == tspec.steps and every >= 0) or (every > 0 and step % every == 0):
+                _refuse_non_finite_weights(parts, step, tspec)
                 supervise.mark(step, "saving a checkpoint")
                 with tracer.span("checkpoint", cat="checkpoint", step=step):
                     saved = save_checkpoint(run_dir, step, parts, optimizers, saved_beside, KEEP_CHECKPOINTS)
@@ -559,12 +564,33 @@ def _train(
     return result
 
 
+def _refuse_non_finite_weights(parts: list[nn.Module], step: int, tspec: TrainSpec) -> None:
+    """Collective: a checkpoint is not saved over weights that are no longer finite numbers (an
+    update too large for the dtype), so the last whole checkpoint stays the newest one."""
+    local = all(
+        bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
+        for part in parts
+        for p in part.parameters()
+    )
+    flag = torch.tensor([0 if local else 1], dtype=torch.int64, device=next(parts[0].parameters()).device)
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        raise FivefoldError(
+            f"the weights stopped being finite numbers at step {step}, and no checkpoint was saved "
+            f"over them: {_remedy(tspec)}"
+        )
+
+
 def _diverged(what: str, value: float, step: int, tspec: TrainSpec, loss: torch.Tensor | None = None) -> str:
     """One line for a run whose loss or gradients stopped being finite numbers."""
     seen = f" (the loss was {float(loss):.4g})" if loss is not None else ""
-    fix = "lower --lr" + (" or train in fp32 (--dtype fp32)" if tspec.dtype != "fp32" else "")
-    kept = f"; the step was not applied, the weights are step {step - 1}'s" if what != "loss" else ""
-    return f"the {what} became {value} at step {step}{seen}{kept}: {fix}"
+    kept = f"; the step was not applied, the weights are step {step - 1}'s" if what == "gradient norm" else ""
+    return f"the {what} became {value} at step {step}{seen}{kept}: {_remedy(tspec)}"
+
+
+def _remedy(tspec: TrainSpec) -> str:
+    return "lower --lr" + (" or train in fp32 (--dtype fp32)" if tspec.dtype != "fp32" else "")
 
 
 def _measures_memory(step: int, tspec: TrainSpec) -> bool:

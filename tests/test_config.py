@@ -138,10 +138,15 @@ def test_resolved_config_round_trips(tmp_path):
     ("toml", "message"),
     [
         ("[train]\nsteps = 0\n", "--steps must be positive"),
+        ("[train]\nsteps = 100000000000\n", "--steps must be at most 1,000,000,000"),
         ('[train]\ndtype = "fp8"\n', "--dtype must be one of"),
         ("[train]\nsteps = 2.5\n", "steps must be int"),
         ("[trian]\nsteps = 2\n", "unknown table"),
-        ("[model]\nlayers = 2\nhidden = 64\nheads = 6\nkv_heads = 4\nvocab = 256\n", "multiple of kv_heads"),
+        ("[model]\nlayers = 2\nhidden = 48\nheads = 6\nkv_heads = 4\nvocab = 256\n", "multiple of kv_heads"),
+        (
+            "[model]\nlayers = 2\nhidden = 33\nheads = 4\nvocab = 256\n",
+            "not a multiple of heads .4.*valid heads: 1, 3",
+        ),
         ("[model]\nlayers = 2\nhidden = 64\n", "missing"),
         ("[model]\nlayers = 2\nhidden = 64\n", "required: layers, hidden, heads, vocab"),
         # `true` is an int to Python and "no" a truthy string: neither is what the file means

@@ -89,6 +89,13 @@ class ModelSpec:
         if self.kv_heads == 0:
             self.kv_heads = self.heads
         if self.head_dim == 0 and self.heads > 0:
+            if self.hidden % self.heads:  # a rounded-down head_dim would build another model than asked
+                raise FivefoldError(
+                    f"model {self.name}: hidden ({self.hidden}) is not a multiple of heads ({self.heads}), "
+                    f"so head_dim = hidden / heads is not whole; valid heads: "
+                    f"{suggest(divisors(self.hidden)) if self.hidden > 0 else 'any, with hidden > 0'}, "
+                    "or set head_dim"
+                )
             self.head_dim = self.hidden // self.heads
         if self.ffn_hidden == 0:
             self.ffn_hidden = self.expert_ffn_hidden if self.experts else 4 * self.hidden

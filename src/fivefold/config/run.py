@@ -15,6 +15,10 @@ from fivefold.errors import FivefoldError, suggest
 DTYPES = ("fp32", "bf16")
 
 
+# longer than any training run (Llama 3 405B: about 1.2 million steps); a bigger number is a typo
+MAX_STEPS = 10**9
+
+
 @dataclass
 class TrainSpec:
     steps: int = 300
@@ -49,6 +53,10 @@ class TrainSpec:
         for name in ("steps", "seq_len", "micro_batch"):
             if getattr(self, name) <= 0:
                 raise FivefoldError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.steps > MAX_STEPS:
+            raise FivefoldError(
+                f"--steps must be at most {MAX_STEPS:,} (a billion steps), got {self.steps:.3g}"
+            )
         if self.global_batch < 0:
             raise FivefoldError("--global-batch must be >= 0")
         if self.measure_memory_every < 0:

@@ -225,3 +225,13 @@ def test_the_explanation_says_what_a_small_layout_is() -> None:
     assert "Pipeline parallel 2 inside one node" in text and "across nodes" not in text
     assert re.search(r"the 32-bit weights \(0\.\d MB\)", text), text
     assert "No data parallelism" in text and "No expert parallelism: every rank holds all 4 experts" in text
+
+
+def test_a_data_axis_pinned_to_fill_keeps_the_other_data_axis_at_one() -> None:
+    """--dp -1 pinned (as `plan` pins the flags of a layout that does not fit, to suggest the nearest):
+    dp takes the data ranks the other axes leave, so fsdp is 1; and the other way round."""
+    model, hw = load_model("llama3-8b"), load_hardware("h100-80gb")
+    shape = TrainShape(seq_len=4096, global_batch=1024)
+    for fill, other in (("dp", "fsdp"), ("fsdp", "dp")):
+        result = search(model, hw, 8, shape, top=5, pins={fill: -1})
+        assert result.plans and all(getattr(p.layout, other) == 1 for p in result.plans)

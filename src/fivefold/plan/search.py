@@ -261,6 +261,10 @@ def search(
     `micro_batch`); everything else is searched. `trainer` (facts of `fivefold.plan.trainers`):
     only layouts that trainer also runs (`plan --search --trainer NAME`)."""
     pins = {k: v for k, v in (pins or {}).items() if v is not None}
+    for fill, other in (("dp", "fsdp"), ("fsdp", "dp")):
+        if pins.get(fill) == -1:  # "this axis takes the data ranks the others leave": the other is 1
+            del pins[fill]
+            pins.setdefault(other, 1)
     _check_pins(model, pins)
     if "micro_batch" in pins:
         micro_batches = (pins.pop("micro_batch"),)

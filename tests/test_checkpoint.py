@@ -143,7 +143,7 @@ def test_corrupt_or_missing_checkpoints_are_clear_errors(tmp_path, corpus):
         train(config(corpus, steps=6), run, resume="latest", progress=False)
     with pytest.raises(FivefoldError, match="not found; available steps: 3"):
         ckpt.find_checkpoint(run, "5")
-    with pytest.raises(FivefoldError, match="no checkpoint"):
+    with pytest.raises(FivefoldError, match="no finished checkpoint"):
         train(config(corpus), tmp_path / "empty", resume="latest", progress=False)
 
 

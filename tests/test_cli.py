@@ -26,7 +26,13 @@ def files(tmp_path_factory) -> dict[str, str]:
     )
     corpus = root / "code.txt"
     corpus.write_text("def f(x):\n    return x + 1\n" * 400)
+    hf = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
+    hf |= {"vocab_size": 256, "intermediate_size": 128, "rope_scaling": "yes"}
+    (root / "rope_str.json").write_text(json.dumps(hf))
+    (root / "no_config").mkdir()
     return {
+        "rope_str": str(root / "rope_str.json"),
+        "no_config": str(root / "no_config"),
         "bad": str(root / "bad.toml"),
         "unknown_key": str(root / "unknown_key.toml"),
         "big_tp": str(root / "big_tp.toml"),
@@ -61,13 +67,16 @@ BAD_INPUT = [
     (
         "train",
         ["--model", "tiny", "--run-dir", "{root}/fresh", "--resume", "--data", "{corpus}", "--seq-len", "16"],
-        "no checkpoint",
+        "no finished checkpoint",
     ),
     ("demo", ["--steps", "0"], "--steps must be positive"),
     ("mesh", ["--gpus", "4", "--tp", "3"], "world size"),
     ("plan", ["--model", "no-such-model", "--hardware", "h100-80gb", "--gpus", "8"], "unknown model"),
     ("plan", ["--model", "llama3-8b", "--hardware", "no-such-gpu", "--gpus", "8"], "unknown hardware"),
     ("generate", ["--from", "{root}/no-run", "--prompt", "x"], "no-run"),
+    ("generate", ["--from", "{corpus}", "--prompt", "x"], "a file, not a directory"),
+    ("train", ["--model", "{no_config}"], "is a directory without a config.json"),
+    ("train", ["--model", "{rope_str}"], "rope_scaling must be a JSON object"),
     # expert parallelism on a dense model is named as such first, not as a world to re-split
     ("train", ["--model", "tiny", "--ep", "2", "--nproc", "2"], "needs a mixture-of-experts model"),
     ("verify", ["--model", "tiny", "--ep", "2", "--nproc", "2"], "needs a mixture-of-experts model"),
@@ -275,3 +284,16 @@ def test_a_full_disk_under_the_metrics_log_names_the_file_whenever_it_surfaces(t
         storage_full(OSError(errno.ENOSPC, "No space left on device"), "run")
         == "No space left on device: run"
     )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["train", "--model", ""], ["plan", "--model", "", "--gpus", "8"], ["mesh", "--gpus", "8", "--svg", ""]],
+)
+def test_an_empty_value_is_refused_not_read_as_the_default(argv, capsys):
+    """`--model "$MODEL"` with MODEL unset: training the default model would run what was not named."""
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    flag = argv[argv.index("") - 1]
+    assert capsys.readouterr().err.startswith(f"fivefold {argv[0]}: error: {flag} is empty")

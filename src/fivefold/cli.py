@@ -11,7 +11,7 @@ import contextlib
 import importlib
 import os
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from fivefold import __version__
 from fivefold.errors import FivefoldError, storage_full
@@ -28,6 +28,8 @@ COMMANDS: dict[str, str] = {
     "demo": "set-up check: train the default model on the embedded corpus",
     "presets": "list model and hardware presets",
 }
+# flags whose empty value means something: an empty prompt (generation from the start token)
+MAY_BE_EMPTY = ("prompt",)
 # commands that run a job: their output is progress, and a closed pipe must not end the job early
 JOBS = ("train", "verify", "demo")
 
@@ -69,6 +71,16 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        """An empty value (`--model ''`, an unset shell variable) is refused, not read as the default:
+        a command would otherwise run something the user did not name."""
+        parsed = super().parse_args(args, namespace)
+        for action in self._actions:
+            named = action.option_strings and action.dest not in MAY_BE_EMPTY
+            if named and getattr(parsed, action.dest, None) == "" and action.default != "":
+                self.error(f"{action.option_strings[-1]} is empty; give it a value or leave the flag out")
+        return parsed
 
 
 def _top_parser() -> argparse.ArgumentParser:

@@ -339,7 +339,8 @@ def load_for_generation(
         tokenizer = load_tokenizer(config.train.tokenizer)
         return model, tokenizer, None if tokenizer.eos_id is None else [tokenizer.eos_id]
     if not source.is_dir():
-        raise FivefoldError(f"--from {source}: no such directory")
+        what = "a file, not a directory" if source.exists() else "no such directory"
+        raise FivefoldError(f"--from {source}: {what} (an HF checkpoint or a fivefold run directory)")
     raise FivefoldError(
         f"--from {source}: neither an HF checkpoint (config.json) nor a fivefold run directory (config.toml)"
     )

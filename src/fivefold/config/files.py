@@ -69,6 +69,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.exists():
         raise FivefoldError(f"file not found: {p}")
+    if p.is_dir():
+        raise FivefoldError(f"{p} is a directory; a TOML file is expected here")
     try:
         return tomllib.loads(p.read_text())
     except (OSError, UnicodeDecodeError) as exc:

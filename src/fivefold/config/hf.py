@@ -73,6 +73,11 @@ def _model_spec_from_hf(cfg: dict[str, Any], name: str) -> ModelSpec:
     except KeyError as exc:
         raise FivefoldError(f"HF config {name}: missing key {exc}") from None
     rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(rs, dict):
+        raise FivefoldError(
+            f"HF config {name}: rope_scaling must be a JSON object (its rope_type and factors) or null, "
+            f"got {rs!r:.60}"
+        )
     rtype = rs.get("rope_type", rs.get("type", "default"))
     if rtype == "llama3":
         spec.update(

@@ -33,6 +33,11 @@ def load_model(name_or_path: str) -> ModelSpec:
     hf = _hf_json(path)
     if hf is not None:
         return model_spec_from_hf(hf[0], name=hf[1]).validate()
+    if name_or_path and path.is_dir():  # not an HF directory: _hf_json looked for its config.json
+        raise FivefoldError(
+            f"model {name_or_path!r} is a directory without a config.json; a model is a preset, a .toml, "
+            f"a config.json or an HF directory; presets: {suggest(preset_names('models'), 20)}"
+        )
     if path.suffix == ".toml" or path.exists():
         data = read_toml(path)
         data = data.get("model", data)

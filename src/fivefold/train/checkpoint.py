@@ -157,7 +157,10 @@ def _find_checkpoint(run_dir: Path, which: str, warn: bool) -> Path:
         return _whole_or_refused(Path(which))
     found = list_checkpoints(run_dir)
     if not found:
-        raise FivefoldError(f"no checkpoint to resume from in {checkpoints_root(run_dir)}")
+        raise FivefoldError(
+            f"no finished checkpoint (step_<N>/) in {checkpoints_root(run_dir)}; a run writes one at its "
+            "end and every --checkpoint-every steps"
+        )
     if which in ("latest", ""):
         skipped: list[str] = []
         for _, path in reversed(found):

@@ -247,9 +247,8 @@ def test_resume_continues_on_the_ranks_the_run_was_trained_on(tiny_run, tmp_path
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)
     saved = run / "config.toml"  # as an fsdp 2 run would have written it: the checkpoint is layout-free
-    saved.write_text(
-        saved.read_text().replace("\nfsdp = 1\n", "\nfsdp = 2\n").replace("\nzero = 0\n", "\nzero = 3\n")
-    )
+    text = saved.read_text().replace("\nfsdp = 1\n", "\nfsdp = 2\n").replace("\nzero = 0\n", "\nzero = 3\n")
+    saved.write_text(text.replace("\nglobal_batch = 2\n", "\nglobal_batch = 8\n"))
     started = []
     monkeypatch.setattr(train_command, "start", lambda job, nproc: started.append(nproc) or 0)
     assert main(["train", "--run-dir", str(run), "--resume", "--steps", "2", "--no-progress"]) == 0
@@ -263,4 +262,12 @@ def test_resume_continues_on_the_ranks_the_run_was_trained_on(tiny_run, tmp_path
     assert "resume with --nproc 2" in err and "--fsdp 1" in err and started == [2, 4]
     # a layout flag says the layout now: the ranks are what --nproc says (1 by default)
     assert main(["train", "--run-dir", str(run), "--resume", "--steps", "2", "--fsdp", "1"]) == 0
+    assert started == [2, 4, 1]
+    # more data ranks keep the run's global batch: one that no longer splits names the way on
+    saved.write_text(text.replace("\nglobal_batch = 2\n", "\nglobal_batch = 4\n"))
+    capsys.readouterr()
+    assert main(["train", "--run-dir", str(run), "--resume", "--steps", "2", "--nproc", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "global batch of 4 sequences" in err and "micro-batches of 2 over 4 data-parallel ranks" in err
+    assert "--micro-batch 1 keeps it, or resume with --nproc 2 as the run was trained" in err
     assert started == [2, 4, 1]

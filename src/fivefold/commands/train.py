@@ -206,6 +206,26 @@ def _check_saved_layout_fits(saved: Path, world: int) -> None:
         )
 
 
+def _check_saved_batch_splits(saved: Path, cfg: RunConfig, world: int) -> None:
+    """A resume on more data ranks keeps the run's global batch (the same optimisation), which must
+    still split into whole micro-batches: else one line naming the run's batch and the ways on."""
+    layout = runtime_layout(cfg.layout, world, cfg.model, cfg.train.seq_len)
+    data, micro, batch = (
+        layout.dp * layout.fsdp,
+        cfg.train.micro_batch,
+        cfg.train.step_batch(layout.dp * layout.fsdp),
+    )
+    if batch % (micro * data) == 0:
+        return
+    fits = [m for m in range(micro, 0, -1) if batch % (m * data) == 0]
+    keep = f"--micro-batch {fits[0]} keeps it" if fits else f"no micro-batch splits {batch} over {data}"
+    raise FivefoldError(
+        f"--resume on {world} rank(s): the run's global batch of {batch} sequences ({saved}) does not "
+        f"split into micro-batches of {micro} over {data} data-parallel ranks; {keep}, or resume with "
+        f"--nproc {RunConfig.from_toml(saved).layout.world} as the run was trained"
+    )
+
+
 def default_run_dir(model_name: str) -> Path:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"{model_name}-{stamp}"
@@ -256,6 +276,7 @@ def run(args: argparse.Namespace) -> int:
                 args.nproc = _saved_world(saved)
             elif not new_layout:
                 _check_saved_layout_fits(saved, int(os.environ.get("WORLD_SIZE", args.nproc)))
+                _check_saved_batch_splits(saved, cfg, int(os.environ.get("WORLD_SIZE", args.nproc)))
             if new_layout:
                 _say_layout_change(saved, cfg, 1 if _launched() else args.nproc)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg.model.name)

@@ -75,6 +75,15 @@ BAD_INPUT = [
     ("plan", ["--model", "llama3-8b", "--hardware", "no-such-gpu", "--gpus", "8"], "unknown hardware"),
     ("generate", ["--from", "{root}/no-run", "--prompt", "x"], "no-run"),
     ("generate", ["--from", "{corpus}", "--prompt", "x"], "a file, not a directory"),
+    (
+        "plan",
+        ["--model", "llama3-8b", "--gpus", "8", "--mode", "inference", "--context", "10**9"],
+        "positions",
+    ),
+    ("plan", ["--model", "llama3-8b", "--gpus", "8", "--global-batch", "10**29"], "at most 1,000,000,000"),
+    ("plan", ["--model", "llama3-8b", "--gpus", "8", "--gpus-per-node", "10**29"], "at most 1,048,576"),
+    ("mesh", ["--gpus", "16", "--gpus-per-node", "10**29"], "in 1..1,048,576"),
+    ("train", ["--model", "tiny", "--micro-batch", "10**10"], "--micro-batch must be at most"),
     ("train", ["--model", "{no_config}"], "is a directory without a config.json"),
     ("train", ["--model", "{rope_str}"], "rope_scaling must be a JSON object"),
     # expert parallelism on a dense model is named as such first, not as a world to re-split
@@ -85,11 +94,17 @@ BAD_INPUT = [
 ]
 
 
+def _number(arg: str) -> str:
+    """`10**29` in a case: the digits a user would type."""
+    base, _, power = arg.partition("**")
+    return str(int(base) ** int(power)) if power and base.isdigit() and power.isdigit() else arg
+
+
 @pytest.mark.parametrize(("command", "argv", "words"), BAD_INPUT, ids=[f"{c}-{w}" for c, _, w in BAD_INPUT])
 def test_bad_input_is_one_line_and_exit_code_2(command, argv, words, files, capsys):
     if not _has(command):
         pytest.skip(f"fivefold {command} is not in this build")
-    code = main([command] + [a.format(**files) for a in argv])
+    code = main([command] + [_number(a.format(**files)) for a in argv])
     err = capsys.readouterr().err
     assert code == 2, err
     assert "Traceback" not in err

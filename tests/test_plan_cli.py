@@ -677,7 +677,7 @@ def test_serving_search_ranks_fitting_layouts_by_the_objective(capsys) -> None:
     assert "serve 8 replicas" in small["search"]["explanation"][0]
     # MoE and a long context: ep and cp are tried
     _, moe, _ = _serving(
-        capsys, "mixtral-8x7b", 16, "--context", "65536", "--search", "--top", "100", "--json"
+        capsys, "mixtral-8x7b", 16, "--context", "32768", "--search", "--top", "100", "--json"
     )
     assert {p["layout"]["ep"] for p in moe["plans"]} > {1} and {p["layout"]["cp"] for p in moe["plans"]} > {1}
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fivefold.config import AXES, Layout, ModelSpec, complete_order
+from fivefold.config.layout import MAX_GPUS
 from fivefold.errors import FivefoldError, divisors
 
 DERIVED_DIMS = ("ep", "expert_fsdp", "fsdp_cp", "batch", "dp_fsdp_cp")
@@ -296,8 +297,8 @@ def nearest_layouts(
 
 def build_mesh(layout: Layout, world: int, gpus_per_node: int) -> MeshInfo:
     """Every rank's coordinates and every dim's groups and links (resolves -1, validates)."""
-    if gpus_per_node <= 0:
-        raise FivefoldError(f"--gpus-per-node must be positive, got {gpus_per_node}")
+    if not 0 < gpus_per_node <= MAX_GPUS:
+        raise FivefoldError(f"--gpus-per-node must be in 1..{MAX_GPUS:,}, got {gpus_per_node:.3g}")
     lay = resolve_layout(layout, world, gpus_per_node)
     stride = strides(lay)
     order = lay.order_list

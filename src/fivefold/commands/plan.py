@@ -8,6 +8,8 @@ import sys
 
 from fivefold.commands import defaults
 from fivefold.config import add_layout_arguments, check_gpus, check_pins
+from fivefold.config.layout import MAX_GPUS
+from fivefold.config.run import MAX_BATCH
 from fivefold.plan.trainers import TRAINER_FLAGS
 
 
@@ -190,6 +192,11 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, flag, None)
         if value is not None and value <= 0:
             raise FivefoldError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+        # beyond these the float arithmetic of a plan stops meaning anything (a step shorter than its
+        # compute); no cluster or batch comes near them
+        ceiling = MAX_GPUS if flag == "gpus_per_node" else MAX_BATCH
+        if value is not None and value > ceiling:
+            raise FivefoldError(f"--{flag.replace('_', '-')} must be at most {ceiling:,}, got {value:.3g}")
     if args.top < 0:
         raise FivefoldError(f"--top must be >= 0 (0: every layout that fits), got {args.top}")
     # said on stderr once the plan stands, so that an error stays the only line
@@ -364,6 +371,11 @@ def _inference(args: argparse.Namespace, model, hw, gpn: int, assumed: dict) -> 
     context = args.context or args.seq_len
     if not context:  # as training's --seq-len: the model's positions, at most the default, said so
         context = assumed["context"] = defaults.seq_len(model.max_seq_len)
+    if context > model.max_seq_len:  # as training's --seq-len and generate's prompts: the model's positions
+        raise FivefoldError(
+            f"--context {context} exceeds the {model.max_seq_len} positions of model {model.name} "
+            f"(max_seq_len); valid: 2..{model.max_seq_len}"
+        )
     prompt = args.prompt if args.prompt is not None else context // 2
     if not 0 < prompt < context:
         raise FivefoldError(

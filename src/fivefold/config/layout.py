@@ -67,6 +67,8 @@ def check_degree(axis: str, value: int) -> None:
     """A mesh degree as a flag gives it: a positive integer, or -1 (fill the rest) on dp or fsdp."""
     if value == 0 or value < -1 or (value == -1 and axis not in ("dp", "fsdp")):
         raise FivefoldError(f"--{axis} must be a positive integer (or -1 on dp/fsdp), got {value}")
+    if value > MAX_GPUS:  # a degree is a number of GPUs: suggestions built on it would be as absurd
+        raise FivefoldError(f"--{axis} must be at most {MAX_GPUS:,} (a million GPUs), got {value:.3g}")
 
 
 def check_pins(pins: dict[str, int | None], world: int) -> None:

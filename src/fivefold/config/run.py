@@ -17,6 +17,8 @@ DTYPES = ("fp32", "bf16")
 
 # longer than any training run (Llama 3 405B: about 1.2 million steps); a bigger number is a typo
 MAX_STEPS = 10**9
+# sequences in a step or a micro-batch: a million times the largest published batches (a few thousand)
+MAX_BATCH = 10**9
 
 
 @dataclass
@@ -59,6 +61,10 @@ class TrainSpec:
             )
         if self.global_batch < 0:
             raise FivefoldError("--global-batch must be >= 0")
+        for name in ("global_batch", "micro_batch"):
+            if getattr(self, name) > MAX_BATCH:
+                flag = f"--{name.replace('_', '-')}"
+                raise FivefoldError(f"{flag} must be at most {MAX_BATCH:,}, got {getattr(self, name):.3g}")
         if self.measure_memory_every < 0:
             raise FivefoldError(
                 "--measure-memory-every must be >= 0 (0: off, 1: every step), "

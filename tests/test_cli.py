@@ -75,6 +75,8 @@ BAD_INPUT = [
     ("plan", ["--model", "llama3-8b", "--hardware", "no-such-gpu", "--gpus", "8"], "unknown hardware"),
     ("generate", ["--from", "{root}/no-run", "--prompt", "x"], "no-run"),
     ("generate", ["--from", "{corpus}", "--prompt", "x"], "a file, not a directory"),
+    ("plan", ["--validate", "/dev/null"], "not a regular file"),
+    ("plan", ["--validate", "--plot", "{corpus}/x.svg"], "code.txt is a file, not a directory"),
     (
         "plan",
         ["--model", "llama3-8b", "--gpus", "8", "--mode", "inference", "--context", "10**9"],

@@ -24,7 +24,9 @@ def write_text_whole(path: Path, text: str, flag: str = "--out") -> None:
     except OSError as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        raise FivefoldError(f"{flag} {path}: cannot write there ({exc.strerror or exc})") from None
+        blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+        why = f"{blocking} is a file, not a directory" if blocking else exc.strerror or exc
+        raise FivefoldError(f"{flag} {path}: cannot write there ({why})") from None
 
 
 class ReaderGoneStream:

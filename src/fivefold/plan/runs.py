@@ -68,7 +68,8 @@ def load_runs(*paths: str | Path) -> list[dict[str, Any]]:
     for path in paths:
         p = Path(path)
         if not p.is_file():
-            raise FivefoldError(f"runs file {p}: not found")
+            what = "not a regular file" if p.exists() else "not found"
+            raise FivefoldError(f"runs file {p}: {what}")
         try:
             data = tomllib.loads(p.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, OSError) as exc:

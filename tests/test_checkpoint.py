@@ -94,6 +94,26 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_intact(tmp_path, cor
     assert first.losses == train(config(corpus, steps=3), tmp_path / "fresh", progress=False).losses
 
 
+def test_the_command_removes_the_save_it_did_not_finish(tmp_path, corpus, monkeypatch):
+    """`fivefold train` (one process) interrupted while saving: the run ends with no step_N.tmp left,
+    the finished checkpoints kept."""
+    from fivefold.commands.train import start
+    from fivefold.train.launch import TrainJob
+
+    run = tmp_path / "run"
+    train(config(corpus, steps=3), run, progress=False)
+    real_save = ckpt.dcp.save
+
+    def crash_half_way(state, checkpoint_id):
+        real_save(state, checkpoint_id=checkpoint_id)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt.dcp, "save", crash_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        start(TrainJob(config(corpus, steps=6), run, resume="latest", progress=False), 1)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_3"]
+
+
 @pytest.mark.parametrize("where", ["shards", "rng", "trainer.json"])
 def test_a_full_disk_stops_the_run_with_one_line_and_frees_what_it_wrote(
     tmp_path, corpus, monkeypatch, where

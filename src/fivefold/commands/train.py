@@ -34,6 +34,7 @@ from fivefold.errors import FivefoldError
 from fivefold.parallel.compile import check_compile
 from fivefold.parallel.spawn import MAX_LOCAL_RANKS
 from fivefold.train import supervise
+from fivefold.train.checkpoint import remove_unfinished
 from fivefold.train.launch import TrainJob, launch, run_job
 from fivefold.train.loop import preflight, runtime_layout
 
@@ -305,7 +306,10 @@ def start(job: TrainJob, nproc: int) -> int:
     if nproc > 1:
         return launch(nproc, job)
     if not _launched():
-        return run_job(job)
+        try:
+            return run_job(job)
+        finally:  # an interrupted save leaves its .tmp: the one process that wrote it has stopped
+            remove_unfinished(job.run_dir)
     try:  # one rank under torchrun: its agent prints its own report, this rank says why in one line
         return run_job(job)
     except RuntimeError as exc:

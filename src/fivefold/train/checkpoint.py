@@ -15,7 +15,8 @@ wrote and their sizes, rank 0 records them in `shards.json` and checks that it s
 them, whole, before it renames the directory to `step_<N>/` (a rename within one directory is
 atomic on POSIX). A rank whose files rank 0 cannot see (a run directory that is not on storage all
 ranks share) fails the save instead of leaving a checkpoint that only looks finished. A crash while
-saving leaves the previous checkpoints untouched; a stale `.tmp` is removed by the next save. Only
+saving leaves the previous checkpoints untouched; the launcher removes a `.tmp` its ranks left when
+the run ended (a stale one, from a killed launcher, goes with the next save). Only
 the newest `keep` checkpoints are kept, and a checkpoint that goes (pruned, or replaced by the same
 step saved again) is renamed out of the `step_<N>` namespace before it is deleted.
 
@@ -58,6 +59,15 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 def checkpoints_root(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
+
+
+def remove_unfinished(run_dir: Path) -> None:
+    """Remove what a run that ended left of checkpoints it did not finish: `step_<N>.tmp` being
+    written, `.deleting` being removed. Called once no rank writes any more."""
+    root = checkpoints_root(run_dir)
+    if root.is_dir():
+        for left in [*root.glob("step_*.tmp"), *root.glob("step_*.deleting")]:
+            shutil.rmtree(left, ignore_errors=True)
 
 
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:

@@ -33,6 +33,7 @@ from fivefold.config import RunConfig
 from fivefold.errors import FivefoldError, storage_full
 from fivefold.outputs import ReaderGoneStream
 from fivefold.parallel.spawn import LOST_PEER, local_launcher, threads_per_rank
+from fivefold.train.checkpoint import remove_unfinished
 from fivefold.train.loop import train
 from fivefold.train.supervise import (
     Watchdog,
@@ -226,3 +227,4 @@ def launch(nproc: int, job: TrainJob) -> int:
         return 1
     finally:
         shutil.rmtree(error_dir, ignore_errors=True)
+        remove_unfinished(job.run_dir)  # every rank has ended: a .tmp left now is a dead save

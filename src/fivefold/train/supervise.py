@@ -337,8 +337,10 @@ class Watchdog:
         first = beats[stuck[0]][0]
         age = now - beats[stuck[0]][1]
         names = ", ".join(map(str, stuck))
+        # a silent rank's last heartbeat is up to a beat older than the moment it stopped
+        where = "last heard" if silent else "while"
         return (
-            f"watchdog: rank {names} {how.format(age=age)} while in {first['phase']} at step "
+            f"watchdog: rank {names} {how.format(age=age)} {where} in {first['phase']} at step "
             f"{first['step']}; every rank was stopped (--watchdog {self.seconds:g} s)"
         )
 

@@ -502,6 +502,8 @@ def test_calibrate_reads_run_directories(capsys, tmp_path) -> None:
     out_file = tmp_path / "cpu-here.toml"
     assert main(["plan", "--calibrate", str(run), "--out", str(tmp_path)]) == 2  # a directory: one line
     assert "cannot write there" in capsys.readouterr().err
+    assert main(["plan", "--calibrate", str(run), str(run)]) == 2  # the same run twice would weigh twice
+    assert "is given twice" in capsys.readouterr().err
     assert main(["plan", "--calibrate", str(run), "--out", str(out_file)]) == 0
     capsys.readouterr()
     code = main(
@@ -770,6 +772,11 @@ def test_a_hardware_file_with_impossible_numbers_is_one_line(
             "unknown must be a list",
         ),
         (lambda t: t + t, "given twice"),
+        (
+            lambda t: 'format = "megatron-runs"\n' + t,
+            "format 'megatron-runs' is not 'fivefold-reference-runs'",
+        ),
+        (lambda t: "version = 2\n" + t, "version 2; this fivefold reads version 1"),
         (
             lambda t: t.replace('[run.hardware]\ngpu = "H100 80GB"\n', 'hardware = "a100"\n'),
             "hardware must be a table",

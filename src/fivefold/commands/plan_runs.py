@@ -27,6 +27,11 @@ def _runs(paths: list[str]) -> tuple[list, list[str]]:
     files = [Path(p) for p in paths] or builtin_paths()
     runs = [run_from_dir(p) for p in files if p.is_dir()]
     runs += load_runs(*[p for p in files if not p.is_dir()]) if any(not p.is_dir() for p in files) else []
+    seen: set[str] = set()
+    for run in runs:  # a run directory given twice (or named as a file's run) would count twice
+        if run["id"] in seen:
+            raise FivefoldError(f"run id {run['id']!r} is given twice; ids must be unique")
+        seen.add(run["id"])
     left_out, kept = [], []
     for run in runs:
         bad = contradictions(run)

@@ -62,6 +62,9 @@ def builtin_paths() -> list[Path]:
     return [Path(str(base / name)) for name in BUILTIN]
 
 
+RUNS_FORMAT, RUNS_VERSION = "fivefold-reference-runs", 1  # the `format` and `version` a runs file may state
+
+
 def load_runs(*paths: str | Path) -> list[dict[str, Any]]:
     """Every `[[run]]` of the files, each tagged with `_file`; one line on a malformed file."""
     runs: list[dict[str, Any]] = []
@@ -78,6 +81,14 @@ def load_runs(*paths: str | Path) -> list[dict[str, Any]]:
             ) from None
         except (ValueError, RecursionError) as exc:  # not TOML, a 5000-digit number, deep nesting
             raise FivefoldError(f"runs file {p}: not valid TOML ({reason(exc)})") from None
+        # a file that says what it is must say this format: another schema read as this one would
+        # be planned from fields that mean something else
+        if data.get("format", RUNS_FORMAT) != RUNS_FORMAT:
+            raise FivefoldError(f"runs file {p}: format {data['format']!r} is not {RUNS_FORMAT!r}")
+        if data.get("version", RUNS_VERSION) != RUNS_VERSION:
+            raise FivefoldError(
+                f"runs file {p}: version {data['version']!r}; this fivefold reads version {RUNS_VERSION}"
+            )
         if not isinstance(data.get("run"), list) or not data["run"]:
             raise FivefoldError(f"runs file {p}: no [[run]] tables (format fivefold-reference-runs)")
         for i, run in enumerate(data["run"]):

@@ -427,3 +427,20 @@ def test_a_run_is_planned_in_its_own_dtype_so_plan_and_ledger_agree(tmp_path: Pa
         (r["axis"], r["op"]): (r["count"], r["bytes"]) for r in _embedded(out.read_text())["run"]["planned"]
     }
     assert stepped == exact and ("fsdp", "all_reduce") in stepped
+
+
+def test_a_diverged_runs_curve_has_gaps_where_report_draws_them() -> None:
+    """A NaN or infinite loss (a run that diverged, and stopped) is shown as a gap, not refused; a
+    string where a number belongs is still one line naming the file."""
+    import tempfile
+
+    from fivefold.errors import FivefoldError
+    from fivefold.explore.run import read_metrics
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "metrics.jsonl"
+        path.write_text('{"step": 1, "loss": 5.5}\n{"step": 2, "loss": NaN, "held_out_loss": Infinity}\n')
+        assert read_metrics(path) == [{"step": 1, "loss": 5.5}, {"step": 2}]
+        path.write_text('{"step": 1, "loss": "5.5"}\n')
+        with pytest.raises(FivefoldError, match="line 1: 'loss' is not a number"):
+            read_metrics(path)

@@ -32,6 +32,11 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _diverged(value: Any) -> bool:
+    """NaN or infinite: what a diverged step records (JSON's NaN and Infinity read as floats)."""
+    return isinstance(value, float) and not math.isfinite(value)
+
+
 def read_metrics(path: Path) -> list[dict[str, float]]:
     """Per step: the step and whichever of loss / held-out loss it recorded (numbers only)."""
     out = []
@@ -52,10 +57,12 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
             raise FivefoldError(f"{path}: line {n} is not an object with a numeric 'step'")
         row = {"step": rec["step"]}
         for key in CURVES:
-            if rec.get(key) is not None:
-                if not _number(rec[key]):
-                    raise FivefoldError(f"{path}: line {n}: {key!r} is not a finite number")
-                row[key] = rec[key]
+            value = rec.get(key)
+            if value is None or _diverged(value):  # a diverged step is a gap in the curve, as report draws it
+                continue
+            if not _number(value):
+                raise FivefoldError(f"{path}: line {n}: {key!r} is not a number")
+            row[key] = value
         out.append(row)
     return out
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import shutil
 from pathlib import Path
 
@@ -178,6 +179,33 @@ def test_a_trainer_record_of_another_step_is_not_a_whole_checkpoint(tmp_path, co
     assert "falling back to step_3" in capsys.readouterr().err
     with pytest.raises(FivefoldError, match="step_4 is incomplete .trainer.json says step 3"):
         ckpt.find_checkpoint(run, "4")
+
+
+def test_a_shard_damaged_in_place_is_refused_by_its_checksum(tmp_path, corpus):
+    """Bytes overwritten inside a shard keep its size, so only the CRC-32 recorded at save time sees
+    them: resume and generate refuse the checkpoint by name instead of loading garbage weights."""
+    from fivefold.commands.generate import load_run
+
+    run = tmp_path / "run"
+    train(config(corpus, steps=3), run, progress=False)
+    step = run / "checkpoints" / "step_3"
+    assert set(json.loads((step / "checksums.json").read_text())) >= {"__0_0.distcp", ".metadata"}
+    assert ckpt.damaged_file(step) is None
+    shard = step / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10  # one bit
+    shard.write_bytes(bytes(data))
+    assert ckpt.checkpoint_problem(step) is None  # sizes cannot see it
+    assert ckpt.damaged_file(step) == "shard __0_0.distcp does not match the checksum it was written with"
+    with pytest.raises(FivefoldError, match="step_3 is damaged: shard __0_0.distcp does not match"):
+        train(config(corpus, steps=6), run, resume="latest", progress=False)
+    with pytest.raises(FivefoldError, match="is damaged: .*generate from an earlier checkpoint"):
+        load_run(run)
+    # a crafted manifest reads nothing outside the checkpoint; one written before checksums has none
+    (step / "checksums.json").write_text(json.dumps({"../../config.toml": 1}))
+    assert "not a file of the checkpoint" in ckpt.damaged_file(step)
+    (step / "checksums.json").unlink()
+    assert ckpt.damaged_file(step) is None
 
 
 def test_a_finished_run_directory_is_not_overwritten(tmp_path, corpus):

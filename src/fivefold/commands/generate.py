@@ -353,7 +353,12 @@ def load_run(run_dir: Path, checkpoint: str = "latest", dtype: str | None = None
 
     from fivefold.config import RunConfig
     from fivefold.model.hf import DTYPES, NON_FINITE_CHECKPOINT, empty_model, refuse_non_finite
-    from fivefold.train.checkpoint import check_model_shapes, check_saved_model, find_checkpoint
+    from fivefold.train.checkpoint import (
+        check_model_shapes,
+        check_not_damaged,
+        check_saved_model,
+        find_checkpoint,
+    )
     from fivefold.train.safe_metadata import load_weights, read_metadata
 
     config = RunConfig.from_toml(run_dir / "config.toml")
@@ -376,6 +381,7 @@ def load_run(run_dir: Path, checkpoint: str = "latest", dtype: str | None = None
             f"missing e.g. {', '.join(missing[:3])}"
         )
     check_model_shapes(path, weights, stored, run_dir / "config.toml")
+    check_not_damaged(path, "generate from an earlier checkpoint (--checkpoint STEP)")
     load_weights(weights, path)  # in place, cast to the model's dtype
     refuse_non_finite(
         weights.items(),

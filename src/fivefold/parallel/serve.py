@@ -326,7 +326,7 @@ def _load_dcp(chunk: Any, spec: ModelSpec, source: ModelSource) -> None:
     )
 
     from fivefold.model.hf import NON_FINITE_CHECKPOINT, refuse_non_finite
-    from fivefold.train.checkpoint import find_checkpoint
+    from fivefold.train.checkpoint import check_not_damaged, find_checkpoint
     from fivefold.train.safe_metadata import load_weights, read_metadata
 
     path = find_checkpoint(Path(source.path), source.checkpoint)
@@ -345,6 +345,7 @@ def _load_dcp(chunk: Any, spec: ModelSpec, source: ModelSource) -> None:
             f"checkpoint {path} does not hold the weights of this model; "
             f"missing e.g. {', '.join(missing[:3])}"
         )
+    check_not_damaged(path, "generate from an earlier checkpoint (--checkpoint STEP)")
     load_weights(weights, path)
     # one rank's shard may hold the damage while its peers' do not: all of them refuse, or their
     # peers would wait for them in the first collective

@@ -11,14 +11,15 @@ A checkpoint is a directory `checkpoints/step_<N>/` holding
   * `rng_rank<R>.pt`: each rank's torch RNG state.
 
 Complete or absent: everything is written into `step_<N>.tmp/`; each rank then reports the files it
-wrote and their sizes, rank 0 records them in `shards.json` and checks that it sees every one of
-them, whole, before it renames the directory to `step_<N>/` (a rename within one directory is
-atomic on POSIX). A rank whose files rank 0 cannot see (a run directory that is not on storage all
-ranks share) fails the save instead of leaving a checkpoint that only looks finished. A crash while
-saving leaves the previous checkpoints untouched; the launcher removes a `.tmp` its ranks left when
-the run ended (a stale one, from a killed launcher, goes with the next save). Only
-the newest `keep` checkpoints are kept, and a checkpoint that goes (pruned, or replaced by the same
-step saved again) is renamed out of the `step_<N>` namespace before it is deleted.
+wrote, their sizes and CRC-32s, rank 0 records them in `shards.json` and `checksums.json` and checks
+that it sees every one of them, whole, before it renames the directory to `step_<N>/` (a rename
+within one directory is atomic on POSIX). Loading checks the checksums first. A rank whose files
+rank 0 cannot see (a run directory that is not on storage all ranks share) fails the save instead
+of leaving a checkpoint that only looks finished. A crash while saving leaves the previous
+checkpoints untouched; the launcher removes a `.tmp` its ranks left when the run ended (a stale one,
+from a killed launcher, goes with the next save). Only the newest `keep` checkpoints are kept, and a
+checkpoint that goes (pruned, or replaced by the same step saved again) is renamed out of the
+`step_<N>` namespace before it is deleted.
 
 Resuming from `latest` takes the newest checkpoint that is whole (its index, every file the index
 names, at the recorded sizes), with a warning for each newer one it has to pass over.
@@ -34,6 +35,7 @@ import shutil
 import sys
 import time
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -320,11 +322,15 @@ def save_checkpoint(
         torch.save(rng, tmp / f"rng_rank{rank}.pt")
     except (OSError, CheckpointException) as exc:  # a full disk, a quota, storage gone read-only
         raise _unwritten(final, tmp, rank, _first_cause(exc)) from None
-    shards = _gather(_own_files(tmp, rank))  # every rank's files as it sees them: names and sizes
+    own = _own_files(tmp, rank)
+    shards = _gather(own)  # every rank's files as it sees them: names and sizes
+    # each rank reads back its own files; rank 0 also wrote DCP's index
+    sums = _gather(_checksums(tmp, [*own, *([".metadata"] if rank == 0 else [])]))
     problem = unwritten = None
     if rank == 0:
         try:
             (tmp / "shards.json").write_text(json.dumps({str(r): f for r, f in enumerate(shards)}, indent=1))
+            (tmp / CHECKSUMS).write_text(json.dumps({k: v for own in sums for k, v in own.items()}, indent=1))
         except OSError as exc:
             unwritten = _first_cause(exc)
         else:
@@ -371,6 +377,62 @@ def _unwritten(final: Path, tmp: Path, rank: int, why: str) -> CheckpointUnwritt
         f"checkpoint {final} could not be written ({why}); earlier checkpoints are kept "
         "and the run stopped: free space (or fix the storage) and resume"
     )
+
+
+CHECKSUMS = "checksums.json"  # {file: crc32} of every file the ranks wrote
+_CHUNK = 1 << 23
+
+
+def _checksums(directory: Path, names: list[str]) -> dict[str, int]:
+    """CRC-32 of each file: what a same-size corruption (a flipped bit, an overwritten block) changes,
+    which the recorded sizes cannot see."""
+    sums = {}
+    for name in names:
+        crc = 0
+        try:
+            with (directory / name).open("rb") as fh:
+                while chunk := fh.read(_CHUNK):
+                    crc = zlib.crc32(chunk, crc)
+        except FileNotFoundError:  # gone since it was listed: the size check names it
+            continue
+        sums[name] = crc
+    return sums
+
+
+def damaged_file(path: Path, rank: int = 0, world: int = 1) -> str | None:
+    """The first file of this rank's share (every world-th of them, so the ranks read the checkpoint
+    once between them) whose CRC-32 is not the one it was written with, or None. A checkpoint
+    written before checksums were recorded has nothing to check."""
+    manifest = Path(path) / CHECKSUMS
+    if not manifest.exists():
+        return None
+    try:
+        recorded = json.loads(manifest.read_text())
+        names = sorted(recorded)[rank::world]
+        expected = {name: int(recorded[name]) for name in names}
+    except (OSError, ValueError, TypeError, AttributeError, RecursionError):
+        return f"{CHECKSUMS} is unreadable"
+    for name in names:
+        if Path(name).name != name:  # a crafted manifest must not read files elsewhere
+            return f"{CHECKSUMS} names {name!r}, not a file of the checkpoint"
+        try:
+            got = _checksums(Path(path), [name]).get(name)
+        except OSError:
+            got = None
+        if got is None:
+            return f"shard {name} is missing or unreadable"
+        if got != expected[name]:
+            return f"shard {name} does not match the checksum it was written with"
+    return None
+
+
+def check_not_damaged(path: Path, remedy: str) -> None:
+    """Collective where ranks are: every rank checks its share, and all refuse if one file is off."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    problems = _gather(damaged_file(path, _rank(), world))
+    problem = next((p for p in problems if p), None)
+    if problem:
+        raise FivefoldError(f"checkpoint {path} is damaged: {problem}; {remedy}")
 
 
 def _own_files(directory: Path, rank: int) -> dict[str, int]:
@@ -447,6 +509,7 @@ def load_checkpoint(
     config_file = path.parent.parent / "config.toml"
     check_model_record(path, trainer_state.get("model"), model_parts[0].spec, config_file)
     check_model_shapes(path, state["model"], stored, config_file)
+    check_not_damaged(path, "resume from an earlier step_<N> (--resume STEP) or start a new run")
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")

@@ -436,3 +436,14 @@ def test_a_pipeline_trace_without_a_rank_s_step_window_is_one_line(tmp_path, cap
     window = {**event, "name": "step", "pid": 0, "args": {"kind": "step", "step": 0}}
     (run / "trace.json").write_text(json.dumps({"traceEvents": [window, {**event, "pid": 0}, event]}))
     _one_line_exit_2(capsys, ["report", str(run)], "rank 1 has events of step 0 but no step window")
+
+
+def test_resume_names_an_edited_model_before_the_tokenizer_it_no_longer_fits(run_dir, tmp_path, capsys):
+    """A vocab cut to 10 in config.toml: the resume names the edit against the checkpoint, not the
+    byte tokenizer's 256 tokens that the edited model would no longer hold."""
+    run = tmp_path / "copy"
+    shutil.copytree(run_dir, run)
+    text = (run / "config.toml").read_text()
+    (run / "config.toml").write_text(text.replace("vocab = 256", "vocab = 10", 1))
+    argv = ["train", "--run-dir", str(run), "--resume", "--steps", "5", "--no-progress"]
+    _one_line_exit_2(capsys, argv, "was saved for a model with vocab = 256")

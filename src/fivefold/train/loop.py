@@ -43,7 +43,9 @@ from fivefold.support import check_trainable
 from fivefold.train import supervise
 from fivefold.train.checkpoint import (
     broadcast_object,
+    check_saved_model,
     checkpoint_step,
+    checkpoints_root,
     find_checkpoint,
     load_checkpoint,
     model_record,
@@ -135,6 +137,10 @@ def preflight(cfg: RunConfig, run_dir: Path, resume: str | None, world: int) -> 
     check_data_source(tspec.data)
     check_model_state_fits(spec, tspec, world)
     check_batch_fits(spec, tspec, layout, world)
+    if resume is not None and checkpoints_root(run_dir).is_dir():
+        # a config.toml edited since the checkpoint is named as such before its consequences (a
+        # vocabulary the tokenizer no longer fits) are
+        check_saved_model(find_checkpoint(run_dir, resume, warn=False), spec, run_dir / "config.toml")
     tokenizer = load_tokenizer(tspec.tokenizer)
     if tokenizer.vocab_size > spec.vocab:
         raise FivefoldError(

@@ -956,3 +956,11 @@ def test_a_serving_plan_lists_the_collectives_generate_issues(capsys) -> None:
     assert rows[1, "tp", "all_gather"] == (1, 4 * 32000 * 2) and (0, "tp", "all_gather") not in rows
     assert rows[0, "ep", "all_to_all"][0] == 3 * layers and rows[1, "cp", "broadcast"] == (1, 4 * 8)
     assert rows[0, "pp", "send"] == rows[1, "pp", "recv"] == (1, 4 * 4096 * 2)
+
+
+def test_inference_flags_on_a_training_plan_are_named_as_ignored(capsys) -> None:
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--objective", "throughput", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "note: --objective is a flag of --mode inference; this training plan ignores it" in err
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--json"]) == 0
+    assert "note:" not in capsys.readouterr().err  # the defaults are not flags someone typed

@@ -142,7 +142,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="data-parallel gradient reduction does not overlap the backward",
     )
-    parser.add_argument("--batch", type=int, default=1, help="inference: concurrent sequences per replica")
+    parser.add_argument(
+        "--batch", type=int, default=None, help="inference: concurrent sequences per replica (default 1)"
+    )
     parser.add_argument("--context", type=int, default=None, help="inference: prompt + generated tokens")
     parser.add_argument(
         "--prompt", type=int, default=None, help="inference: prompt tokens (default: half the context)"
@@ -150,8 +152,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--objective",
         choices=("latency", "throughput"),
-        default="latency",
-        help="inference --search: rank by decode time per token (latency) or by tokens/s (throughput)",
+        default=None,
+        help="inference --search: rank by decode time per token (latency, the default) or by tokens/s "
+        "(throughput)",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     add_layout_arguments(parser)
@@ -206,7 +209,17 @@ def run(args: argparse.Namespace) -> int:
     hw = load_hardware(args.hardware)
     gpn = args.gpus_per_node or hw.gpus_per_node
     if args.mode == "inference":
+        args.batch = 1 if args.batch is None else args.batch
+        args.objective = args.objective or "latency"
         return _inference(args, model, hw, gpn, assumed)
+    # flags of the serving plan: a training plan has nothing to do with them, which whoever typed them
+    # did not expect
+    for flag in ("batch", "context", "prompt", "objective"):
+        if getattr(args, flag) is not None:
+            print(
+                f"note: --{flag} is a flag of --mode inference; this training plan ignores it",
+                file=sys.stderr,
+            )
     from fivefold.plan import TrainShape, plan
     from fivefold.plan import text as view
     from fivefold.plan.runshape import DTYPE_BYTES

@@ -230,3 +230,12 @@ def test_describe_says_whether_experts_are_sharded_further_and_counts_nodes() ->
         "each expert is FSDP-sharded over the remaining 4" in sharded
         and "16 GPUs on 2 nodes of 8;" in sharded
     )
+
+
+def test_a_world_that_leaves_a_node_partly_used_is_noted(capsys) -> None:
+    from fivefold.cli import main
+
+    assert main(["mesh", "--gpus", "16", "--gpus-per-node", "3", "--json"]) == 0
+    assert "note: 16 GPUs fill 5 nodes of 3 and 1 GPU(s) of one more;" in capsys.readouterr().err
+    assert main(["mesh", "--gpus", "16", "--gpus-per-node", "8", "--json"]) == 0
+    assert "note" not in capsys.readouterr().err

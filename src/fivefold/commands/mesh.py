@@ -79,6 +79,13 @@ def _run(args: argparse.Namespace) -> int:
     check_gpus(args.gpus)
     layout = layout_from_args(args)  # with neither --dp nor --fsdp, dp fills what the others leave
     info = build_mesh(layout, args.gpus, args.gpus_per_node)
+    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:  # drawn, but rarely meant
+        full, left = divmod(args.gpus, args.gpus_per_node)
+        print(
+            f"note: {args.gpus} GPUs fill {full} nodes of {args.gpus_per_node} and {left} GPU(s) of one "
+            "more; the last node is drawn partly used",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps(info.to_json()))
         if args.svg:

@@ -139,6 +139,10 @@ def test_resolved_config_round_trips(tmp_path):
     [
         ("[train]\nsteps = 0\n", "--steps must be positive"),
         ("[train]\nsteps = 100000000000\n", "--steps must be at most 1,000,000,000"),
+        (
+            "[train]\nseq_len = 0\n",
+            r"--seq-len must be positive, got 0 \(set by seq_len in .*bad.toml \[train\]\)",
+        ),
         ('[train]\ndtype = "fp8"\n', "--dtype must be one of"),
         ("[train]\nsteps = 2.5\n", "steps must be int"),
         ("[trian]\nsteps = 2\n", "unknown table"),

@@ -154,7 +154,15 @@ def build_run_config(
     base = _from_dict(Layout, dict(layout_data), f"{args.config} [layout]") if keep_layout else None
     said = set(layout_data) - ({"dp", "fsdp"} if refill_dp else set())
     layout = layout_from_args(args, base, said if base else None)
-    return RunConfig(model=spec, train=train.validate(), layout=layout)
+    try:
+        train = train.validate()
+    except FivefoldError as exc:  # the message names the flag; a value read from the file is named there
+        typed = {name for name in TRAIN_FLAGS if getattr(args, name, None) is not None}
+        from_file = [k for k in train_data if k not in typed and f"--{k.replace('_', '-')} " in f"{exc} "]
+        if not from_file:
+            raise
+        raise FivefoldError(f"{exc} (set by {from_file[0]} in {args.config} [train])") from None
+    return RunConfig(model=spec, train=train, layout=layout)
 
 
 def _say_layout_change(saved: Path, now: RunConfig, nproc: int) -> None:

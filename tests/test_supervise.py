@@ -19,6 +19,18 @@ import pytest
 from fivefold.train.checkpoint import checkpoint_problem, list_checkpoints
 
 
+def _launch(argv: list[str], stderr: int, **env: str) -> subprocess.Popen:
+    """`fivefold ARGV` in its own process group, as a terminal would start it, its output piped."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "fivefold", *argv],
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env),
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        start_new_session=True,
+    )
+
+
 def _start(tmp_path: Path, corpus: str, *extra: str) -> tuple[subprocess.Popen, Path, Path]:
     temp = tmp_path / "tmp"
     temp.mkdir()
@@ -26,15 +38,7 @@ def _start(tmp_path: Path, corpus: str, *extra: str) -> tuple[subprocess.Popen, 
     argv = ["train", "--model", "tiny", "--nproc", "2", "--steps", "100000", "--seq-len", "16"]
     argv += ["--micro-batch", "2", "--device", "cpu", "--no-progress", "--data", corpus]
     argv += ["--eval-every", "100000", "--run-dir", str(run), *extra]
-    env = dict(os.environ, TMPDIR=str(temp), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fivefold", *argv],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group, as a terminal would make it
-    )
+    proc = _launch(argv, subprocess.PIPE, TMPDIR=str(temp))
     deadline = time.monotonic() + 240
     while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").stat().st_size):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -261,15 +265,7 @@ def test_a_reader_that_goes_away_does_not_end_the_run(tmp_path, corpus):
         "--run-dir",
         str(run),
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fivefold", *argv],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = _launch(argv, subprocess.STDOUT)
     try:
         first = proc.stdout.readline()  # the step-10 line: the pipe is closed before steps 20 and 30
         proc.stdout.close()

@@ -60,11 +60,18 @@ class ReaderGoneStream:
         return getattr(self._stream, name)
 
 
+def write_without_a_reader() -> tuple[Any, Any]:
+    """Make stdout and stderr `ReaderGoneStream`s (a rank does for the rest of its life); returns the
+    streams they were."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = ReaderGoneStream(sys.stdout), ReaderGoneStream(sys.stderr)
+    return saved
+
+
 @contextlib.contextmanager
 def outlive_the_reader() -> Iterator[None]:
     """Within it, stdout and stderr are `ReaderGoneStream`s; the streams before are restored after."""
-    saved = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = ReaderGoneStream(sys.stdout), ReaderGoneStream(sys.stderr)
+    saved = write_without_a_reader()
     try:
         yield
     finally:

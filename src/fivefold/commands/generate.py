@@ -352,7 +352,13 @@ def load_run(run_dir: Path, checkpoint: str = "latest", dtype: str | None = None
     import torch
 
     from fivefold.config import RunConfig
-    from fivefold.model.hf import DTYPES, NON_FINITE_CHECKPOINT, empty_model, refuse_non_finite
+    from fivefold.model.hf import (
+        DTYPES,
+        EARLIER_CHECKPOINT,
+        NON_FINITE_CHECKPOINT,
+        empty_model,
+        refuse_non_finite,
+    )
     from fivefold.train.checkpoint import (
         check_model_shapes,
         check_not_damaged,
@@ -381,13 +387,9 @@ def load_run(run_dir: Path, checkpoint: str = "latest", dtype: str | None = None
             f"missing e.g. {', '.join(missing[:3])}"
         )
     check_model_shapes(path, weights, stored, run_dir / "config.toml")
-    check_not_damaged(path, "generate from an earlier checkpoint (--checkpoint STEP)")
+    check_not_damaged(path, EARLIER_CHECKPOINT)
     load_weights(weights, path)  # in place, cast to the model's dtype
-    refuse_non_finite(
-        weights.items(),
-        f"checkpoint {path}",
-        NON_FINITE_CHECKPOINT,
-    )
+    refuse_non_finite(weights.items(), f"checkpoint {path}", NON_FINITE_CHECKPOINT)
     with torch.no_grad():  # dcp.load may have replaced tensors in the dict instead of filling them
         for name, tensor in model.state_dict().items():
             if name in weights and weights[name] is not tensor:

@@ -375,7 +375,7 @@ def _does_not_fit(p, args: argparse.Namespace, pinned) -> str:  # noqa: ANN001 -
 def _inference(args: argparse.Namespace, model, hw, gpn: int, assumed: dict) -> int:
     import json
 
-    from fivefold.config import layout_from_args
+    from fivefold.config import check_seq_len, layout_from_args
     from fivefold.errors import FivefoldError
     from fivefold.mesh import resolve_layout
     from fivefold.plan import text as view
@@ -384,11 +384,7 @@ def _inference(args: argparse.Namespace, model, hw, gpn: int, assumed: dict) -> 
     context = args.context or args.seq_len
     if not context:  # as training's --seq-len: the model's positions, at most the default, said so
         context = assumed["context"] = defaults.seq_len(model.max_seq_len)
-    if context > model.max_seq_len:  # as training's --seq-len and generate's prompts: the model's positions
-        raise FivefoldError(
-            f"--context {context} exceeds the {model.max_seq_len} positions of model {model.name} "
-            f"(max_seq_len); valid: 2..{model.max_seq_len}"
-        )
+    check_seq_len(model, context, "--context", shortest=2)  # as training's --seq-len: the model's positions
     prompt = args.prompt if args.prompt is not None else context // 2
     if not 0 < prompt < context:
         raise FivefoldError(

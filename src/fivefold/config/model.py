@@ -216,10 +216,11 @@ class ModelSpec:
         return body + ((emb + head) if embeddings else head)
 
 
-def check_seq_len(model: ModelSpec, seq_len: int) -> None:
-    """A run's sequences fit the model's positions (RoPE tables and HF configs are sized for them)."""
+def check_seq_len(model: ModelSpec, seq_len: int, flag: str = "--seq-len", shortest: int = 1) -> None:
+    """A run's sequences fit the model's positions (RoPE tables and HF configs are sized for them);
+    a serving context (`--context`) holds at least a prompt token and a generated one."""
     if seq_len > model.max_seq_len:
         raise FivefoldError(
-            f"--seq-len {seq_len} exceeds the {model.max_seq_len} positions of model {model.name} "
-            f"(max_seq_len); valid: 1..{model.max_seq_len}"
+            f"{flag} {seq_len} exceeds the {model.max_seq_len} positions of model {model.name} "
+            f"(max_seq_len); valid: {shortest}..{model.max_seq_len}"
         )

@@ -47,19 +47,26 @@ _ROTARY_ROWS = tuple(
 ) + (".self_attn.q_norm.weight", ".self_attn.k_norm.weight")
 
 
-# what to do about a training checkpoint with non-finite weights
-NON_FINITE_CHECKPOINT = (
-    "its training diverged or the file is damaged: generate from an earlier checkpoint (--checkpoint STEP)"
-)
+# what to do about a training checkpoint that cannot be served
+EARLIER_CHECKPOINT = "generate from an earlier checkpoint (--checkpoint STEP)"
+NON_FINITE_CHECKPOINT = f"its training diverged or the file is damaged: {EARLIER_CHECKPOINT}"
+
+
+def first_non_finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """The name of the first floating tensor holding NaN or inf (a DTensor: this rank's shard)."""
+    for name, tensor in tensors:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            return name
+    return None
 
 
 def refuse_non_finite(tensors: Iterable[tuple[str, torch.Tensor]], where: object, remedy: str) -> None:
     """A weight that is not all finite numbers (a diverged run, a damaged file) would generate
     garbage or fail deep in sampling: refuse it by name."""
-    for name, tensor in tensors:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
-            raise FivefoldError(f"{where}: weight {name} holds NaN or infinite values; {remedy}")
+    name = first_non_finite(tensors)
+    if name is not None:
+        raise FivefoldError(f"{where}: weight {name} holds NaN or infinite values; {remedy}")
 
 
 def rotary_rows(name: str, tensor: torch.Tensor, head_dim: int, to_hf: bool = False) -> torch.Tensor:

@@ -325,8 +325,8 @@ def _load_dcp(chunk: Any, spec: ModelSpec, source: ModelSource) -> None:
         set_model_state_dict,
     )
 
-    from fivefold.model.hf import NON_FINITE_CHECKPOINT, refuse_non_finite
-    from fivefold.train.checkpoint import check_not_damaged, find_checkpoint
+    from fivefold.model.hf import EARLIER_CHECKPOINT, NON_FINITE_CHECKPOINT, refuse_non_finite
+    from fivefold.train.checkpoint import check_not_damaged, find_checkpoint, first_problem_of_all
     from fivefold.train.safe_metadata import load_weights, read_metadata
 
     path = find_checkpoint(Path(source.path), source.checkpoint)
@@ -345,19 +345,16 @@ def _load_dcp(chunk: Any, spec: ModelSpec, source: ModelSource) -> None:
             f"checkpoint {path} does not hold the weights of this model; "
             f"missing e.g. {', '.join(missing[:3])}"
         )
-    check_not_damaged(path, "generate from an earlier checkpoint (--checkpoint STEP)")
+    check_not_damaged(path, EARLIER_CHECKPOINT)
     load_weights(weights, path)
-    # one rank's shard may hold the damage while its peers' do not: all of them refuse, or their
-    # peers would wait for them in the first collective
+    # one rank's shard may hold the damage while its peers' do not: all of them refuse together
     try:
         refuse_non_finite(weights.items(), f"checkpoint {path}", NON_FINITE_CHECKPOINT)
         problem = None
     except FivefoldError as exc:
         problem = str(exc)
-    problems: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
-    if any(problems):
-        raise FivefoldError(next(p for p in problems if p))
+    if (first := first_problem_of_all(problem)) is not None:
+        raise FivefoldError(first)
     if "model.embed_tokens.weight" in weights and chunk.model.embed_tokens is None:
         weights["lm_head.weight"] = weights.pop("model.embed_tokens.weight")
     # a tied head is the embedding's tensor: filled with it, so it may be absent here

@@ -14,14 +14,13 @@ import os
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from fivefold.errors import FivefoldError
-from fivefold.outputs import ReaderGoneStream
+from fivefold.outputs import write_without_a_reader
 
 _QUIET = (
     "torch.distributed.elastic",
@@ -153,7 +152,7 @@ def _entry(fn: Callable[..., Any], args: tuple, backend: str = "gloo") -> Any:
     import torch
     import torch.distributed as dist
 
-    sys.stdout, sys.stderr = ReaderGoneStream(sys.stdout), ReaderGoneStream(sys.stderr)
+    write_without_a_reader()
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
     torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))

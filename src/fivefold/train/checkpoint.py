@@ -307,10 +307,8 @@ def save_checkpoint(
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     rank = _rank()
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_unfinished(run_dir)  # this step's .tmp, and whatever a killed launcher left
         tmp.mkdir(parents=True)
-        for stale in root.glob("step_*.deleting"):  # left by a kill during an earlier prune
-            shutil.rmtree(stale, ignore_errors=True)
     _barrier()
     try:
         with warnings.catch_warnings():
@@ -426,11 +424,16 @@ def damaged_file(path: Path, rank: int = 0, world: int = 1) -> str | None:
     return None
 
 
+def first_problem_of_all(problem: str | None) -> str | None:
+    """Collective where ranks are: the first problem any rank found, on every rank. A refusal only
+    some ranks raise would leave their peers waiting for them in the next collective."""
+    return next((p for p in _gather(problem) if p), None)
+
+
 def check_not_damaged(path: Path, remedy: str) -> None:
     """Collective where ranks are: every rank checks its share, and all refuse if one file is off."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    problems = _gather(damaged_file(path, _rank(), world))
-    problem = next((p for p in problems if p), None)
+    problem = first_problem_of_all(damaged_file(path, _rank(), world))
     if problem:
         raise FivefoldError(f"checkpoint {path} is damaged: {problem}; {remedy}")
 

@@ -31,7 +31,7 @@ from torch.distributed.launcher.api import elastic_launch
 
 from fivefold.config import RunConfig
 from fivefold.errors import FivefoldError, storage_full
-from fivefold.outputs import ReaderGoneStream
+from fivefold.outputs import write_without_a_reader
 from fivefold.parallel.spawn import LOST_PEER, local_launcher, threads_per_rank
 from fivefold.train.checkpoint import remove_unfinished
 from fivefold.train.loop import train
@@ -84,7 +84,7 @@ def run_job(job: TrainJob, control_folder: str | None = None) -> int:
 def _rank_entry(job: TrainJob, error_dir: str) -> int:
     """Runs in each spawned rank."""
     rank = os.environ.get("RANK", "?")
-    sys.stdout, sys.stderr = ReaderGoneStream(sys.stdout), ReaderGoneStream(sys.stderr)
+    write_without_a_reader()
     launcher = os.getppid()
     (Path(error_dir) / f"rank{rank}.pid").write_text(str(os.getpid()))  # for forwarded signals
     interrupted = False

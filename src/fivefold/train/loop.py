@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from fivefold.config import Layout, ModelSpec, RunConfig, TrainSpec, check_buildable, check_seq_len
 from fivefold.errors import FivefoldError
@@ -33,6 +32,7 @@ from fivefold.measure.ledger import CommLedger
 from fivefold.measure.memory import ActivationMeter, device_memory, state_bytes
 from fivefold.measure.timeline import write_trace
 from fivefold.model import build_model, materialize
+from fivefold.model.hf import first_non_finite
 from fivefold.parallel import runners
 from fivefold.parallel.api import LocalRunner
 from fivefold.parallel.compile import check_compile, compile_blocks
@@ -573,11 +573,7 @@ def _train(
 def _refuse_non_finite_weights(parts: list[nn.Module], step: int, tspec: TrainSpec) -> None:
     """Collective: a checkpoint is not saved over weights that are no longer finite numbers (an
     update too large for the dtype), so the last whole checkpoint stays the newest one."""
-    local = all(
-        bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
-        for part in parts
-        for p in part.parameters()
-    )
+    local = all(first_non_finite(part.named_parameters()) is None for part in parts)
     flag = torch.tensor([0 if local else 1], dtype=torch.int64, device=next(parts[0].parameters()).device)
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -157,8 +157,12 @@ def build_run_config(
     try:
         train = train.validate()
     except FivefoldError as exc:  # the message names the flag; a value read from the file is named there
-        typed = {name for name in TRAIN_FLAGS if getattr(args, name, None) is not None}
-        from_file = [k for k in train_data if k not in typed and f"--{k.replace('_', '-')} " in f"{exc} "]
+        typed = {_FIELD.get(name, name) for name in TRAIN_FLAGS if getattr(args, name, None) is not None}
+        flag_of = {field: flag for flag, field in _FIELD.items()}  # warmup_steps is --warmup
+        named = f"{exc} "
+        from_file = [
+            k for k in train_data if k not in typed and f"--{flag_of.get(k, k).replace('_', '-')} " in named
+        ]
         if not from_file:
             raise
         raise FivefoldError(f"{exc} (set by {from_file[0]} in {args.config} [train])") from None
@@ -219,11 +223,8 @@ def _check_saved_batch_splits(saved: Path, cfg: RunConfig, world: int) -> None:
     """A resume on more data ranks keeps the run's global batch (the same optimisation), which must
     still split into whole micro-batches: else one line naming the run's batch and the ways on."""
     layout = runtime_layout(cfg.layout, world, cfg.model, cfg.train.seq_len)
-    data, micro, batch = (
-        layout.dp * layout.fsdp,
-        cfg.train.micro_batch,
-        cfg.train.step_batch(layout.dp * layout.fsdp),
-    )
+    data, micro = layout.dp * layout.fsdp, cfg.train.micro_batch
+    batch = cfg.train.step_batch(data)
     if batch % (micro * data) == 0:
         return
     fits = [m for m in range(micro, 0, -1) if batch % (m * data) == 0]

@@ -157,9 +157,12 @@ def test_pinned_flags_that_contradict_or_that_train_refuses_are_named() -> None:
         raise AssertionError("--fsdp 8 --zero 1 was searched")
     sp = search(model, hw, 64, shape, top=3, pins={"sp": True})
     assert sp.plans and all(p.layout.tp > 1 and p.layout.sp for p in sp.plans)
+    split = search(model, hw, 64, shape, pins={"pp_schedule": "zero-bubble", "zero": 3})
+    assert not split.plans and "can be trained" in split.explanation[0]
+    assert "use --zero 2" in split.explanation[0]
+    # chunks that differ by a layer are trained (the cost-balanced split), so they are searched
     uneven = search(model, hw, 64, shape, pins={"pp_schedule": "interleaved-1f1b", "virtual_stages": 3})
-    assert not uneven.plans and "can be trained" in uneven.explanation[0]
-    assert "does not divide the 32 layers" in uneven.explanation[0]
+    assert uneven.plans and all(p.layout.virtual_stages == 3 for p in uneven.plans)
 
 
 def test_the_flags_a_search_prints_train_the_plan_it_scored() -> None:

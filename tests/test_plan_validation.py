@@ -447,7 +447,8 @@ def test_megatron_on_hopper_runs_transformer_engine_and_tunes_the_chunk_count(tm
     """Megatron-LM on Hopper is planned as Megatron-Core with Transformer Engine runs there (cuDNN
     attention, tp collectives overlapped), as NeMo's and dgxc's runs are; on A100 it keeps the plain
     kernels. An interleaved pipeline without a published chunk count is filled with the count that
-    splits a stage evenly and pays: 24 micro-batches over 12 stages leave v=2 a 17% bubble."""
+    pays, even or not (a chunk may hold a layer more): 24 micro-batches over 12 stages leave v=2 a
+    17% bubble."""
     from fivefold.plan import validation as V
 
     path = tmp_path / "runs.toml"
@@ -456,7 +457,7 @@ def test_megatron_on_hopper_runs_transformer_engine_and_tunes_the_chunk_count(tm
     assert hopper.inputs.shape.attention == "flash3" and hopper.inputs.shape.tp_overlap
     assert "virtual_stages" in hopper.inputs.free
     chunks = {lay.virtual_stages for lay, _ in V._variants(hopper.inputs)}
-    assert chunks == {2, 4, 8}  # 8 layers a stage
+    assert chunks == set(range(2, 9))  # 8 layers a stage
     assert hopper.inputs.layout.virtual_stages > 2
     path.write_text(MEGATRON_HOPPER.format(gpu="A100 80GB"))
     (ampere,) = V.cases(load_runs(path))

@@ -125,13 +125,6 @@ def check_pipeline_shape(model: ModelSpec, layout: Layout) -> None:
         )
     if layout.pp_split:  # its counts (a middle chunk with no layer, say) before any rank starts
         parse_split(layout.pp_split, model.layers, chunks)
-    if not layout.pp_split and v > 1 and model.layers % chunks:
-        ok = [d for d in divisors(model.layers) if d % pp == 0]
-        raise FivefoldError(
-            f"--virtual-stages {v} with --pp {pp} makes {chunks} chunks, which does not divide the "
-            f"{model.layers} layers of {model.name} (interleaved chunks must be alike); valid virtual "
-            f"stages: {suggest([d // pp for d in ok]) or 'none'}, or give --pp-split"
-        )
     if layout.fsdp > 1 and layout.zero == 3 and sched in SPLIT_BACKWARD:
         raise FivefoldError(
             f"--pp-schedule {sched} computes weight gradients after the input gradients, which needs "

@@ -491,9 +491,12 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     elif (
         schedule == "interleaved-1f1b"
         and ("virtual_stages" not in lt or "virtual_stages" in unknown)
-        and (model.layers // pp) % 2 == 0
+        and model.layers >= 2 * pp
     ):
-        free.append("virtual_stages")  # interleaved, with the chunk count its authors tuned unpublished
+        if "virtual_stages" in trainer:  # the trainer's default chunk count, where it has one
+            layout = dataclasses.replace(layout, virtual_stages=trainer["virtual_stages"])
+        else:
+            free.append("virtual_stages")  # interleaved, with the chunk count its authors tuned unpublished
     megatron_like = trainer.get("grad_bytes") == 2 or name in ("NVIDIA/Megatron-LM", "Korthikanti")
     # DeepSpeed's pipeline engine takes ZeRO-1 at most: with a pipeline the stage is not the planner's pick
     pinned = layout.pp > 1 and trainer.get("zero_with_pipeline") == 1

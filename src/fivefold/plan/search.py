@@ -102,9 +102,11 @@ def _schedules(pp: int, layers: int, moe: bool) -> list[tuple[str, int]]:
     # ZB-H1 keeps 1F1B's memory with a smaller bubble, but not every layout or trainer runs its
     # split backward (replicated tp weights, nanotron, DeepSpeed): 1F1B stays a candidate
     out = [("zero-bubble", 1), ("1f1b", 1)]
+    # chunks need not split a rank's layers evenly: the cost-balanced split (layout_math.stage_split)
+    # gives some chunks a layer more, as Llama 3's 126 layers ran on 16 stages
     per = layers // pp
     for v in (2, 3, 4, 6, 8):
-        if per >= v and per % v == 0:
+        if per >= v:
             out.append(("interleaved-1f1b", v))
     if per >= 2:
         out.append(("zbv", 2))

@@ -43,6 +43,7 @@ TRAINERS = {
         # reduce-scatters, fed by a sum of matmuls, are not fused (pytorch PR 149946)
         "tp_overlap_backward_scatters": False,
         "microbatches": "pp",
+        "virtual_stages": 2,  # its looped schedules build two stages a rank unless told otherwise
         "tp_regather": False,
         "tp_backward_overlap": False,
     },

@@ -199,9 +199,9 @@ def _variants(inp: RunInputs) -> list[tuple[Layout, TrainShape]]:
     if "pipeline_schedule" in inp.free:
         chunks = [v for v in range(2, 9) if inp.model.layers >= lay.pp * v] if inp.interleaved else []
         schedules = [("1f1b", 1)] + [("interleaved-1f1b", v) for v in chunks]
-    elif "virtual_stages" in inp.free:  # chunk counts that split a stage's layers evenly, 2 first
+    elif "virtual_stages" in inp.free:  # every chunk count up to 8 that leaves a layer a chunk
         per_rank = inp.model.layers // lay.pp
-        schedules = [("interleaved-1f1b", v) for v in range(2, min(per_rank, 8) + 1) if per_rank % v == 0]
+        schedules = [("interleaved-1f1b", v) for v in range(2, min(per_rank, 8) + 1)]
     layouts = [lay]
     if "zero_stage" in inp.free:  # ZeRO-2 over the data ranks is fsdp at zero 2 in fivefold's words
         layouts.append(dataclasses.replace(lay, dp=1, fsdp=lay.dp, zero=2))

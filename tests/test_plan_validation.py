@@ -943,6 +943,58 @@ def test_nanotrons_sharded_optimizer_reduces_after_the_backward() -> None:
     assert all(c.exposed_s < c.time_s for c in data_parallel(1, "NVIDIA/Megatron-LM"))
 
 
+def test_deepspeeds_pipeline_engine_waits_on_its_hand_overs_and_reduces_after_the_schedule() -> None:
+    """DeepSpeed's pipeline engine (Megatron-DeepSpeed: BLOOM, MT-NLG) blocks on every stage hand-over
+    and all-reduces the gradients once its schedule ends; Megatron's own hides both beside compute.
+    Without sequence parallelism both send each tp rank's 1/tp of the activation (Megatron's
+    scatter-gather, DeepSpeed's pipe_partitioned), where fivefold's runtime sends it whole."""
+    import dataclasses
+
+    from fivefold.plan import plan
+    from fivefold.plan.runs import build
+
+    def inputs(framework: str):
+        return build(
+            {
+                "id": "r",
+                "source": "a 2021 paper",  # before sequence parallelism
+                "hardware": {"gpu": "A100 80GB"},
+                "model": {"layers": 8, "hidden": 4096, "heads": 32, "seq_len": 2048},
+                "layout": {
+                    "gpus": 64,
+                    "tp": 4,
+                    "pp": 4,
+                    "dp": 4,
+                    "micro_batch": 1,
+                    "global_batch": 64,
+                    "framework": framework,
+                },
+            }
+        )
+
+    ds, megatron = inputs("Megatron-DeepSpeed"), inputs("Megatron-LM")
+    assert not (ds.layout.sp or megatron.layout.sp)
+    assert ds.shape.p2p_blocking and ds.shape.reduce_after_pipeline and ds.shape.pp_scatter
+    assert not (megatron.shape.p2p_blocking or megatron.shape.reduce_after_pipeline)
+    p_ds, p_mg = (plan(i.model, i.hw, i.layout, i.shape) for i in (ds, megatron))
+    ds_send, mg_send = (next(c for c in p.comm if c.axis == "pp" and c.op == "send") for p in (p_ds, p_mg))
+    m = p_ds.microbatches  # 16 a data rank: 4 transfers each, forward and backward, waited on
+    assert m == 16 and ds_send.count == m  # as many receives beside them
+    hand_overs = sum(c.exposed_s for c in p_ds.comm if c.axis == "pp" and c.op in ("send", "recv"))
+    assert hand_overs == pytest.approx(4 * m * ds_send.time_s / ds_send.count)
+    assert mg_send.exposed_s < ds_send.exposed_s / 4
+    assert all(c.exposed_s == pytest.approx(c.time_s) for c in p_ds.comm if c.axis == "dp")
+    assert any(c.exposed_s < c.time_s for c in p_mg.comm if c.axis == "dp")
+    assert p_ds.step_time_s > p_mg.step_time_s
+    # a quarter of the [s, h] bf16 activation per tp rank; fivefold's runtime sends it whole
+    assert mg_send.bytes / mg_send.count == pytest.approx(2048 * 4096 * 2 / 4)
+    whole = plan(
+        megatron.model, megatron.hw, megatron.layout, dataclasses.replace(megatron.shape, pp_scatter=False)
+    )
+    whole_send = next(c for c in whole.comm if c.axis == "pp" and c.op == "send")
+    assert whole_send.bytes / whole_send.count == pytest.approx(2048 * 4096 * 2)
+
+
 def test_nanotrons_gradient_sync_and_gather_cost_what_its_code_issues() -> None:
     """nanotron's ZeRO-1 all-reduces the whole fp32 gradient, gathers the updated weights with a slice
     and a copy per parameter tensor and data rank from the host, and accumulates in fp32 with an add

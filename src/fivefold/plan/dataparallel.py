@@ -120,6 +120,7 @@ def data_parallel_traffic(
     so each pass over the stage pays the ring's latency `units` times."""
     z = layout.zero
     overlap = shape.overlap_grad_reduce and hw.comm_overlap and (z == 0 or shape.sharded_overlap)
+    overlap = overlap and not (shape.reduce_after_pipeline and layout.pp > 1)
     g, p = shape.grad_bytes, shape.param_bytes
     n = shard_group(layout)
     ep = layout.ep

@@ -468,7 +468,7 @@ def _plan(
     v = layout.virtual_stages
     bubble = bubble_time(layout.pp_schedule, layout.pp, m, v, mean_f, mean_b)
     if layout.pp > 1:  # activations (and their grads) to the next stage
-        pp_payload = act_bytes / (layout.tp if layout.sp else 1)
+        pp_payload = act_bytes / (layout.tp if layout.sp or shape.pp_scatter else 1)
         pp_link = kinds.get("pp", "inter")
         t_p2p = collective_time(hw, SEND, pp_payload, 2, pp_link)[1]
         on_path = p2p_on_critical_path(layout.pp_schedule, layout.pp, v) * t_p2p
@@ -476,6 +476,8 @@ def _plan(
         # sends less than the path carries, and the rest is a wait on other ranks' links: bubble
         own = min(on_path, 2 * m * v * t_p2p)
         bubble += on_path - own
+        if shape.p2p_blocking:  # each micro-batch's receive and send, forward and backward, waited on
+            own = 4 * m * v * t_p2p
         add(
             "pp", SEND, pp_payload, layout.pp, pp_link, 2 * m * v, exposed=own, overlap="steady-state compute"
         )

@@ -105,6 +105,17 @@ class TrainShape:
     # parameter tensors of a block (norms included): per-tensor host work is counted with it. fivefold's
     # Llama block: q, k, v, o, w1, w2, w3 and two norms; nanotron fuses qkv and gate-up (6)
     block_tensors: int = 9
+    # without sequence parallelism each tp rank still sends only its 1/tp of a stage's activation and
+    # the receivers all-gather it over the fast link (Megatron's scatter-gather, on by default since
+    # 2021; DeepSpeed's pipe_partitioned); fivefold's runtime sends the whole tensor from every tp rank
+    pp_scatter: bool = False
+    # a pipeline's stage hand-overs block the compute stream, every micro-batch (DeepSpeed's pipeline
+    # engine: its p2p.send and recv take no async_op), instead of running beside the next compute
+    p2p_blocking: bool = False
+    # with a pipeline the data-parallel gradient reduction runs after the whole schedule, not beside
+    # the last backward (DeepSpeed's pipeline engine turns its backward all-reduce off and issues
+    # ReduceGrads once the schedule ends)
+    reduce_after_pipeline: bool = False
 
     def validate(self) -> TrainShape:
         for name in ("seq_len", "global_batch", "micro_batch"):

@@ -18,6 +18,10 @@ if TYPE_CHECKING:
 # eager PyTorch unless torch.compile is stated. Others: fused kernels, no tp overlap.
 # the pipeline schedules Megatron-core runs: 1F1B, and 1F1B over virtual stages
 MEGATRON_SCHEDULES = ("1f1b", "interleaved-1f1b")
+# DeepSpeed's pipeline engine (runtime/pipe): its stage hand-overs are blocking sends and receives
+# (p2p.send asserts async_op is False), and it turns the backward's gradient all-reduce off to issue
+# one ReduceGrads after the schedule
+DEEPSPEED_PIPELINE = {"p2p_blocking": True, "reduce_after_pipeline": True}
 TRAINERS = {
     "NVIDIA/NeMo": {
         "fused": True,
@@ -63,6 +67,7 @@ TRAINERS = {
         "grad_bytes": 2,
         "schedules": ("1f1b",),
         "zero_with_pipeline": 1,
+        **DEEPSPEED_PIPELINE,
     },
     # nanotron's pipeline engines are all-forward-all-backward and 1F1B: no interleaved chunks. With
     # its sharded optimizer and fp32 gradient accumulation (what its benchmark sweep sets) it builds
@@ -89,9 +94,11 @@ TRAINERS = {
         "zero_with_pipeline": 1,
         "sp_since": 2023,
         "schedules": ("1f1b",),
+        **DEEPSPEED_PIPELINE,
     },
     # fivefold's own run directories (`framework = "fivefold"`): DTensor's sequence parallelism
     "fivefold": {
+        "pp_scatter": False,
         "tp_regather": False,
         "tp_backward_overlap": False,
         "ring_grad_fp32": True,
@@ -153,6 +160,9 @@ def shape_facts(trainer: dict[str, Any]) -> dict[str, Any]:
         "fp32_accumulate_pass": bool(trainer.get("fp32_accumulate_pass", False)),
         "block_tensors": int(trainer.get("block_tensors", 9)),
         "sp_any_length": bool(trainer.get("sp_any_length", False)),
+        "pp_scatter": bool(trainer.get("pp_scatter", True)),
+        "p2p_blocking": bool(trainer.get("p2p_blocking", False)),
+        "reduce_after_pipeline": bool(trainer.get("reduce_after_pipeline", False)),
     }
 
 

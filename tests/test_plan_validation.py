@@ -505,6 +505,8 @@ def test_export_and_other_accelerators_get_their_own_presets(tmp_path) -> None:
         "h100_96": "H100 96GB HBM2e",
         "pcie": "NVIDIA H100 PCIe",
         "nvl": "H100 NVL",
+        "ampere": "NVIDIA Ampere GPUs",  # a generation without its part: that generation's training GPU
+        "ampere_40": "Ampere 40GB",
     }
     path = tmp_path / "runs.toml"
     path.write_text("".join(ONE_GPU_NAME.format(id=k, gpu=g) for k, g in names.items()))
@@ -525,6 +527,8 @@ def test_export_and_other_accelerators_get_their_own_presets(tmp_path) -> None:
         96,
         "hopper",
     )
+    assert (hw["ampere"].name, family(hw["ampere"])) == ("a100-80gb", "a100")
+    assert (hw["ampere_40"].gpu_memory_gb, family(hw["ampere_40"])) == (40, "a100")
     prediction = V.predict(cases["v5e"])
     assert prediction.fits and prediction.predicted > 0
 

@@ -144,6 +144,11 @@ GPU_NAME_PRESETS = {
     "TPUV6E": "tpu-v6e",
     "TPU-V6E": "tpu-v6e",
     "TRILLIUM": "tpu-v6e",
+    # a generation named without its part ("NVIDIA Ampere GPUs", as some papers state their cluster):
+    # its training part, after every specific name above
+    "AMPERE": "a100-80gb",
+    "BLACKWELL": "b200",
+    "VOLTA": "v100-32gb",
     "CPU": "cpu",
 }
 

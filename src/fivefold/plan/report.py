@@ -476,11 +476,10 @@ def _plan(
         # sends less than the path carries, and the rest is a wait on other ranks' links: bubble
         own = min(on_path, 2 * m * v * t_p2p)
         bubble += on_path - own
+        beside = "steady-state compute"
         if shape.p2p_blocking:  # each micro-batch's receive and send, forward and backward, waited on
-            own = 4 * m * v * t_p2p
-        add(
-            "pp", SEND, pp_payload, layout.pp, pp_link, 2 * m * v, exposed=own, overlap="steady-state compute"
-        )
+            own, beside = 4 * m * v * t_p2p, "none (blocking hand-overs)"
+        add("pp", SEND, pp_payload, layout.pp, pp_link, 2 * m * v, exposed=own, overlap=beside)
         first, last = end_ranks(layout)
         if model.tie_embeddings and first != last:  # the embedding and its tied head on two pp ranks,
             # which sum the shared weight's gradient after the schedule (fivefold's pipeline runner,

@@ -95,7 +95,21 @@ class ModelFacts:
     hardware_flops: dict[str, float]  # per token, by recompute
 
 
+_FACTS: dict[tuple, ModelFacts] = {}
+
+
 def model_facts(model: ModelSpec, arch: Arch, seq_len: int) -> ModelFacts:
+    """The model's counts, kept per (model, arch, sequence): every plan of a search or of the
+    explorer's lab asks for the same ones, and counting a deep model's parameters is not free."""
+    key = (repr(model), arch, seq_len)  # ModelSpec is mutable, so unhashable; its repr names every field
+    if key not in _FACTS:
+        if len(_FACTS) > 256:
+            _FACTS.clear()
+        _FACTS[key] = _model_facts(model, arch, seq_len)
+    return _FACTS[key]
+
+
+def _model_facts(model: ModelSpec, arch: Arch, seq_len: int) -> ModelFacts:
     n = matmul_params(model, arch)
     mflops = model_flops_per_token(model, seq_len, causal=False, matmul_params=n)
     causal = model_flops_per_token(model, seq_len, causal=True, matmul_params=n)

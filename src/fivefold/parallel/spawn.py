@@ -217,6 +217,11 @@ LOST_PEER = (
 )
 
 
+def echoes_lost_peer(message: str) -> bool:
+    """`message` is a rank's report that another rank went away first (an echo, not the cause)."""
+    return any(words in message for words in LOST_PEER)
+
+
 def the_cause(failures: dict[int, Any]) -> tuple[int, Any]:
     """Of the ranks that failed, the one that went first: a killed rank, else one that did not just
     lose a peer, the earliest reported."""
@@ -224,7 +229,7 @@ def the_cause(failures: dict[int, Any]) -> tuple[int, Any]:
         failures.items(),
         key=lambda item: (
             (item[1].exitcode or 0) >= 0,
-            any(w in last_words(item[1]) for w in LOST_PEER),
+            echoes_lost_peer(last_words(item[1])),
             item[1].timestamp,
             item[0],
         ),

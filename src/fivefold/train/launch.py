@@ -32,7 +32,7 @@ from torch.distributed.launcher.api import elastic_launch
 from fivefold.config import RunConfig
 from fivefold.errors import FivefoldError, storage_full
 from fivefold.outputs import write_without_a_reader
-from fivefold.parallel.spawn import LOST_PEER, local_launcher, threads_per_rank
+from fivefold.parallel.spawn import echoes_lost_peer, local_launcher, threads_per_rank
 from fivefold.train.checkpoint import remove_unfinished
 from fivefold.train.loop import train
 from fivefold.train.supervise import (
@@ -135,7 +135,7 @@ def _first_failure(error_dir: Path) -> tuple[int, int, str] | None:
     for path in error_dir.glob("rank*.error"):
         code, _, message = path.read_text().partition("\n")
         rank = path.stem.removeprefix("rank")
-        echo = any(words in message for words in LOST_PEER)
+        echo = echoes_lost_peer(message)
         reports.append(
             (
                 (echo, path.stat().st_mtime_ns, path.name),

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.errors import FivefoldError
-from fivefold.parallel.spawn import LOST_PEER
+from fivefold.parallel.spawn import echoes_lost_peer
 
 BEAT_SECONDS = 1.0
 STOP_FILE = "stop"
@@ -159,7 +159,7 @@ class ParentWatch:
 
 def lost_peer(exc: BaseException) -> bool:
     """`exc` is a collective failing because another rank's process is gone."""
-    return isinstance(exc, RuntimeError) and any(words in str(exc) for words in LOST_PEER)
+    return isinstance(exc, RuntimeError) and echoes_lost_peer(str(exc))
 
 
 def launched() -> bool:

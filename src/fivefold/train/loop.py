@@ -47,6 +47,7 @@ from fivefold.train.checkpoint import (
     checkpoint_step,
     checkpoints_root,
     find_checkpoint,
+    first_problem_of_all,
     load_checkpoint,
     model_record,
     save_checkpoint,
@@ -573,11 +574,9 @@ def _train(
 def _refuse_non_finite_weights(parts: list[nn.Module], step: int, tspec: TrainSpec) -> None:
     """Collective: a checkpoint is not saved over weights that are no longer finite numbers (an
     update too large for the dtype), so the last whole checkpoint stays the newest one."""
-    local = all(first_non_finite(part.named_parameters()) is None for part in parts)
-    flag = torch.tensor([0 if local else 1], dtype=torch.int64, device=next(parts[0].parameters()).device)
-    if dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item():
+    # with tp or pp only one rank's shard may hold the damage: the ranks agree before any refuses
+    local = next((name for part in parts if (name := first_non_finite(part.named_parameters()))), None)
+    if first_problem_of_all(local) is not None:
         raise FivefoldError(
             f"the weights stopped being finite numbers at step {step}, and no checkpoint was saved "
             f"over them: {_remedy(tspec)}"

@@ -820,3 +820,39 @@ def test_an_all_reduce_over_thousands_of_ranks_takes_the_tree() -> None:
     ring = 2 * (4096 - 1) * hw.inter_node_latency_us * 1e-6  # one bucket's ring latency alone
     ar = next(c for c in steps[4096].comm if c.op == "all_reduce")
     assert ar.time_s / ar.count < ring
+
+
+def test_attention_pays_a_fixed_cost_per_query_block_that_long_sequences_amortise() -> None:
+    """A FlashAttention-class core costs its scores plus a fixed share per query block worth
+    `attention_fixed_keys` keys: per causal score, 1k tokens run 1.5x slower than 16k ones at 256 keys
+    (FlashAttention-2's published A100 rates: 134 and 189 TFLOP/s). A non-causal core, and a ring
+    call that sees one peer's chunk, are judged by the keys each call visits; a CPU preset has none."""
+    from fivefold.plan.compute import Rates, layer_time
+    from fivefold.plan.spec import resolve_arch
+
+    model = load_model("llama3-8b")
+    arch = resolve_arch(model)
+
+    def core(hw, seq: int, causal: bool = True, cp: int = 1) -> tuple[float, float]:
+        """The attention core's forward seconds with the hardware's fixed cost, and without it."""
+        layout = Layout(cp=cp, dp=1).resolve(cp)
+        rates = Rates.of(hw)
+        with_fixed, without = (
+            layer_time(model, arch, layout, 1, seq, r, False, causal_skip=causal).attn_core_fwd
+            for r in (rates, dataclasses.replace(rates, fixed_keys=0.0))
+        )
+        return with_fixed, without
+
+    h100 = load_hardware("h100-80gb")
+    assert h100.attention_fixed_keys == 256
+    cases = ((1024, True, 1, 1.5), (16384, True, 1, 1 + 256 / 8192), (1024, False, 1, 1.25))
+    # a ring of 4 over 16k tokens: each call sees a 4k chunk, of which a causal query visits half
+    cases += ((16384, True, 4, 1 + 256 / 2048),)
+    for seq, causal, cp, factor in cases:
+        with_fixed, without = core(h100, seq, causal, cp)
+        assert with_fixed == pytest.approx(without * factor)
+    # per causal score, the short sequence is the slower one
+    short, long = core(h100, 1024)[0] / 1024**2, core(h100, 16384)[0] / 16384**2
+    assert short / long == pytest.approx(1.5 / (1 + 256 / 8192))
+    cpu = load_hardware("cpu")
+    assert cpu.attention_fixed_keys == 0 and core(cpu, 1024)[0] == core(cpu, 1024)[1]

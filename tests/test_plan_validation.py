@@ -241,7 +241,7 @@ def load_runs_all() -> list:
 def test_leave_one_source_out_beats_the_median_constant(loso) -> None:
     """The thresholds the planner reaches on unseen sources (docs/planner.md has the tables).
 
-    Reached: mean ≤ 10% over all runs (9.15%) and over those without an `uncertain` note (7.6%), under
+    Reached: mean ≤ 10% over all runs (9.13%) and over those without an `uncertain` note (7.4%), under
     half the median constant's error (43.4% over all runs), and every run that ran judged to fit. Not
     reached: worst ≤ 25% over all runs (nanotron's 80B on 4 nodes, whose shape, peak and network are
     unpublished, misses by 2.7×).

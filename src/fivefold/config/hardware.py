@@ -8,6 +8,11 @@ from dataclasses import dataclass, fields
 from fivefold.errors import FivefoldError
 
 DEFAULT_GEMM_HALF_DIM = 128.0  # a GPU's tensor cores (benchmarks/bench_gemm_shapes.md)
+# A FlashAttention-class kernel's fixed work per query block (loading Q, the last rescale, writing O
+# and the log-sum-exp) costs about as much as scoring this many keys, so short sequences, and causal
+# ones most, run below the kernel's long-sequence rate. FlashAttention-2's published A100 causal
+# forward+backward rates at head dim 128 (about 134 TFLOP/s at 1k tokens, 189 at 16k) fit 230 keys.
+DEFAULT_ATTENTION_FIXED_KEYS = 256.0
 
 
 @dataclass
@@ -35,6 +40,9 @@ class HardwareSpec:
     # a matmul whose smallest dimension is this runs at half the large-GEMM rate: a GPU's tiles and
     # waves fill worse as a dimension shrinks; 0: every shape at the full rate (a CPU's vector units)
     gemm_half_dim: float = DEFAULT_GEMM_HALF_DIM
+    # an attention kernel's fixed work per query block, in keys' worth of scores; 0: none (a CPU's
+    # attention, which is not tiled into query blocks)
+    attention_fixed_keys: float = DEFAULT_ATTENTION_FIXED_KEYS
     # achievable fractions (calibrated knobs with a physical meaning; see docs/planner.md)
     matmul_efficiency: float = 0.0  # 0: the planner's default for this peak
     link_efficiency: float = 0.0
@@ -88,6 +96,7 @@ NON_NEGATIVE = (
     "inter_node_latency_us",
     "tp_dispatch_us",
     "gemm_half_dim",
+    "attention_fixed_keys",
     "fsdp_dispatch_us",
     "cp_dispatch_us",
     "tdp_w",

@@ -4,9 +4,10 @@ Each matmul takes max(FLOPs / (peak·matmul_efficiency·d/(d+gemm_half_dim)), by
 d its smallest dimension (tile and wave quantisation make thin matmuls slower); each
 elementwise op (norms, activations, residual adds, dropout, softmax, rotary) takes its bytes over the
 sustained HBM bandwidth. The backward of a matmul is two matmuls of the same shape; FlashAttention's
-backward costs 2.5 forwards (it recomputes the scores). Knobs (physical, per hardware, see
-docs/planner.md): matmul_efficiency, memory_efficiency; attention kernels reach ATTENTION_RATIO of
-the matmul efficiency.
+backward costs 2.5 forwards (it recomputes the scores), and each of its query blocks pays a fixed
+cost worth attention_fixed_keys keys' scores, which short and causal sequences feel most. Knobs
+(physical, per hardware, see docs/planner.md): matmul_efficiency, memory_efficiency; attention
+kernels reach ATTENTION_RATIO of the matmul efficiency.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from fivefold.config import HardwareSpec, Layout, ModelSpec
-from fivefold.config.hardware import DEFAULT_GEMM_HALF_DIM
+from fivefold.config.hardware import DEFAULT_ATTENTION_FIXED_KEYS, DEFAULT_GEMM_HALF_DIM
 from fivefold.plan.spec import Arch, kv_heads_local
 
 DEFAULT_MATMUL_EFFICIENCY = 0.75  # large bf16 GEMM, fraction of the dense peak
@@ -84,6 +85,7 @@ class Rates:
     attn_flops: float
     hbm: float  # sustained bytes/s
     half_dim: float = DEFAULT_GEMM_HALF_DIM  # HardwareSpec.gemm_half_dim
+    fixed_keys: float = DEFAULT_ATTENTION_FIXED_KEYS  # HardwareSpec.attention_fixed_keys
 
     @classmethod
     def of(
@@ -100,7 +102,11 @@ class Rates:
             attn *= FLASH3_SPEEDUP
         # traffic is counted in 16-bit elements: wider ones (fp32 training) stream proportionally slower
         return cls(
-            dense * speedup, attn, hw.hbm_gbps * 1e9 * eff.memory * BYTES / act_bytes, hw.gemm_half_dim
+            dense * speedup,
+            attn,
+            hw.hbm_gbps * 1e9 * eff.memory * BYTES / act_bytes,
+            hw.gemm_half_dim,
+            hw.attention_fixed_keys,
         )
 
     def gemm(self, m: float, k: float, n: float, count: float = 1.0) -> float:
@@ -171,7 +177,11 @@ def layer_time(
     if arch.flash:
         if causal_skip:
             core_flops *= 0.5  # causal blocks above the diagonal are skipped
-        core = core_flops / attn_rate
+        # the keys one kernel call gives a query block (a ring's call sees one peer's chunk), and the
+        # block's fixed work on top of scoring them (HardwareSpec.attention_fixed_keys)
+        keys = seq_len if layout.cp == 1 or layout.cp_impl == "ulysses" else seq_len / layout.cp
+        visited = keys / 2 if causal_skip else keys
+        core = core_flops / attn_rate * (1 + rates.fixed_keys / visited)
         core_bwd = 2.5 * core
         core_stream = 0.0
     else:  # scores materialised: fused scale-mask-softmax (r+w) and dropout (r+w+mask) on a·s·s

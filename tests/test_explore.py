@@ -185,7 +185,7 @@ def test_lab_carries_the_planners_numbers_for_every_considered_layout() -> None:
 
 
 def _lab_layout(factors: str, rest: str, recompute_layers: int, gpus: int) -> Layout:
-    dp, fsdp, tp, pp, cp, ep = map(int, factors.split("."))
+    dp, fsdp, tp, pp, cp, ep, sp = map(int, factors.split("."))
     zero, rc, sv, _ = rest.split("|")
     sched, v = sv.split(".")
     layout = Layout(
@@ -196,7 +196,7 @@ def _lab_layout(factors: str, rest: str, recompute_layers: int, gpus: int) -> La
         cp=cp,
         ep=ep,
         zero=int(zero),
-        sp=tp > 1,
+        sp=bool(sp),
         recompute="full" if rc == FEWEST else rc,
         recompute_layers=recompute_layers,
         pp_schedule=sched if pp > 1 else "1f1b",

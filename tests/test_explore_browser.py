@@ -487,3 +487,33 @@ def test_the_mesh_note_counts_one_group_and_one_node_in_the_singular(browser, tm
     assert all("1 group of 2" in n and "2 GPUs on 1 node of 8" in n for n in notes), notes
     assert page.errors == []
     page.close()
+
+
+def test_a_layout_given_without_sp_opens_in_the_lab_as_given(browser, tmp_path_factory) -> None:
+    """tp 2 without --sp: the lab shows that plan (not the search's, which turns sp on), prints the
+    command without --sp, offers sp as a control, and says which choice a missing combination lacks."""
+    tmp = tmp_path_factory.mktemp("nosp")
+    model, hw = load_model("llama3-8b"), load_hardware("h100-80gb")
+    layout = resolve_layout(Layout(tp=2, dp=-1, zero=1), 8)
+    html = build_page(model, hw, 8, TrainShape(seq_len=2048, global_batch=32), layout, top=1)
+    page = _open(browser, html, tmp / "page.html", "search")
+    page.select_option("#layoutSelect", "0")
+    given = assert_result_matches_plan(page, "#searchResult")
+    assert given["layout"]["sp"] is False
+    page.click("#toLab")
+    assert page.input_value("[data-control=sp]") == "0"
+    assert "--sp" not in page.inner_text("#labResult [data-role=command]")
+    assert assert_result_matches_plan(page, "#labResult")["step_time_s"] == given["step_time_s"]
+    # with sp the search dropped ZeRO-1 here (ZeRO-0 dominates it): the message names that choice
+    page.select_option("[data-control=sp]", "1")
+    text = page.inner_text("#labMessage")
+    assert "not considered with these factors: zero 1 is not; zero ∈ {0} is" in text, text
+    page.select_option("[data-control=zero]", "0")
+    assert "--sp" in page.inner_text("#labResult [data-role=command]")
+    with_sp = assert_result_matches_plan(page, "#labResult")
+    assert with_sp["layout"]["sp"] is True
+    assert with_sp["memory"]["activations"] < given["memory"]["activations"]
+    page.select_option("[data-control=tp]", "1")  # sp means nothing at tp 1: its control is off
+    assert page.is_disabled("[data-control=sp]")
+    assert page.errors == [], page.errors
+    page.close()

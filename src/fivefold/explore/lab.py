@@ -42,8 +42,10 @@ ROW_FIELDS = ("axis", "op", "link", "bytes", "wire_bytes", "time_s", "exposed_s"
 
 
 def lab_key(layout: Layout, micro_batch: int) -> str:
-    """The lab's controls as one string: factors, zero, recompute, schedule.v, micro-batch."""
-    factors = ".".join(str(getattr(layout, a)) for a in FACTORS)
+    """The lab's controls as one string: factors and sequence parallelism (0/1), zero, recompute,
+    schedule.v, micro-batch. sp is part of the key because a layout given without it (tp > 1, no
+    `--sp`) plans differently from the search's own, which turns it on wherever tp > 1."""
+    factors = ".".join(str(getattr(layout, a)) for a in FACTORS) + f".{int(layout.sp)}"
     sched = f"{layout.pp_schedule}.{layout.virtual_stages}" if layout.pp > 1 else "-.1"
     recompute = FEWEST if layout.recompute == "full" and layout.recompute_layers else layout.recompute
     return f"{factors}|{layout.zero}|{recompute}|{sched}|{micro_batch}"

@@ -517,3 +517,33 @@ def test_a_layout_given_without_sp_opens_in_the_lab_as_given(browser, tmp_path_f
     assert page.is_disabled("[data-control=sp]")
     assert page.errors == [], page.errors
     page.close()
+
+
+def test_mesh_groups_and_inference_rows_are_reachable_by_keyboard(lab_page) -> None:
+    """The mesh grid takes focus and steps through its groups with the arrow keys; an inference row
+    takes focus and Enter picks it; the tabs say which one is selected."""
+    lab_page.click('#tabs button[data-view="search"]')
+    assert lab_page.get_attribute('#tabs button[data-view="search"]', "aria-selected") == "true"
+    assert lab_page.evaluate("location.hash") == "#search"
+    lab_page.select_option("#layoutSelect", "0")  # the given layout: tp 2, pp 2 and the rest dp
+    grid = "#searchResult canvas[data-role=grid]"
+    pills = "#searchResult [data-role=mesh] .pills button"
+    for i in range(len(lab_page.query_selector_all(pills))):
+        if int(lab_page.get_attribute(grid, "data-groups")) > 1:
+            break
+        lab_page.query_selector_all(pills)[i].click()  # until an axis with more than one group
+    assert int(lab_page.get_attribute(grid, "data-groups")) > 1
+    lab_page.focus(grid)
+    before = lab_page.inner_text("#searchResult [data-role=group-note]")
+    lab_page.keyboard.press("ArrowRight")
+    after = lab_page.inner_text("#searchResult [data-role=group-note]")
+    assert before.startswith("group 0 ") and after.startswith("group 1 "), (before, after)
+    lab_page.keyboard.press("ArrowLeft")
+    assert lab_page.inner_text("#searchResult [data-role=group-note]") == before
+    lab_page.click('#tabs button[data-view="inference"]')
+    rows = lab_page.query_selector_all("#view-inference tr[data-row]")
+    assert len(rows) > 1
+    shown = lab_page.inner_text("#inferenceMemory code")
+    rows[-1].focus()
+    lab_page.keyboard.press("Enter")
+    assert lab_page.inner_text("#inferenceMemory code") != shown

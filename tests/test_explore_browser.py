@@ -540,6 +540,11 @@ def test_mesh_groups_and_inference_rows_are_reachable_by_keyboard(lab_page) -> N
     assert before.startswith("group 0 ") and after.startswith("group 1 "), (before, after)
     lab_page.keyboard.press("ArrowLeft")
     assert lab_page.inner_text("#searchResult [data-role=group-note]") == before
+    # the pictures say in words what they draw
+    memory = lab_page.get_attribute("#searchResult [data-role=memory] svg", "aria-label")
+    assert memory.startswith("memory per GPU: params ") and " usable" in memory, memory
+    timeline = lab_page.get_attribute("#searchResult canvas[data-role=timeline]", "aria-label")
+    assert "Drawn idle share" in timeline, timeline
     lab_page.click('#tabs button[data-view="inference"]')
     rows = lab_page.query_selector_all("#view-inference tr[data-row]")
     assert len(rows) > 1

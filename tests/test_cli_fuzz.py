@@ -9,6 +9,7 @@ validation is shown to happen before anything starts.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 
@@ -38,6 +39,8 @@ def inputs(tmp_path_factory, tiny_run, corpus) -> dict[str, str]:
         files[name.replace(".", "_")] = str(root / name)
 
     write("broken.toml", "[train\nsteps = 3\n")
+    os.mkfifo(root / "settings.fifo")  # no writer: reading it would block for ever
+    files["fifo"] = str(root / "settings.fifo")
     write("unknown.toml", "[train]\nstepz = 3\n")
     write("model5.toml", "model = 5\n")
     write("order5.toml", 'model = "tiny"\n[layout]\norder = 5\n')
@@ -340,6 +343,13 @@ NAMED = [
     ("generate", ["--seed", "99999999999999999999999"], "--seed must be in 0..2^63-1"),
     # a pipeline's micro-batch count that the per-rank batch (2) does not divide: refused before launch
     ("train", ["--nproc", "2", "--pp", "2", "--microbatches", "4"], "valid microbatches: 2"),
+    # a path past the file system's 255-byte name, a device or a FIFO where a settings file belongs
+    ("plan", ["--hardware", "h" * 300], "File name too long"),
+    ("plan", ["--model", "m" * 300 + ".toml"], "File name too long"),
+    ("train", ["--model", "/dev/zero"], "not a regular file"),
+    ("plan", ["--model", "{fifo}"], "not a regular file"),
+    ("plan", ["--hardware", "{fifo}"], "not a regular file"),
+    ("verify", ["--accumulation", "1000000"], "--accumulation must be 1..4096"),
 ]
 
 

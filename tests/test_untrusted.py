@@ -447,3 +447,41 @@ def test_resume_names_an_edited_model_before_the_tokenizer_it_no_longer_fits(run
     (run / "config.toml").write_text(text.replace("vocab = 256", "vocab = 10", 1))
     argv = ["train", "--run-dir", str(run), "--resume", "--steps", "5", "--no-progress"]
     _one_line_exit_2(capsys, argv, "was saved for a model with vocab = 256")
+
+
+def test_an_output_path_is_written_through_never_replaced(tmp_path, capsys):
+    """`--out`/`--svg`/`--plot` write a file whole; a link keeps being a link (its file is written),
+    a device or a FIFO is written into as a shell's `>` does (/dev/null stays a device), and a
+    directory or a full device is one line, exit 2."""
+    import stat
+    import threading
+
+    from fivefold.cli import main
+
+    argv = ["mesh", "--gpus", "8", "--tp", "2", "--svg"]
+    real, link = tmp_path / "real.svg", tmp_path / "link.svg"
+    link.symlink_to(real)
+    assert main([*argv, str(link)]) == 0
+    assert link.is_symlink() and real.read_text().startswith("<svg")
+    dangling = tmp_path / "dangling.svg"
+    dangling.symlink_to(tmp_path / "made" / "here.svg")
+    assert main([*argv, str(dangling)]) == 0
+    assert dangling.is_symlink() and (tmp_path / "made" / "here.svg").read_text().startswith("<svg")
+    assert main([*argv, "/dev/null"]) == 0
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+    fifo = tmp_path / "picture.fifo"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    assert main([*argv, str(fifo)]) == 0
+    reader.join(timeout=30)
+    assert got and got[0].startswith(b"<svg") and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    capsys.readouterr()
+    assert main([*argv, str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "is a directory" in err and len(err.strip().splitlines()) == 1, err
+    if os.path.exists("/dev/full"):
+        assert main([*argv, "/dev/full"]) == 2
+        err = capsys.readouterr().err
+        assert "No space left on device" in err and stat.S_ISCHR(os.stat("/dev/full").st_mode), err

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import importlib
 import os
 import sys
@@ -127,6 +128,13 @@ def main(argv: list[str] | None = None) -> int:
         _silence_stdout()
         return 0
     except OSError as exc:
+        if exc.errno in (errno.ENAMETOOLONG, errno.ELOOP):  # a path given on the command line
+            name_ = str(exc.filename or "")
+            shown = name_ if len(name_) <= 80 else name_[:60] + f"... ({len(name_)} characters)"
+            loop = "its links lead back to themselves"
+            hint = "give a shorter path" if exc.errno == errno.ENAMETOOLONG else loop
+            print(f"fivefold {name}: error: {exc.strerror}: {shown}; {hint}", file=sys.stderr)
+            return 2
         full = storage_full(exc)
         if full is None:
             raise

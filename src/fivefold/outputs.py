@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,18 +16,44 @@ from fivefold.errors import FivefoldError
 
 
 def write_text_whole(path: Path, text: str, flag: str = "--out") -> None:
-    """Write `text` to `path` through a temporary file beside it, so no half-written file is left."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Write `text` to `path`, whole or not at all. A file goes through a temporary file beside it, so
+    no half-written file is left; where `path` is a link, beside the file it names, so the link stays.
+    A character device or a FIFO (/dev/null, /dev/stdout, a named pipe) is written into, as a shell's
+    `>` would, never replaced by a file; a directory or a socket is refused."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        mode: int | None = os.stat(path).st_mode  # through links
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:  # a name too long, a loop of links, a file where a directory belongs
+        raise FivefoldError(f"{flag} {path}: cannot write there ({_why(path, exc)})") from None
+    if mode is not None and stat.S_ISDIR(mode):
+        raise FivefoldError(f"{flag} {path}: cannot write there (it is a directory; give a file name in it)")
+    if mode is not None and (stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
+        try:
+            with open(path, "w") as stream:
+                stream.write(text)
+        except OSError as exc:  # /dev/full
+            raise FivefoldError(f"{flag} {path}: cannot write there ({exc.strerror or exc})") from None
+        return
+    if mode is not None and not stat.S_ISREG(mode):
+        raise FivefoldError(f"{flag} {path}: not a file, a device or a FIFO (a socket?); cannot write there")
+    target = Path(os.path.realpath(path))  # a link's file, also where the link dangles
+    tmp = target.with_name(target.name + ".tmp")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(text)
-        tmp.replace(path)
+        tmp.replace(target)
     except OSError as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        raise FivefoldError(f"{flag} {path}: cannot write there ({_why(path, exc)})") from None
+
+
+def _why(path: Path, exc: OSError) -> str:
+    blocking = None
+    with contextlib.suppress(OSError):
         blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
-        why = f"{blocking} is a file, not a directory" if blocking else exc.strerror or exc
-        raise FivefoldError(f"{flag} {path}: cannot write there ({why})") from None
+    return f"{blocking} is a file, not a directory" if blocking else str(exc.strerror or exc)
 
 
 class ReaderGoneStream:

@@ -57,6 +57,10 @@ BF16_LOSS_RTOL = 2e-2
 ACTIVATION_RTOL = 0.01
 
 
+# a verification is a few steps judged against a single process that runs every micro-batch too
+MAX_ACCUMULATION = 4096
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="model preset or file (default tiny)")
     parser.add_argument("--nproc", type=int, default=2, help="local gloo ranks (default 2)")
@@ -121,8 +125,11 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
     ).validate()
     check_seq_len(spec, train.seq_len)
-    if args.accumulation < 0:
-        raise FivefoldError(f"--accumulation must be >= 1 (or 0: the default), got {args.accumulation}")
+    if not 0 <= args.accumulation <= MAX_ACCUMULATION:
+        raise FivefoldError(
+            f"--accumulation must be 1..{MAX_ACCUMULATION} (or 0: the default), got {args.accumulation}: "
+            "every micro-batch runs in the ranks and again in the single-process reference"
+        )
     from fivefold.support import check_trainable
 
     check_trainable(spec, layout, train.seq_len)  # the planner's check: refused before any rank starts

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import stat
 import tomllib
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -65,16 +67,43 @@ def to_dict(obj: Any) -> dict[str, Any]:
     return {k: v for k, v in dataclasses.asdict(obj).items() if v is not None}
 
 
+# a settings file (model, hardware, run config, runs) is kilobytes; the bundled runs sets are under 1 MB
+MAX_SETTINGS_BYTES = 16 * 2**20
+
+
+def read_settings_text(path: str | Path, what: str = "file") -> str:
+    """The text of a user's settings file: a regular file (a device or a FIFO would be read without
+    end, or block), at most MAX_SETTINGS_BYTES, in UTF-8; anything else is one line naming it."""
+    p = Path(path)
+    try:
+        mode = os.stat(p).st_mode
+    except FileNotFoundError:
+        raise FivefoldError(f"{what} not found: {p}") from None
+    except OSError as exc:  # a name too long, a loop of links, no permission on a parent
+        raise FivefoldError(f"cannot read {what} {p}: {exc.strerror}") from None
+    if stat.S_ISDIR(mode):
+        raise FivefoldError(f"{p} is a directory; a {what} is expected here")
+    if not stat.S_ISREG(mode):
+        raise FivefoldError(f"{what} {p} is not a regular file (a device, a FIFO or a socket)")
+    try:
+        with open(p, "rb") as f:
+            data = f.read(MAX_SETTINGS_BYTES + 1)
+    except OSError as exc:
+        raise FivefoldError(f"cannot read {what} {p}: {exc.strerror}") from None
+    if len(data) > MAX_SETTINGS_BYTES:
+        limit = MAX_SETTINGS_BYTES // 2**20
+        raise FivefoldError(f"{what} {p} is larger than {limit} MB; not a settings file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FivefoldError(f"cannot read {what} {p} as UTF-8 text (byte {exc.start})") from None
+
+
 def read_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
-    if not p.exists():
-        raise FivefoldError(f"file not found: {p}")
-    if p.is_dir():
-        raise FivefoldError(f"{p} is a directory; a TOML file is expected here")
+    text = read_settings_text(p, "TOML file")
     try:
-        return tomllib.loads(p.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        raise FivefoldError(f"cannot read {p}: {exc}") from None
+        return tomllib.loads(text)
     except (ValueError, RecursionError) as exc:  # not TOML, a 5000-digit number, nesting 10^5 deep
         raise FivefoldError(f"malformed TOML in {p}: {reason(exc)}") from None
 

@@ -8,7 +8,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from fivefold.config.files import _from_dict, read_toml
+from fivefold.config.files import _from_dict, read_settings_text, read_toml
 from fivefold.config.hardware import HardwareSpec
 from fivefold.config.hf import NotBuilt, model_spec_from_hf, model_spec_from_hf_shape
 from fivefold.config.model import ModelSpec, check_buildable
@@ -57,12 +57,9 @@ def _hf_json(path: Path) -> tuple[Any, str] | None:
         path = path / "config.json"
     if path.suffix != ".json":
         return None
-    if not path.exists():
-        raise FivefoldError(f"file not found: {path}")
+    text = read_settings_text(path, "JSON file")
     try:
-        cfg = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not text
-        raise FivefoldError(f"cannot read {path}: {exc}") from None
+        cfg = json.loads(text)
     except (ValueError, RecursionError) as exc:  # not JSON, a 5000-digit number, nesting 10^5 deep
         raise FivefoldError(f"malformed JSON in {path}: {reason(exc)}") from None
     return cfg, path.parent.name or "hf"

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.config import CP_IMPLS, HardwareSpec, Layout, ModelSpec, load_hardware
+from fivefold.config.files import read_settings_text
 from fivefold.config.hardware import GPU_NAME_PRESETS, preset_for_gpu_name
 from fivefold.errors import FivefoldError, reason
 from fivefold.plan.spec import TrainShape
@@ -73,12 +74,9 @@ def load_runs(*paths: str | Path) -> list[dict[str, Any]]:
         if not p.is_file():
             what = "not a regular file" if p.exists() else "not found"
             raise FivefoldError(f"runs file {p}: {what}")
+        text = read_settings_text(p, "runs file")  # bounded: not a settings file beyond 16 MB
         try:
-            data = tomllib.loads(p.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, OSError) as exc:
-            raise FivefoldError(
-                f"runs file {p}: cannot be read as UTF-8 text ({exc.__class__.__name__})"
-            ) from None
+            data = tomllib.loads(text)
         except (ValueError, RecursionError) as exc:  # not TOML, a 5000-digit number, deep nesting
             raise FivefoldError(f"runs file {p}: not valid TOML ({reason(exc)})") from None
         # a file that says what it is must say this format: another schema read as this one would

@@ -166,6 +166,12 @@ def test_search_and_inference_modes(capsys) -> None:
         (["--tp", "8", "--recompute-layers", "2"], "add --recompute full"),
         (["--tp", "8", "--recompute", "full", "--recompute-layers", "-1"], "count of blocks >= 0"),
         (["--search", "--recompute", "selective", "--recompute-layers", "2"], "add --recompute full"),
+        (["--search", "--recompute-layers", "2"], "add --recompute full"),
+        # what the search chooses itself is refused under it, not dropped in silence
+        (["--search", "--pp", "2", "--pp-split", "1,1"], "--pp-split is not kept by --search"),
+        (["--search", "--microbatches", "1000000"], "--microbatches is not kept by --search"),
+        (["--search", "--order", "pp,pp"], "pp given twice"),
+        (["--order", ",,,"], "--order lists axes"),
         # a search keeps the degrees it is given: they must be degrees, and fit the 64 GPUs
         (["--search", "--tp", "0"], "--tp must be a positive integer"),
         (["--search", "--tp", "128"], "valid tp: 1, 2, 4, 8, 16, 32, 64"),
@@ -964,3 +970,16 @@ def test_inference_flags_on_a_training_plan_are_named_as_ignored(capsys) -> None
     assert "note: --objective is a flag of --mode inference; this training plan ignores it" in err
     assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--json"]) == 0
     assert "note:" not in capsys.readouterr().err  # the defaults are not flags someone typed
+
+
+def test_search_keeps_a_given_rank_order_and_cp_implementation(capsys) -> None:
+    """--order and --cp-impl under --search stay fixed like the degrees, and the flags printed for
+    each layout carry them, so the command they spell plans the same layout."""
+    argv = ["plan", "--model", "llama3-8b", "--gpus", "8", "--seq-len", "8192", "--search", "--top", "3"]
+    assert main([*argv, "--cp", "2", "--cp-impl", "ulysses", "--order", "dp,cp", "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert plans and all(p["layout"]["cp_impl"] == "ulysses" for p in plans)
+    assert all(p["layout"]["order"].startswith("dp,cp") for p in plans)
+    assert main(argv + ["--cp", "2", "--cp-impl", "ulysses", "--order", "dp,cp"]) == 0
+    best = capsys.readouterr().out.split("Best: ", 1)[1].split(":", 1)[0]
+    assert "--cp-impl ulysses" in best and "--order dp,cp," in best, best

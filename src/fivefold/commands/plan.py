@@ -257,6 +257,21 @@ def run(args: argparse.Namespace) -> int:
     if args.search:
         from fivefold.plan.search import PINNABLE
 
+        # what the search chooses itself and cannot keep: refused, not dropped in silence
+        for flag, chosen in (
+            ("pp_split", "the cost-balanced stage split"),
+            ("microbatches", "--global-batch over --micro-batch and the data ranks"),
+        ):
+            if getattr(args, flag, None) is not None:
+                raise FivefoldError(
+                    f"--{flag.replace('_', '-')} is not kept by --search, which takes {chosen}; drop it, "
+                    "or plan that layout without --search"
+                )
+        if args.recompute_layers and args.recompute is None:  # as a plan without --search reads it
+            raise FivefoldError(
+                f"--recompute-layers {args.recompute_layers} chooses how many blocks of each chunk full "
+                "recompute re-runs; add --recompute full (or drop it: the search chooses the recompute)"
+            )
         pins = {k: getattr(args, k, None) for k in PINNABLE}
         pins["micro_batch"] = args.micro_batch
         check_pins(pins, args.gpus)

@@ -41,6 +41,8 @@ def complete_order(order: str) -> str:
     if not isinstance(order, str):
         raise FivefoldError(f"--order must be comma-separated axes such as {DEFAULT_ORDER}, got {order!r}")
     given = [a.strip() for a in order.split(",") if a.strip()]
+    if order.strip() and not given:
+        raise FivefoldError(f"--order lists axes innermost first, such as {DEFAULT_ORDER}; got {order!r}")
     unknown = [a for a in given if a not in AXES]
     repeated = sorted({a for a in given if given.count(a) > 1})
     if unknown or repeated:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from fivefold.config import HardwareSpec, Layout, ModelSpec
+from fivefold.config.layout import DEFAULT_ORDER, complete_order
 from fivefold.errors import FivefoldError, divisors
 from fivefold.plan.comm import links
 from fivefold.plan.memory import (
@@ -141,6 +142,8 @@ PINNABLE = (
     "virtual_stages",
     "recompute",
     "recompute_layers",
+    "order",
+    "cp_impl",
 )
 
 
@@ -229,6 +232,7 @@ def candidates(
                                 sp=pins.get("sp", tp > 1) and tp > 1,
                                 pp_schedule=sched,
                                 virtual_stages=v,
+                                **{k: pins[k] for k in ("order", "cp_impl") if k in pins},
                             )
 
 
@@ -241,7 +245,7 @@ def _check_pins(model: ModelSpec, pins: dict) -> None:
         Layout(pp=pins["pp"], virtual_stages=pins["virtual_stages"]).check_model(model)
     # ep is left out: whether it divides fsdp × cp is the candidates' business when those are searched
     given = {k: v for k, v in pins.items() if k in PINNABLE and k != "ep"}
-    if given.get("recompute_layers"):  # a block count implies full recompute, as the search reads it
+    if given.get("recompute_layers"):  # a block count implies full recompute, as the flags read it
         given.setdefault("recompute", "full")
     if "pp" not in given and ("pp_schedule" in given or given.get("virtual_stages", 1) > 1):
         given["pp"] = 2
@@ -523,6 +527,10 @@ def layout_flags(lay: Layout) -> str:
     parts.append(f"--recompute {lay.recompute}")
     if lay.recompute_layers:
         parts.append(f"--recompute-layers {lay.recompute_layers}")
+    if lay.cp > 1 and lay.cp_impl != "ring":
+        parts.append(f"--cp-impl {lay.cp_impl}")
+    if complete_order(lay.order) != DEFAULT_ORDER:
+        parts.append(f"--order {complete_order(lay.order)}")
     return " ".join(parts)
 
 

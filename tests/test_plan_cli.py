@@ -172,6 +172,10 @@ def test_search_and_inference_modes(capsys) -> None:
         (["--search", "--microbatches", "1000000"], "--microbatches is not kept by --search"),
         (["--search", "--order", "pp,pp"], "pp given twice"),
         (["--order", ",,,"], "--order lists axes"),
+        # a search that finds nothing says which obstacle stopped every layout, and exits 2
+        (["--search", "--global-batch", "1", "--micro-batch", "2"], "splits --global-batch 1 into micro"),
+        (["--search", "--micro-batch", "1000", "--global-batch", "64000"], "not the activations of"),
+        (["--search", "--model", "llama3-405b", "--gpus", "8"], "the model state alone exceeds"),
         # a search keeps the degrees it is given: they must be degrees, and fit the 64 GPUs
         (["--search", "--tp", "0"], "--tp must be a positive integer"),
         (["--search", "--tp", "128"], "valid tp: 1, 2, 4, 8, 16, 32, 64"),

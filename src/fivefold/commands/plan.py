@@ -276,6 +276,10 @@ def run(args: argparse.Namespace) -> int:
         pins["micro_batch"] = args.micro_batch
         check_pins(pins, args.gpus)
         result = search(model, hw, args.gpus, shape, gpn, top=args.top, pins=pins, trainer=trainer)
+        if not result.plans:  # a search with no answer is no success: its reason, exit 2
+            raise FivefoldError(
+                f"{result.explanation[0]} (searched {result.considered} layouts in {result.seconds:.2f} s)"
+            )
         defaults.say_assumed(assumed)
         _print_search(result, args.json, view.search_text, seconds=result.seconds)
         return 0

@@ -284,6 +284,9 @@ def search(
     considered = fitting = 0
     # why train refuses a candidate; whether any other one was sized against the memory
     refusal, runnable = "", False
+    # why nothing fits, if nothing does: layouts whose model state fits, and of those, the ones whose
+    # batch splits into a micro-batch tried (the rest of those ran out of activation memory)
+    state_fits = batch_splits = 0
     state_cache: dict[tuple, float] = {}
     shapes = [(b, dataclasses.replace(shape, micro_batch=b)) for b in micro_batches]
     bounded: list[tuple[float, int, Layout, TrainShape, int, Memory]] = []
@@ -307,6 +310,7 @@ def search(
             considered += 1
             runnable = True  # (or not: too big to tell) the message is then about memory
             continue
+        state_fits += 1
         data = base.dp * base.fsdp
         if shape.global_batch % data:
             continue
@@ -332,6 +336,7 @@ def search(
                     check_microbatches(base.pp, m, base.pp_schedule)
                 except FivefoldError:
                     continue
+            batch_splits += 1
             tried: dict[tuple[str, int], Memory] = {}
 
             def fits(lay: Layout, sh: TrainShape = sh, m: int = m, tried: dict = tried) -> bool:
@@ -375,17 +380,40 @@ def search(
     best = results[:top]
     if best:
         explanation = explain(best, model, hw, gpus, gpn)
-    elif pins:
-        fixed = ", ".join(f"{k}={v}" for k, v in pins.items())
-        if refusal and not runnable:  # none was too big: every layout with these flags is refused
-            explanation = [f"no layout with {fixed} fixed can be trained: {refusal}"]
-        else:
-            explanation = [f"no layout fits with {fixed} fixed: free more flags or add GPUs"]
     else:
-        explanation = [
-            "no layout fits: the model state alone exceeds GPU memory at every sharding degree tried"
-        ]
+        explanation = [_why_none(pins, refusal, runnable, state_fits, batch_splits, micro_batches, shape)]
     return SearchResult(best, considered, fitting, time.perf_counter() - start, explanation)
+
+
+def _why_none(
+    pins: dict,
+    refusal: str,
+    runnable: bool,
+    state_fits: int,
+    batch_splits: int,
+    micro_batches: tuple[int, ...],
+    shape: TrainShape,
+) -> str:
+    """Why a search found no layout: the first obstacle every candidate met."""
+    fixed = ", ".join(f"{k}={v}" for k, v in pins.items())
+    with_fixed = f" with {fixed} fixed" if fixed else ""
+    if refusal and not runnable:  # none was too big: every layout with these flags is refused
+        return f"no layout{with_fixed} can be trained: {refusal}"
+    if not state_fits:
+        state = "the model state alone exceeds GPU memory at every sharding degree tried"
+        return f"no layout fits{with_fixed}: {state}"
+    sizes = " or ".join(map(str, micro_batches))
+    if not batch_splits:
+        return (
+            f"no layout{with_fixed} splits --global-batch {shape.global_batch} into micro-batches of {sizes} "
+            "over its data ranks (and a pipeline's micro-batch count); give a --global-batch that is a "
+            "multiple of the micro-batch times the data ranks"
+        )
+    lower = " lower --micro-batch or" if len(micro_batches) == 1 and micro_batches[0] > 1 else ""
+    return (
+        f"no layout fits{with_fixed}: the model state fits, but not the activations of micro-batch {sizes} "
+        f"at {shape.seq_len} tokens, even with the heaviest recompute tried;{lower} add GPUs"
+    )
 
 
 def _axes_used(lay: Layout) -> int:

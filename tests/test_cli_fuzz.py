@@ -350,6 +350,7 @@ NAMED = [
     ("plan", ["--model", "{fifo}"], "not a regular file"),
     ("plan", ["--hardware", "{fifo}"], "not a regular file"),
     ("verify", ["--accumulation", "1000000"], "--accumulation must be 1..4096"),
+    ("generate", ["--stream", "--json"], "give one of them"),
 ]
 
 

@@ -83,6 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.stream and args.json:  # stdout is one JSON object or the text as it comes, not both
+        raise FivefoldError(
+            "--stream prints the text as it is chosen and --json one object at the end; give one of them"
+        )
     args.max_new_tokens = _parse_limits(args.max_new_tokens)
     if not (math.isfinite(args.temperature) and args.temperature >= 0) or args.top_k < 0:
         raise FivefoldError(

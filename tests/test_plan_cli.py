@@ -987,3 +987,21 @@ def test_search_keeps_a_given_rank_order_and_cp_implementation(capsys) -> None:
     assert main(argv + ["--cp", "2", "--cp-impl", "ulysses", "--order", "dp,cp"]) == 0
     best = capsys.readouterr().out.split("Best: ", 1)[1].split(":", 1)[0]
     assert "--cp-impl ulysses" in best and "--order dp,cp," in best, best
+
+
+def test_a_micro_batch_larger_than_a_ranks_batch_leaves_the_run_out(capsys, tmp_path) -> None:
+    """A run stating micro_batch 100000 with a batch of 8 over 8 data ranks contradicts itself: the
+    run is left out with the reason, and a file of nothing else says each was left out (exit 2)."""
+    good = BAD_RUN.replace("vocab = 32000", "vocab = 32000\nseq_len = 2048")
+    huge = good.replace('"bad-run"', '"huge-micro"').replace(
+        "global_batch = 8", "global_batch = 8\nmicro_batch = 100000"
+    )
+    path = tmp_path / "runs.toml"
+    path.write_text(good + huge)
+    assert main(["plan", "--validate", str(path)]) == 0
+    captured = capsys.readouterr()
+    left = [line for line in captured.err.splitlines() if "left out" in line]
+    assert len(left) == 1 and "huge-micro" in left[0] and "more than global_batch 8" in left[0], left
+    path.write_text(huge)
+    assert main(["plan", "--validate", str(path)]) == 2
+    assert "no run left to compare: the 1 given were each left out" in capsys.readouterr().err

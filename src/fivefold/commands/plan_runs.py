@@ -79,6 +79,9 @@ def run_runs(args: argparse.Namespace) -> int:
     for line in left_out:  # before the error below, which they explain when they are every run
         print(line, file=sys.stderr)
     if not cases:
+        if left_out:
+            n = len(left_out)
+            raise FivefoldError(f"no run left to compare: the {n} given were each left out (above)")
         raise FivefoldError("no run with a model shape and a published throughput to compare")
     sources = {c.source for c in cases}
     if cross and len(sources) < 2:  # leaving the one source out would leave nothing to fit on

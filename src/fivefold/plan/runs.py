@@ -665,6 +665,18 @@ def contradictions(run: dict[str, Any]) -> list[str]:
             f"sequence_parallel splits each sequence evenly over tp {tp}, but seq_len {seq}{per_rank} "
             f"is not a multiple of {tp}"
         )
+    micro = _count(run, "layout", "micro_batch")
+    pp = _count(run, "layout", "pp") or 1
+    data = None
+    if isinstance(lt.get("dp"), int) or isinstance(lt.get("fsdp"), int):
+        data = max(_count(run, "layout", "dp") or 1, 1) * max(_count(run, "layout", "fsdp") or 1, 1)
+    elif gpus and gpus % (tp * pp * cp) == 0:
+        data = gpus // (tp * pp * cp)
+    if micro and batch and data and micro * data > batch:  # a micro-batch is part of a rank's batch
+        out.append(
+            f"micro_batch {micro} × {data} data-parallel ranks = {micro * data} sequences, more than "
+            f"global_batch {batch}"
+        )
     out.extend(_utilisation_mismatch(run, meas))
     return out
 

@@ -172,10 +172,8 @@ def test_search_and_inference_modes(capsys) -> None:
         (["--search", "--microbatches", "1000000"], "--microbatches is not kept by --search"),
         (["--search", "--order", "pp,pp"], "pp given twice"),
         (["--order", ",,,"], "--order lists axes"),
-        # a search that finds nothing says which obstacle stopped every layout, and exits 2
+        # a search whose inputs leave no layout to size says why, and exits 2
         (["--search", "--global-batch", "1", "--micro-batch", "2"], "splits --global-batch 1 into micro"),
-        (["--search", "--micro-batch", "1000", "--global-batch", "64000"], "not the activations of"),
-        (["--search", "--model", "llama3-405b", "--gpus", "8"], "the model state alone exceeds"),
         # a search keeps the degrees it is given: they must be degrees, and fit the 64 GPUs
         (["--search", "--tp", "0"], "--tp must be a positive integer"),
         (["--search", "--tp", "128"], "valid tp: 1, 2, 4, 8, 16, 32, 64"),
@@ -1005,3 +1003,17 @@ def test_a_micro_batch_larger_than_a_ranks_batch_leaves_the_run_out(capsys, tmp_
     path.write_text(huge)
     assert main(["plan", "--validate", str(path)]) == 2
     assert "no run left to compare: the 1 given were each left out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra, reason",
+    [
+        (["--micro-batch", "1000", "--global-batch", "64000"], "not the activations of micro-batch 1000"),
+        (["--model", "llama3-405b", "--gpus", "8"], "the model state alone exceeds"),
+    ],
+)
+def test_a_search_where_nothing_fits_names_the_obstacle(capsys, extra: list[str], reason: str) -> None:
+    """Layouts sized against the memory and none fitting is an answer (exit 0, as the serving search
+    answers); the line says what stopped them: the activations, not the model state, where it is so."""
+    code, out, _ = run_cli(capsys, "--search", *extra)
+    assert code == 0 and "0 fit" in out and reason in out, out

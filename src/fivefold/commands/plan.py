@@ -276,10 +276,8 @@ def run(args: argparse.Namespace) -> int:
         pins["micro_batch"] = args.micro_batch
         check_pins(pins, args.gpus)
         result = search(model, hw, args.gpus, shape, gpn, top=args.top, pins=pins, trainer=trainer)
-        if not result.plans:  # a search with no answer is no success: its reason, exit 2
-            raise FivefoldError(
-                f"{result.explanation[0]} (searched {result.considered} layouts in {result.seconds:.2f} s)"
-            )
+        if result.input_error:  # the inputs (batch, pins) leave no layout to size: not an answer
+            raise FivefoldError(result.explanation[0])
         defaults.say_assumed(assumed)
         _print_search(result, args.json, view.search_text, seconds=result.seconds)
         return 0

@@ -68,11 +68,13 @@ def run_runs(args: argparse.Namespace) -> int:
             "--calibrate, --cross-validate and the bundled sets plan each run on the GPU it names"
         )
     plot = getattr(args, "plot", None)
-    if plot is not None and (args.calibrate is not None or not plot.endswith(".svg")):
+    if plot is not None and args.calibrate is not None:
         raise FivefoldError(
-            f"--plot draws --validate's or --cross-validate's predictions as an SVG: give a FILE.svg "
-            f"with one of them (got --plot {plot}{' with --calibrate' if args.calibrate is not None else ''})"
+            f"--plot draws --validate's or --cross-validate's predictions, not --calibrate's "
+            f"(got --plot {plot})"
         )
+    if plot is not None and not plot.endswith(".svg"):
+        raise FivefoldError(f"--plot writes an SVG: give a FILE.svg (got --plot {plot})")
     if args.calibrate is not None:
         return _calibrate(args)
     cases, left_out = _runs(paths)

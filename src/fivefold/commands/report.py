@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
-        raise FivefoldError(f"run directory not found: {run_dir}")
+        what = "is a file, not a run directory" if run_dir.exists() else "not found"
+        raise FivefoldError(f"run directory {run_dir}: {what}; give the --run-dir of a train or verify run")
     written = ("metrics.jsonl", "ledger.json", "trace.json", "config.toml")
     if not any((run_dir / name).is_file() for name in written):
         raise FivefoldError(

@@ -271,10 +271,14 @@ class Layout:
             )
         stages = self.pp * self.virtual_stages
         if stages > model.layers:
+            if self.virtual_stages <= model.layers // 2:  # fewer stages would do
+                valid = f"valid pp: {suggest(list(range(1, model.layers // self.virtual_stages + 1))[:12])}"
+            else:  # no pipeline holds that many chunks: fewer chunks would do
+                chunks = list(range(1, model.layers // self.pp + 1))[:12]
+                valid = f"valid virtual-stages with pp {self.pp}: {suggest(chunks)}"
             raise FivefoldError(
                 f"--pp {self.pp} × --virtual-stages {self.virtual_stages} = {stages} stages exceeds the "
-                f"{model.layers} layers of {model.name}; valid pp: "
-                f"{suggest([d for d in range(1, model.layers // self.virtual_stages + 1)][:12])}"
+                f"{model.layers} layers of {model.name}; {valid}"
             )
         if self.ep > 1:
             self.check_experts(model)

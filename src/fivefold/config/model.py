@@ -219,6 +219,9 @@ class ModelSpec:
 def check_seq_len(model: ModelSpec, seq_len: int, flag: str = "--seq-len", shortest: int = 1) -> None:
     """A run's sequences fit the model's positions (RoPE tables and HF configs are sized for them);
     a serving context (`--context`) holds at least a prompt token and a generated one."""
+    if seq_len < shortest:
+        what = " (a prompt token and a generated one)" if shortest > 1 else ""
+        raise FivefoldError(f"{flag} {seq_len} is too short{what}; valid: {shortest}..{model.max_seq_len}")
     if seq_len > model.max_seq_len:
         raise FivefoldError(
             f"{flag} {seq_len} exceeds the {model.max_seq_len} positions of model {model.name} "

@@ -84,6 +84,9 @@ class SearchResult:
     fitting: int
     seconds: float
     explanation: list[str]
+    # no plans because the inputs leave no layout to size (every one refused, or a batch none splits):
+    # a mistake in the request, where "none fits in the memory" is an answer
+    input_error: bool = False
 
 
 def _tp_choices(model: ModelSpec, gpus: int, gpn: int) -> list[int]:
@@ -382,7 +385,8 @@ def search(
         explanation = explain(best, model, hw, gpus, gpn)
     else:
         explanation = [_why_none(pins, refusal, runnable, state_fits, batch_splits, micro_batches, shape)]
-    return SearchResult(best, considered, fitting, time.perf_counter() - start, explanation)
+    input_error = not best and ((bool(refusal) and not runnable) or (state_fits > 0 and not batch_splits))
+    return SearchResult(best, considered, fitting, time.perf_counter() - start, explanation, input_error)
 
 
 def _why_none(

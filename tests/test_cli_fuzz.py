@@ -351,6 +351,11 @@ NAMED = [
     ("plan", ["--hardware", "{fifo}"], "not a regular file"),
     ("verify", ["--accumulation", "1000000"], "--accumulation must be 1..4096"),
     ("generate", ["--stream", "--json"], "give one of them"),
+    ("plan", ["--validate", "{run}", "--calibrate", "{run}"], "separate questions"),
+    ("plan", ["--cross-validate", "--search"], "separate questions"),
+    ("plan", ["--mode", "inference", "--batch", "99999999999999999999"], "--batch must be at most"),
+    ("plan", ["--mode", "inference", "--context", "1"], "--context 1 is too short"),
+    ("mesh", ["--svg", "{fresh}.png"], "give a FILE.svg"),
 ]
 
 
@@ -418,3 +423,18 @@ def test_each_base_invocation_is_valid(command, tmp_path, capsys):
     """The mutations above must be what makes an invocation invalid, not a broken base."""
     argv = [a.format(fresh=str(tmp_path / "fresh")) for a in [command, *BASES[command]]]
     assert main(argv) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--model", "tiny", "--prompt-ids", "1,,2"], "comma-separated integers"),
+        (["--model", "tiny", "--prompt-ids", "1", "--checkpoint", "3"], "--checkpoint 3 picks a step"),
+    ],
+)
+def test_generate_slips_are_one_line_and_exit_2(capsys, argv: list[str], words: str) -> None:
+    """An empty token id between commas, and a checkpoint step for weights built from a preset (nothing
+    to pick a step of), are refused before any model is built."""
+    assert main(["generate", *argv, "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and words in err, err

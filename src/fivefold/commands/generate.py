@@ -61,7 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ids", action="store_true", help="print only the generated ids, comma-separated")
     parser.add_argument("--stream", action="store_true", help="print tokens as they are chosen")
     parser.add_argument("--json", action="store_true", help="per prompt: tokens and timings as JSON")
-    parser.add_argument("--checkpoint", default="latest", help="run directory: latest (default) or a step")
+    parser.add_argument(
+        "--checkpoint", default=None, help="with --from a run directory: latest (default) or a step"
+    )
     parser.add_argument(
         "--dtype", default=None, choices=("fp32", "bf16"), help="compute dtype (default: the weights' own)"
     )
@@ -83,6 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.checkpoint is not None and args.model is not None:  # nothing to pick a step of
+        raise FivefoldError(
+            f"--checkpoint {args.checkpoint} picks a step of a run directory (--from); --model builds "
+            "fresh weights from a preset: drop one of them"
+        )
+    if args.checkpoint is None:
+        args.checkpoint = "latest"
     if args.stream and args.json:  # stdout is one JSON object or the text as it comes, not both
         raise FivefoldError(
             "--stream prints the text as it is chosen and --json one object at the end; give one of them"
@@ -433,7 +442,10 @@ def _parse_limits(text: str) -> int | tuple[int, ...]:
 
 def _parse_ids(text: str, vocab: int) -> list[int]:
     try:
-        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+        parts = text.replace(" ", "").split(",")
+        if "" in parts[:-1]:  # "1,,2" or ",1": a slip, not two tokens (a trailing comma is harmless)
+            raise ValueError("an empty entry")
+        ids = [int(part) for part in parts if part]
     except ValueError:
         raise FivefoldError(
             f"--prompt-ids must be comma-separated integers, e.g. 1,2,3; got {text!r}"

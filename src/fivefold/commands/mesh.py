@@ -74,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.svg and not args.svg.lower().endswith(".svg"):  # an SVG in a .png opens as a broken picture
+        raise FivefoldError(f"--svg writes an SVG: give a FILE.svg (got --svg {args.svg})")
     from fivefold.mesh import build_mesh
 
     check_gpus(args.gpus)

@@ -173,7 +173,13 @@ def run(args: argparse.Namespace) -> int:
     from fivefold.errors import FivefoldError
     from fivefold.mesh import resolve_layout
 
-    if args.validate is not None or args.cross_validate is not None or args.calibrate is not None:
+    modes = [f for f in ("validate", "cross_validate", "calibrate") if getattr(args, f) is not None]
+    if len(modes) > 1 or (modes and args.search):  # each answers another question: one at a time
+        said = " and ".join(
+            "--" + f.replace("_", "-") for f in [*modes, *(["search"] if args.search else [])]
+        )
+        raise FivefoldError(f"{said} are separate questions; give one of them")
+    if modes:
         from fivefold.commands.plan_runs import run_runs
 
         return run_runs(args)
@@ -191,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     if shape_note:
         print(f"note: {shape_note}", file=sys.stderr)
     check_gpus(args.gpus)
-    for flag in ("gpus_per_node", "seq_len", "global_batch", "micro_batch", "context"):
+    for flag in ("gpus_per_node", "seq_len", "global_batch", "micro_batch", "context", "batch", "prompt"):
         value = getattr(args, flag, None)
         if value is not None and value <= 0:
             raise FivefoldError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")

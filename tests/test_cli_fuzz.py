@@ -356,6 +356,7 @@ NAMED = [
     ("plan", ["--mode", "inference", "--batch", "99999999999999999999"], "--batch must be at most"),
     ("plan", ["--mode", "inference", "--context", "1"], "--context 1 is too short"),
     ("mesh", ["--svg", "{fresh}.png"], "give a FILE.svg"),
+    ("mesh", ["--order", "tp,,cp"], "--order lists axes innermost first"),
 ]
 
 

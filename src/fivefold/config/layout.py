@@ -40,8 +40,9 @@ def complete_order(order: str) -> str:
     """`order` with the axes it leaves out appended in the default order: "cp,tp" -> "cp,tp,fsdp,dp,pp"."""
     if not isinstance(order, str):
         raise FivefoldError(f"--order must be comma-separated axes such as {DEFAULT_ORDER}, got {order!r}")
-    given = [a.strip() for a in order.split(",") if a.strip()]
-    if order.strip() and not given:
+    fields = [a.strip() for a in order.split(",")]
+    given = [a for a in fields if a]
+    if (order.strip() and not given) or "" in fields[:-1]:  # ",,," or "tp,,cp": a slip, said so
         raise FivefoldError(f"--order lists axes innermost first, such as {DEFAULT_ORDER}; got {order!r}")
     unknown = [a for a in given if a not in AXES]
     repeated = sorted({a for a in given if given.count(a) > 1})

@@ -289,3 +289,21 @@ def test_the_cause_is_reported_even_when_its_echo_was_written_first(tmp_path):
     assert _first_failure(tmp_path) == (0, 1, "OSError: [Errno 28] No space left on device")
     (tmp_path / "rank0.error").unlink()
     assert _first_failure(tmp_path) == (1, 1, echo)  # only echoes: the earliest
+
+
+def test_a_phase_change_is_on_disk_at_once(tmp_path):
+    """A rank stopped (SIGSTOP) between two beats is reported at the phase it had reached: the beat
+    file carries every phase change as it happens, not only the thread's once-a-second write."""
+    import json as _json
+
+    from fivefold.train.supervise import Heartbeat
+
+    beat = Heartbeat(tmp_path, 3)
+    try:
+        for step in range(1, 4):
+            beat.mark(step, "saving a checkpoint")
+            beat.mark(step, "agreeing whether to stop")
+            record = _json.loads((tmp_path / "rank3.beat").read_text())
+            assert (record["step"], record["phase"]) == (step, "agreeing whether to stop")
+    finally:
+        beat.close()

@@ -64,17 +64,22 @@ class Interrupted(FivefoldError):
 
 
 class Heartbeat:
-    """This rank's step and phase, written to `<folder>/rank<R>.beat` every second by a thread."""
+    """This rank's step and phase, written to `<folder>/rank<R>.beat` every second by a thread, and at
+    once when the phase changes: a rank stopped between two beats is reported where it stopped, not
+    where the last beat found it."""
 
     def __init__(self, folder: Path, rank: int) -> None:
         self.path = Path(folder) / f"rank{rank}.beat"
         self.step, self.phase, self.moved_at = 0, "starting", time.time()
+        self._lock = threading.Lock()  # the thread's beat and a phase change write the same file
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fivefold-heartbeat", daemon=True)
         self._thread.start()
 
     def mark(self, step: int, phase: str) -> None:
         self.step, self.phase, self.moved_at = step, phase, time.time()
+        if not self._stop.is_set():
+            self._write()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -82,13 +87,14 @@ class Heartbeat:
             self._stop.wait(BEAT_SECONDS)
 
     def _write(self) -> None:
-        record = {"step": self.step, "phase": self.phase, "moved_at": self.moved_at, "pid": os.getpid()}
-        tmp = self.path.with_suffix(".tmp")
-        try:
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, self.path)
-        except OSError:  # the launcher removed the folder: the run is over
-            self._stop.set()
+        with self._lock:
+            record = {"step": self.step, "phase": self.phase, "moved_at": self.moved_at, "pid": os.getpid()}
+            tmp = self.path.with_suffix(".tmp")
+            try:
+                tmp.write_text(json.dumps(record))
+                os.replace(tmp, self.path)
+            except OSError:  # the launcher removed the folder: the run is over
+                self._stop.set()
 
     def close(self) -> None:
         self._stop.set()

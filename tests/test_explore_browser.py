@@ -202,14 +202,15 @@ def test_every_view_renders_and_is_screenshotted(lab_page, artifacts: Path) -> N
 def test_a_narrow_window_scrolls_inside_the_cards_not_the_page(lab_page) -> None:
     """Half a laptop screen: wide drawings and tables scroll inside their card; the page itself never
     scrolls sideways (the search view's rank grid, timeline and layout list once pushed it 200 px)."""
-    lab_page.set_viewport_size({"width": 640, "height": 900})
-    try:
-        for view in ("strategy", "lab", "search", "inference", "run", "glossary"):
-            lab_page.click(f'#tabs button[data-view="{view}"]')
-            wide = lab_page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
-            assert wide <= 0, (view, wide)
-    finally:
-        lab_page.set_viewport_size({"width": 1280, "height": 900})
+    for width in (640, 400, 320):  # half a laptop, a phone held upright
+        lab_page.set_viewport_size({"width": width, "height": 900})
+        try:
+            for view in ("strategy", "lab", "search", "inference", "run", "glossary"):
+                lab_page.click(f'#tabs button[data-view="{view}"]')
+                wide = lab_page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+                assert wide <= 0, (width, view, wide)
+        finally:
+            lab_page.set_viewport_size({"width": 1280, "height": 900})
 
 
 def test_strategy_picker_draws_each_cut_and_prices_it_with_the_planner(lab_page) -> None:

@@ -99,6 +99,13 @@ PINNED += [
     ),
     layout_draw.Case(2, "tiny-moe", "bf16", {"cp": 2, "ep": 2}, 2),
 ]
+# a split backward on middle stages ending in an MoE block: the input pass frees the block's tail
+# above its weights (router past its matmul, row order, weighted combine), which the plan had kept
+# until the weight pass (8 % over on the third of four stages); fp32 and bf16 under autocast
+PINNED += [
+    layout_draw.Case(4, "tiny-moe", "fp32", {"pp": 4, "pp_schedule": "zero-bubble", "microbatches": 4}, 4),
+    layout_draw.Case(4, "tiny-moe", "bf16", {"pp": 4, "pp_schedule": "zero-bubble", "microbatches": 4}, 4),
+]
 # a Qwen-style model: per-head q/k norms, whose weight gradients are partial sums over tp (they had
 # been left unreduced: wrong updates), q/k/v biases (of replicated K/V projections too, at tp 4),
 # and a head dim that makes q, k and v wider than the hidden size

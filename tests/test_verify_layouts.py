@@ -294,3 +294,32 @@ def test_verify_never_judges_torchs_one_time_collectives(capsys, flags, measured
         assert "(warm-up step)" in out and warmup in out and "--steps 3" in out
     else:
         assert "warm-up" not in out and " FAIL" not in out
+
+
+def test_bf16_numerics_fail_a_run_that_did_not_train_or_did_not_reduce() -> None:
+    """In bf16 the per-weight bound (2·lr a step) passes any run AdamW could have made, a run that
+    never stepped too; the update's direction against the single process's does not: a run that
+    did not step scores 0, one whose data ranks skipped their gradient average about 0.63."""
+    import dataclasses
+
+    from fivefold.commands.verify import _numerics
+    from fivefold.config import TrainSpec
+    from fivefold.parallel.compare import run_reference
+
+    spec = load_model("tiny")
+    train = TrainSpec(seed=0, seq_len=16, micro_batch=2, lr=1e-3, steps=3, dtype="bf16").validate()
+    train = dataclasses.replace(train, global_batch=4)
+    reference = run_reference(spec, dataclasses.replace(train, dtype="fp32"), 4, 3)
+    half = run_reference(spec, dataclasses.replace(train, dtype="fp32", global_batch=2), 2, 3)
+
+    def judged(params: dict, losses: list[float]) -> dict[str, bool]:
+        rows = _numerics(train, [{"losses": losses, "grad_norms": [], "params": params}], reference)
+        return {r.name: r.ok for r in rows}
+
+    healthy = judged(reference.params, reference.losses)
+    assert all(healthy.values()), healthy
+    still = judged({n: t.clone() for n, t in reference.initial.items()}, reference.losses)
+    assert still["update direction (cosine)"] is False and all(
+        v for k, v in still.items() if "direction" not in k
+    )
+    assert judged(half.params, reference.losses)["update direction (cosine)"] is False

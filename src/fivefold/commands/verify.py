@@ -9,12 +9,14 @@ the saved-activation bytes of its forward + backward, the state bytes held. Thre
 table, a PASS/FAIL per row:
 
   1. numerics: losses within 1e-5 relative, updated parameters within 1e-5 absolute of the single
-     process (fp32; bf16 runs, coarsely: losses within 2e-2, parameters within 2·lr·steps);
+     process (fp32; bf16 runs, coarsely: losses within 2e-2, parameters within 2·lr·steps), and
+     the whole update's direction: cosine to the single process's >= 0.999 (fp32), 0.95 (bf16);
   2. communication: for every (axis, op) of the step, on every rank, measured calls and bytes equal
      the planner's (`fivefold.plan.step`) exactly; expert all-to-alls are planned from the rows
      the run actually routed to each rank (the imbalance max/mean is reported);
   3. memory per rank: parameters, gradients and optimizer state equal the plan exactly; saved
-     activations within 10 %; the process's peak memory is shown.
+     activations within 1 % (ACTIVATION_RTOL; equal to the byte on every layout tried); the
+     process's peak memory is shown.
 
 Exit 0 when every row passes; exit 1 naming the first row that failed. DDP all-reduces every
 gradient in one bucket in step 0 and rebuilds its buckets (two small broadcasts) in step 1: measure
@@ -51,6 +53,11 @@ from fivefold.errors import FivefoldError
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
 BF16_LOSS_RTOL = 2e-2
+# the weights' total update must point where the single process's does (cosine of the two): in bf16
+# the per-weight bound above cannot tell a run that never stepped from a healthy one (AdamW moves a
+# weight by at most about lr), the direction can (UPDATE_COSINE for fp32: equal to rounding)
+BF16_UPDATE_COSINE = 0.95
+UPDATE_COSINE = 0.999
 # saved activations are planned to the byte (`fivefold.plan.activations`, with expert parallelism
 # from the rows each micro-batch's routing sent each rank, as measured); the margin is for a torch
 # whose ops save slightly differently
@@ -264,6 +271,19 @@ def _numerics(train: TrainSpec, per_rank: list[dict], reference: Any) -> list[Ro
     for i, (a, b, rel) in enumerate(zip(reference.losses, ours.losses, cmp.loss_rel)):
         rows.append(Row("numerics", f"loss step {i}", f"{b:.8f}", f"{a:.8f}", rel, rel <= loss_rtol))
     rows.append(Row("numerics", "loss equal on every rank", str(same), "True", 0.0, same))
+    cosine = update_cosine(reference, params)
+    if cosine is not None:  # the direction the steps moved the weights, against the single process's
+        floor = BF16_UPDATE_COSINE if bf16 else UPDATE_COSINE
+        rows.append(
+            Row(
+                "numerics",
+                "update direction (cosine)",
+                f"{cosine:.5f}",
+                f">= {floor}",
+                1 - cosine,
+                cosine >= floor,
+            )
+        )
     rows.append(
         Row(
             "numerics",
@@ -275,6 +295,26 @@ def _numerics(train: TrainSpec, per_rank: list[dict], reference: Any) -> list[Ro
         )
     )
     return rows
+
+
+def update_cosine(reference: Any, params: dict[str, Any]) -> float | None:
+    """Cosine between the weights' total update (after the steps less before) in this run and in the
+    single process, over every parameter; None without the reference's starting weights. A run that
+    did not train (no update) scores 0, one that moved the wrong way below it."""
+    import torch
+
+    if not reference.initial:
+        return None
+    dot = ours_sq = ref_sq = 0.0
+    for name, start in reference.initial.items():
+        ref_step = (reference.params[name] - start).double()
+        our_step = (params[name].to(start.dtype) - start).double()
+        dot += float((ref_step * our_step).sum())
+        ref_sq += float((ref_step * ref_step).sum())
+        ours_sq += float((our_step * our_step).sum())
+    if ref_sq == 0.0:  # the reference did not move (lr 0): nothing to judge the direction by
+        return None
+    return dot / max((ref_sq * ours_sq) ** 0.5, torch.finfo(torch.float64).tiny)
 
 
 def _rel(measured: float, planned: float) -> float:

@@ -28,6 +28,7 @@ class RunResult:
     grad_norms: list[float]
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # full (gathered) tensors
     eval_loss: float | None = None  # on the batch after the last step, when asked for
+    initial: dict[str, torch.Tensor] = field(default_factory=dict)  # the weights before the first step
 
 
 def global_batch(spec: ModelSpec, train: TrainSpec, rows: int, step: int) -> tuple[torch.Tensor, ...]:
@@ -52,6 +53,7 @@ def run_reference(
     runner = LocalRunner(model, train.micro_batch)
     opt = make_optimizer(model, train, Layout(), None)
     result = RunResult([], [])
+    result.initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     for step in range(steps):
         x, y = global_batch(spec, train, rows, step)
         opt.zero_grad(set_to_none=True)

@@ -357,6 +357,9 @@ NAMED = [
     ("plan", ["--mode", "inference", "--context", "1"], "--context 1 is too short"),
     ("mesh", ["--svg", "{fresh}.png"], "give a FILE.svg"),
     ("mesh", ["--order", "tp,,cp"], "--order lists axes innermost first"),
+    # the counts a schedule runs, not multiples of its minimum (dualpipev runs 5, zero-bubble 3)
+    ("verify", ["--pp", "2", "--pp-schedule", "dualpipev", "--microbatches", "2"], "valid: 4, 5, 6, 7"),
+    ("verify", ["--pp", "2", "--pp-schedule", "zero-bubble", "--microbatches", "5"], "valid: 2, 3, 4, 6"),
 ]
 
 

@@ -186,18 +186,32 @@ def step_split(layout: Layout, micro_batch: int, accumulation: int) -> tuple[int
     return pipeline_micro_batch(layout, micro_batch * accumulation), layout.microbatches
 
 
+def _in_rounds(pp: int, m: int, schedule: str) -> bool:
+    """Interleaved 1F1B and zero-bubble run micro-batches in rounds: m a multiple of m // pp."""
+    return schedule not in ("interleaved-1f1b", "zero-bubble") or m % max(1, m // pp) == 0
+
+
+def valid_microbatches(pp: int, schedule: str, count: int = 8) -> list[int]:
+    """The first `count` micro-batch counts the schedule runs with `pp` stages (what its errors list)."""
+    need = min_microbatches(pp, schedule)
+    out, m = [], need
+    while len(out) < count:
+        if _in_rounds(pp, m, schedule):
+            out.append(m)
+        m += 1
+    return out
+
+
 def check_microbatches(pp: int, m: int, schedule: str) -> None:
     need = min_microbatches(pp, schedule)
     if m < need:
         raise FivefoldError(
             f"--pp-schedule {schedule} needs at least {need} micro-batches with --pp {pp}, got "
-            f"--microbatches {m}; valid: {suggest([need * k for k in range(1, 5)])} or more"
+            f"--microbatches {m}; valid: {suggest(valid_microbatches(pp, schedule))} or more"
         )
-    if schedule in ("interleaved-1f1b", "zero-bubble"):
-        rounds = max(1, m // pp)
-        if m % rounds:
-            ok = [x for x in range(pp, 4 * pp + 1) if x % max(1, x // pp) == 0]
-            raise FivefoldError(
-                f"--pp-schedule {schedule} runs micro-batches in rounds of {pp}: --microbatches {m} must "
-                f"be a multiple of m // pp = {rounds}; valid: {suggest(ok)}"
-            )
+    if not _in_rounds(pp, m, schedule):
+        valid = suggest(valid_microbatches(pp, schedule))
+        raise FivefoldError(
+            f"--pp-schedule {schedule} runs micro-batches in rounds of {pp}: --microbatches {m} must "
+            f"be a multiple of m // pp = {max(1, m // pp)}; valid: {valid}"
+        )

@@ -176,9 +176,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_table(spec.name, layout, args.nproc, train, ledger_step, table)
         if warmup:
+            later = [s for s in steady if s > ledger_step]
+            how = (  # a measured step the user chose, with a later one to choose; else more steps
+                f"measure step {later[-1]} (--ledger-step {later[-1]}, or leave it to the default: the last)"
+                if args.ledger_step >= 0 and later
+                else f"run --steps {LEDGER_WARMUP_STEPS + 1} or more"
+            )
             print(
                 f"note: the step's collectives and saved activations are shown, not judged: {warmup}; "
-                f"run --steps {LEDGER_WARMUP_STEPS + 1} or more to judge them"
+                f"{how} to judge them"
             )
         print("PASS" if failed is None else f"FAIL: {failed.judgment} {failed.name}")
     return 0 if failed is None else 1

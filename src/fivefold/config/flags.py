@@ -56,7 +56,8 @@ def add_layout_arguments(
         "--pp-schedule",
         default=None,
         choices=PP_SCHEDULES,
-        help="pipeline schedule (default 1f1b); interleaved/zbv/dualpipev run several chunks per rank",
+        help="pipeline schedule (default 1f1b, or interleaved-1f1b with --virtual-stages above 1); "
+        "interleaved/zbv/dualpipev run several chunks per rank",
     )
     g.add_argument(
         "--microbatches",

@@ -478,7 +478,9 @@ def test_an_output_path_is_written_through_never_replaced(tmp_path, capsys):
     reader.join(timeout=30)
     assert got and got[0].startswith(b"<svg") and stat.S_ISFIFO(os.stat(fifo).st_mode)
     capsys.readouterr()
-    assert main([*argv, str(tmp_path)]) == 2
+    folder = tmp_path / "pictures.svg"  # a directory, whatever its name says
+    folder.mkdir()
+    assert main([*argv, str(folder)]) == 2
     err = capsys.readouterr().err
     assert "is a directory" in err and len(err.strip().splitlines()) == 1, err
     if os.path.exists("/dev/full"):

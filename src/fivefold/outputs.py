@@ -49,6 +49,16 @@ def write_text_whole(path: Path, text: str, flag: str = "--out") -> None:
         raise FivefoldError(f"{flag} {path}: cannot write there ({_why(path, exc)})") from None
 
 
+def is_stream(path: str | Path) -> bool:
+    """A character device or a FIFO (/dev/stdout, /dev/null, a named pipe): written into, so the
+    file name's suffix says nothing about what it takes."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)
+
+
 def _why(path: Path, exc: OSError) -> str:
     blocking = None
     with contextlib.suppress(OSError):

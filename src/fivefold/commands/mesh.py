@@ -11,7 +11,7 @@ from pathlib import Path
 
 from fivefold.config import AXES, add_layout_arguments, check_gpus, layout_from_args
 from fivefold.errors import FivefoldError
-from fivefold.outputs import write_text_whole
+from fivefold.outputs import is_stream, write_text_whole
 
 # dims shown in the picture and accepted by --axis
 PICTURE_DIMS = AXES + ("ep", "expert_fsdp", "fsdp_cp", "batch", "dp_fsdp_cp")
@@ -74,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.svg and not args.svg.lower().endswith(".svg"):  # an SVG in a .png opens as a broken picture
+    if (
+        args.svg and not args.svg.lower().endswith(".svg") and not is_stream(args.svg)
+    ):  # a .png of SVG: broken
         raise FivefoldError(f"--svg writes an SVG: give a FILE.svg (got --svg {args.svg})")
     from fivefold.mesh import build_mesh
 

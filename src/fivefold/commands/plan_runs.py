@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from fivefold.errors import FivefoldError
-from fivefold.outputs import write_text_whole
+from fivefold.outputs import is_stream, write_text_whole
 
 
 def _runs(paths: list[str]) -> tuple[list, list[str]]:
@@ -73,7 +73,7 @@ def run_runs(args: argparse.Namespace) -> int:
             f"--plot draws --validate's or --cross-validate's predictions, not --calibrate's "
             f"(got --plot {plot})"
         )
-    if plot is not None and not plot.endswith(".svg"):
+    if plot is not None and not plot.endswith(".svg") and not is_stream(plot):
         raise FivefoldError(f"--plot writes an SVG: give a FILE.svg (got --plot {plot})")
     if args.calibrate is not None:
         return _calibrate(args)

@@ -295,6 +295,7 @@ def test_a_phase_change_is_on_disk_at_once(tmp_path):
     """A rank stopped (SIGSTOP) between two beats is reported at the phase it had reached: the beat
     file carries every phase change as it happens, not only the thread's once-a-second write."""
     import json as _json
+    import time
 
     from fivefold.train.supervise import Heartbeat
 
@@ -303,7 +304,14 @@ def test_a_phase_change_is_on_disk_at_once(tmp_path):
         for step in range(1, 4):
             beat.mark(step, "saving a checkpoint")
             beat.mark(step, "agreeing whether to stop")
-            record = _json.loads((tmp_path / "rank3.beat").read_text())
+            deadline = time.monotonic() + 0.5  # the thread wakes for the change, far inside a beat
+            record = {"step": None, "phase": None}
+            while time.monotonic() < deadline:
+                beat_file = tmp_path / "rank3.beat"  # replaced whole (a rename): absent or complete
+                record = _json.loads(beat_file.read_text()) if beat_file.exists() else record
+                if (record["step"], record["phase"]) == (step, "agreeing whether to stop"):
+                    break
+                time.sleep(0.005)
             assert (record["step"], record["phase"]) == (step, "agreeing whether to stop")
     finally:
         beat.close()

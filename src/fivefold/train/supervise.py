@@ -64,40 +64,41 @@ class Interrupted(FivefoldError):
 
 
 class Heartbeat:
-    """This rank's step and phase, written to `<folder>/rank<R>.beat` every second by a thread, and at
-    once when the phase changes: a rank stopped between two beats is reported where it stopped, not
-    where the last beat found it."""
+    """This rank's step and phase, written to `<folder>/rank<R>.beat` by a thread every second, and as
+    soon as the phase changes (the thread wakes for it; the file's write stays off the training
+    thread): a rank stopped between two beats is reported where it stopped, not where the last beat
+    found it."""
 
     def __init__(self, folder: Path, rank: int) -> None:
         self.path = Path(folder) / f"rank{rank}.beat"
         self.step, self.phase, self.moved_at = 0, "starting", time.time()
-        self._lock = threading.Lock()  # the thread's beat and a phase change write the same file
         self._stop = threading.Event()
+        self._moved = threading.Event()  # a phase changed since the last write
         self._thread = threading.Thread(target=self._run, name="fivefold-heartbeat", daemon=True)
         self._thread.start()
 
     def mark(self, step: int, phase: str) -> None:
         self.step, self.phase, self.moved_at = step, phase, time.time()
-        if not self._stop.is_set():
-            self._write()
+        self._moved.set()
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._moved.clear()
             self._write()
-            self._stop.wait(BEAT_SECONDS)
+            self._moved.wait(BEAT_SECONDS)
 
     def _write(self) -> None:
-        with self._lock:
-            record = {"step": self.step, "phase": self.phase, "moved_at": self.moved_at, "pid": os.getpid()}
-            tmp = self.path.with_suffix(".tmp")
-            try:
-                tmp.write_text(json.dumps(record))
-                os.replace(tmp, self.path)
-            except OSError:  # the launcher removed the folder: the run is over
-                self._stop.set()
+        record = {"step": self.step, "phase": self.phase, "moved_at": self.moved_at, "pid": os.getpid()}
+        tmp = self.path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, self.path)
+        except OSError:  # the launcher removed the folder: the run is over
+            self._stop.set()
 
     def close(self) -> None:
         self._stop.set()
+        self._moved.set()  # wake the thread to see it
         self._thread.join(timeout=2)
 
 

@@ -28,7 +28,7 @@ def write_text_whole(path: Path, text: str, flag: str = "--out") -> None:
         raise FivefoldError(f"{flag} {path}: cannot write there ({_why(path, exc)})") from None
     if mode is not None and stat.S_ISDIR(mode):
         raise FivefoldError(f"{flag} {path}: cannot write there (it is a directory; give a file name in it)")
-    if mode is not None and (stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
+    if mode is not None and _written_into(mode):
         try:
             with open(path, "w") as stream:
                 stream.write(text)
@@ -53,9 +53,13 @@ def is_stream(path: str | Path) -> bool:
     """A character device or a FIFO (/dev/stdout, /dev/null, a named pipe): written into, so the
     file name's suffix says nothing about what it takes."""
     try:
-        mode = os.stat(path).st_mode
+        return _written_into(os.stat(path).st_mode)
     except OSError:
         return False
+
+
+def _written_into(mode: int) -> bool:
+    """A character device or a FIFO: written into, never replaced by a file."""
     return stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)
 
 

@@ -74,9 +74,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if (
-        args.svg and not args.svg.lower().endswith(".svg") and not is_stream(args.svg)
-    ):  # a .png of SVG: broken
+    misnamed = args.svg and not args.svg.lower().endswith(".svg") and not is_stream(args.svg)
+    if misnamed:  # an SVG in a file named .png would open as a broken picture
         raise FivefoldError(f"--svg writes an SVG: give a FILE.svg (got --svg {args.svg})")
     from fivefold.mesh import build_mesh
 

@@ -273,11 +273,10 @@ def run(args: argparse.Namespace) -> int:
                     f"--{flag.replace('_', '-')} is not kept by --search, which takes {chosen}; drop it, "
                     "or plan that layout without --search"
                 )
-        if args.recompute_layers and args.recompute is None:  # as a plan without --search reads it
-            raise FivefoldError(
-                f"--recompute-layers {args.recompute_layers} chooses how many blocks of each chunk full "
-                "recompute re-runs; add --recompute full (or drop it: the search chooses the recompute)"
-            )
+        if args.recompute_layers and args.recompute is None:  # refused as a plan without --search is
+            from fivefold.config import Layout
+
+            Layout(recompute_layers=args.recompute_layers).resolve()
         pins = {k: getattr(args, k, None) for k in PINNABLE}
         pins["micro_batch"] = args.micro_batch
         check_pins(pins, args.gpus)

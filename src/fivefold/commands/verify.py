@@ -62,8 +62,6 @@ UPDATE_COSINE = 0.999
 # from the rows each micro-batch's routing sent each rank, as measured); the margin is for a torch
 # whose ops save slightly differently
 ACTIVATION_RTOL = 0.01
-
-
 # a verification is a few steps judged against a single process that runs every micro-batch too
 MAX_ACCUMULATION = 4096
 
@@ -307,8 +305,6 @@ def update_cosine(reference: Any, params: dict[str, Any]) -> float | None:
     """Cosine between the weights' total update (after the steps less before) in this run and in the
     single process, over every parameter; None without the reference's starting weights. A run that
     did not train (no update) scores 0, one that moved the wrong way below it."""
-    import torch
-
     if not reference.initial:
         return None
     dot = ours_sq = ref_sq = 0.0
@@ -320,7 +316,9 @@ def update_cosine(reference: Any, params: dict[str, Any]) -> float | None:
         ours_sq += float((our_step * our_step).sum())
     if ref_sq == 0.0:  # the reference did not move (lr 0): nothing to judge the direction by
         return None
-    return dot / max((ref_sq * ours_sq) ** 0.5, torch.finfo(torch.float64).tiny)
+    if ours_sq == 0.0:  # this run did not move: no direction at all
+        return 0.0
+    return dot / (ref_sq * ours_sq) ** 0.5
 
 
 def _rel(measured: float, planned: float) -> float:

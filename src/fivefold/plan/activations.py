@@ -118,7 +118,7 @@ def layer_saved(run: RunShape, moe: bool, recomputed: bool | None = None) -> flo
             attn += (4 + mm) * (q + k_local)
         attn += 4 * t * (heads + kv)
     if moe:
-        mlp = _moe_saved(run, t if not lay.sp else n * tp)
+        mlp = _moe_saved(run, _moe_tokens(run))
     else:
         f = spec.ffn_hidden // tp
         mlp = 4 * t * f * mm + _weights(run, 3 * f * h)
@@ -136,10 +136,8 @@ def _moe_saved(run: RunShape, t: int) -> float:
     fs = fe * spec.shared_experts
     rows = k * t
     received = rows * routed_row_bytes(run)
-    router = 4 * t * e + 8 * rows + 4 * t + 4 * rows + _weights(run, e * h)
-    # the balancing loss keeps the load per sequence and expert; with cp also the cp-summed
-    # statistics it multiplies (counts and probabilities, `fivefold.parallel.context`)
-    aux = 4 * run.micro_batch * e * (3 if run.layout.cp > 1 else 1)
+    router = _router_past_matmul(t, e, rows) + _weights(run, e * h)
+    aux = _balancing_saved(run)
     if run.autocast:  # each of this rank's experts (E/ep) casts its weights; the combine keeps its
         # bf16 rows and their fp32 weighting
         sort = 8 * rows + 8 * rows + 4 * rows
@@ -154,6 +152,24 @@ def _moe_saved(run: RunShape, t: int) -> float:
     return router + sort + combine + received + shared + aux + _expert_weight_casts(run)
 
 
+def _moe_tokens(run: RunShape) -> int:
+    """Tokens an MoE block routes on a rank: all of them with sp too (its input is gathered whole)."""
+    lay, t = run.layout, run.tokens
+    return t // lay.tp * lay.tp if lay.sp else t
+
+
+def _router_past_matmul(t: int, experts: int, rows: int) -> float:
+    """What the router saves after its matmul: the fp32 softmax, the top-k indices (int64), the
+    gathered weights and their sum (fp32)."""
+    return 4 * t * experts + 8 * rows + 4 * rows + 4 * t
+
+
+def _balancing_saved(run: RunShape) -> float:
+    """The balancing loss keeps the load per sequence and expert; with cp also the cp-summed
+    statistics it multiplies (counts and probabilities, `fivefold.parallel.context`)."""
+    return 4 * run.micro_batch * run.spec.experts * (3 if run.layout.cp > 1 else 1)
+
+
 def _moe_tail(run: RunShape, t: int) -> float:
     """What an MoE block saves above its last weights: the router past its matmul (softmax, top-k
     indices, the normalised weights and their sum), the row order, and the weighted combine (the
@@ -163,14 +179,12 @@ def _moe_tail(run: RunShape, t: int) -> float:
     bf16 and its weighting promotes to fp32 (measured on tiny-moe: 9,296 bytes in fp32, 7,248 in
     bf16 autocast, a block's 16 tokens)."""
     spec, mm = run.spec, run.act_bytes
-    e, rows = spec.experts, spec.experts_per_token * t
-    router = 4 * t * e + 8 * rows + 4 * rows + 4 * t
+    rows = spec.experts_per_token * t
     if run.autocast:
         combine = 4 * rows + 2 * rows * spec.hidden + 4 * rows * spec.hidden
     else:
         combine = mm * rows + 2 * mm * rows * spec.hidden
-    aux = 4 * run.micro_batch * e * (3 if run.layout.cp > 1 else 1)
-    return router + 8 * rows + combine + aux
+    return _router_past_matmul(t, spec.experts, rows) + 8 * rows + combine + _balancing_saved(run)
 
 
 def input_pass_frees(run: RunShape, chunk: Chunk) -> float:
@@ -188,8 +202,7 @@ def input_pass_frees(run: RunShape, chunk: Chunk) -> float:
         return 0.0
     if last in run.again([chunk]):  # a recomputed block keeps only its input until its backward
         return 0.0
-    t = run.tokens
-    return _moe_tail(run, t // lay.tp * lay.tp if lay.sp else t)  # the rows `layer_saved` gives MoE
+    return _moe_tail(run, _moe_tokens(run))
 
 
 def _expert_weight_casts(run: RunShape) -> float:

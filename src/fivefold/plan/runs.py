@@ -669,7 +669,7 @@ def contradictions(run: dict[str, Any]) -> list[str]:
     pp = _count(run, "layout", "pp") or 1
     data = None
     if isinstance(lt.get("dp"), int) or isinstance(lt.get("fsdp"), int):
-        data = max(_count(run, "layout", "dp") or 1, 1) * max(_count(run, "layout", "fsdp") or 1, 1)
+        data = (_count(run, "layout", "dp") or 1) * (_count(run, "layout", "fsdp") or 1)  # positive
     elif gpus and gpus % (tp * pp * cp) == 0:
         data = gpus // (tp * pp * cp)
     if micro and batch and data and micro * data > batch:  # a micro-batch is part of a rank's batch

@@ -248,7 +248,8 @@ def _check_pins(model: ModelSpec, pins: dict) -> None:
         Layout(pp=pins["pp"], virtual_stages=pins["virtual_stages"]).check_model(model)
     # ep is left out: whether it divides fsdp × cp is the candidates' business when those are searched
     given = {k: v for k, v in pins.items() if k in PINNABLE and k != "ep"}
-    if given.get("recompute_layers"):  # a block count implies full recompute, as the flags read it
+    # a pinned block count implies full recompute here (`plan --search` itself asks for --recompute full)
+    if given.get("recompute_layers"):
         given.setdefault("recompute", "full")
     if "pp" not in given and ("pp_schedule" in given or given.get("virtual_stages", 1) > 1):
         given["pp"] = 2
@@ -381,11 +382,12 @@ def search(
             heapq.heappop(slowest_kept)
     results.sort(key=lambda p: (round(p.step_time_s, 9), _axes_used(p.layout), p.memory.total))
     best = results[:top]
+    input_error = False
     if best:
         explanation = explain(best, model, hw, gpus, gpn)
     else:
-        explanation = [_why_none(pins, refusal, runnable, state_fits, batch_splits, micro_batches, shape)]
-    input_error = not best and ((bool(refusal) and not runnable) or (state_fits > 0 and not batch_splits))
+        why, input_error = _why_none(pins, refusal, runnable, state_fits, batch_splits, micro_batches, shape)
+        explanation = [why]
     return SearchResult(best, considered, fitting, time.perf_counter() - start, explanation, input_error)
 
 
@@ -397,27 +399,28 @@ def _why_none(
     batch_splits: int,
     micro_batches: tuple[int, ...],
     shape: TrainShape,
-) -> str:
-    """Why a search found no layout: the first obstacle every candidate met."""
+) -> tuple[str, bool]:
+    """Why a search found no layout: the first obstacle every candidate met, and whether it is a
+    mistake in the request (every layout refused, a batch none splits) rather than an answer."""
     fixed = ", ".join(f"{k}={v}" for k, v in pins.items())
     with_fixed = f" with {fixed} fixed" if fixed else ""
     if refusal and not runnable:  # none was too big: every layout with these flags is refused
-        return f"no layout{with_fixed} can be trained: {refusal}"
+        return f"no layout{with_fixed} can be trained: {refusal}", True
     if not state_fits:
         state = "the model state alone exceeds GPU memory at every sharding degree tried"
-        return f"no layout fits{with_fixed}: {state}"
+        return f"no layout fits{with_fixed}: {state}", False
     sizes = " or ".join(map(str, micro_batches))
     if not batch_splits:
         return (
             f"no layout{with_fixed} splits --global-batch {shape.global_batch} into micro-batches of {sizes} "
             "over its data ranks (and a pipeline's micro-batch count); give a --global-batch that is a "
             "multiple of the micro-batch times the data ranks"
-        )
+        ), True
     lower = " lower --micro-batch or" if len(micro_batches) == 1 and micro_batches[0] > 1 else ""
     return (
         f"no layout fits{with_fixed}: the model state fits, but not the activations of micro-batch {sizes} "
         f"at {shape.seq_len} tokens, even with the heaviest recompute tried;{lower} add GPUs"
-    )
+    ), False
 
 
 def _axes_used(lay: Layout) -> int:
@@ -561,8 +564,9 @@ def layout_flags(lay: Layout) -> str:
         parts.append(f"--recompute-layers {lay.recompute_layers}")
     if lay.cp > 1 and lay.cp_impl != "ring":
         parts.append(f"--cp-impl {lay.cp_impl}")
-    if complete_order(lay.order) != DEFAULT_ORDER:
-        parts.append(f"--order {complete_order(lay.order)}")
+    order = complete_order(lay.order)
+    if order != DEFAULT_ORDER:
+        parts.append(f"--order {order}")
     return " ".join(parts)
 
 

@@ -10,6 +10,11 @@ dimension that describes the measured matmuls best (free peak, least mean |log e
 beside the planner's for that device (every GPU preset's 128, the `cpu` preset's 0), with each
 shape's measured and predicted rate relative to the widest.
 
+Last, attention's fixed cost per query block: fused attention forward and backward at head dim 128
+over sequences from 512 tokens up (the same tokens a call, causal and not), fitted to
+rate = long-sequence rate · k/(k + fixed keys), k the keys a query visits (s/2 causal, s not). The
+planner's `attention_fixed_keys` (256 on every GPU preset, 0 on `cpu`) is printed beside the fit.
+
 Run: python benchmarks/bench_gemm_shapes.py [--device cuda|cpu] [--tokens 8192] [--max-dim 16384]
      [--repeats 20] [--json OUT.json]
 Without a CUDA GPU and without `--device cpu` it says so and exits 0.
@@ -71,6 +76,39 @@ def attention_rate(head_dim: int, tokens: int, dtype: torch.dtype, device: str, 
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     return flops / timed(attend, repeats, device)
+
+
+def attention_train_rate(
+    seq: int, causal: bool, tokens: int, dtype: torch.dtype, device: str, repeats: int
+) -> float:
+    """Measured FLOP/s of fused attention's forward and backward at head dim 128, counted as the
+    published kernel benchmarks count them: 4·s²·d per head forward (halved by a causal mask) and
+    2.5 times that backward."""
+    batch = max(1, tokens // seq)
+    heads, head_dim = 16, 128
+    q, k, v = (
+        torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=device, requires_grad=True)
+        for _ in range(3)
+    )
+    grad = torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=device)
+    flops = 3.5 * 4.0 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
+
+    def step() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    return flops / timed(step, repeats, device)
+
+
+def fit_fixed_keys(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(fixed keys, long-sequence FLOP/s) of rate = top·k/(k + fixed) that fits (keys k, rate) best.
+    The time per score is then linear in 1/k: 1/rate = (1 + fixed/k)/top, a least-squares line."""
+    xs = [1.0 / keys for keys, _ in points]
+    ys = [1.0 / rate for _, rate in points]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    intercept = mean_y - slope * mean_x
+    return slope / intercept, 1.0 / intercept
 
 
 def shapes(tokens: int, max_dim: int) -> list[tuple[int, int, int]]:
@@ -153,6 +191,31 @@ def main() -> int:
             f"| {a['head_dim']} | {a['flops'] / 1e12:.1f} | {a['flops'] / ref:.2f} "
             f"| {head_dim_factor(a['head_dim']):.2f} |"
         )
+    fixed_keys = load_hardware("h100-80gb" if args.device == "cuda" else "cpu").attention_fixed_keys
+    # 512 to 16k tokens on a GPU (each call the same tokens), up to --tokens on the CPU
+    sweep_tokens = max(args.tokens, 16384) if args.device == "cuda" else max(args.tokens, 512)
+    seqs = [2**p for p in range(9, 15) if 2**p <= sweep_tokens]
+    sweep = []
+    for causal in (True, False):
+        for seq in seqs:
+            rate = attention_train_rate(seq, causal, sweep_tokens, dtype, args.device, args.repeats)
+            sweep.append({"seq": seq, "causal": causal, "keys": seq // 2 if causal else seq, "flops": rate})
+    fitted_keys, top = fit_fixed_keys([(a["keys"], a["flops"]) for a in sweep])
+    print(
+        "\n| sequence | causal | keys a query visits | forward+backward TFLOP/s "
+        f"| ÷ fitted long-sequence rate | planner ({fixed_keys:.0f} fixed keys) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for a in sweep:
+        planned = a["keys"] / (a["keys"] + fixed_keys)
+        print(
+            f"| {a['seq']} | {'yes' if a['causal'] else 'no'} | {a['keys']} | {a['flops'] / 1e12:.1f} "
+            f"| {a['flops'] / top:.2f} | {planned:.2f} |"
+        )
+    print(
+        f"\nfitted fixed keys: {fitted_keys:.0f} (long-sequence rate {top / 1e12:.1f} TFLOP/s); "
+        f"the planner's: {fixed_keys:.0f}"
+    )
     if args.json:
         result = {
             "device": name,
@@ -162,6 +225,9 @@ def main() -> int:
             "planner_half_dim": planner_half,
             "planner_error": statistics.fmean(shipped_errs),
             "attention": attention,
+            "attention_by_sequence": sweep,
+            "fitted_fixed_keys": fitted_keys,
+            "planner_fixed_keys": fixed_keys,
         }
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -80,3 +80,12 @@ def test_the_gemm_shape_benchmark_fits_a_known_half_dimension_and_runs_here(tmp_
     result = json.loads(out.read_text())
     assert len(result["gemm"]) >= 5 and all(row["flops"] > 0 for row in result["gemm"])
     assert [a["head_dim"] for a in result["attention"]] == [64, 128, 256]
+    assert [(a["seq"], a["causal"]) for a in result["attention_by_sequence"]] == [(512, True), (512, False)]
+    assert result["planner_fixed_keys"] == 0  # the cpu preset's attention is not tiled into query blocks
+
+
+def test_the_fixed_keys_fit_recovers_the_cost_rates_were_made_with() -> None:
+    fit_fixed_keys = _load("bench_gemm_shapes").fit_fixed_keys
+    made = [(k, 400e12 * k / (k + 230)) for k in (256, 512, 1024, 2048, 4096, 8192)]
+    keys, top = fit_fixed_keys(made)
+    assert abs(keys - 230) < 1 and abs(top - 400e12) / 400e12 < 1e-6

@@ -429,6 +429,26 @@ def test_a_run_is_planned_in_its_own_dtype_so_plan_and_ledger_agree(tmp_path: Pa
     assert stepped == exact and ("fsdp", "all_reduce") in stepped
 
 
+def test_a_pipelined_runs_micro_batches_are_the_ones_train_ran(tmp_path: Path, capsys) -> None:
+    """train splits a pipelined data rank's batch (--micro-batch 8) into --microbatches 4 of 2
+    sequences: the page plans those 4, as `plan --validate RUN_DIR` does, and prints no note that
+    train would split it otherwise."""
+    from fivefold.cli import main
+    from fivefold.config import RunConfig, TrainSpec
+
+    run = write_run(tmp_path / "run")
+    layout = Layout(pp=2, fsdp=2, microbatches=4).resolve(4)
+    cfg = RunConfig(model=load_model("tiny"), layout=layout, train=TrainSpec(seq_len=64, micro_batch=8))
+    (run / "config.toml").write_text(cfg.to_toml())
+    out = tmp_path / "page.html"
+    capsys.readouterr()
+    assert main(["explore", "--run", str(run), "--top", "0", "--no-lab", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "untold" not in printed and "wrote" in printed
+    shown = _embedded(out.read_text())["layouts"][0]["plan"]
+    assert shown["microbatches"] == 4 and shown["micro_batch"] == 2
+
+
 def test_a_diverged_runs_curve_has_gaps_where_report_draws_them() -> None:
     """A NaN or infinite loss (a run that diverged, and stopped) is shown as a gap, not refused; a
     string where a number belongs is still one line naming the file."""

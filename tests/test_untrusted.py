@@ -213,6 +213,7 @@ DAMAGED_FILES = [
     ("metrics.jsonl", b"[1, 2]\n", "numeric step and loss"),
     ("metrics.jsonl", b'{"step": 1, "loss": {"a": 1}}\n', "numeric step and loss"),
     ("metrics.jsonl", b'{"step": 1, "loss": null}\n', "numeric step and loss"),
+    ("metrics.jsonl", b'{"step": 1, "lo\n{"step": 2, "loss": 2.5}\n', "line 1 is not JSON"),
     ("ledger.json", b"[1, 2]", "by_axis"),
     ("ledger.json", b'{"by_axis": {"tp": "x"}}', "numeric count and bytes"),
     ("trace.json", b'{"traceEvents": 5}', "list of trace events"),
@@ -229,6 +230,23 @@ def test_report_on_damaged_run_files_is_one_line(run_dir, tmp_path, capsys, name
     (run / name).write_bytes(data.replace(b'"pipeline"', json.dumps(CATEGORY).encode()))
     _one_line_exit_2(capsys, ["report", str(run), "--out", str(tmp_path / "r.svg")], words)
     assert not (tmp_path / "r.svg").exists()
+
+
+def test_a_half_written_last_metrics_line_is_skipped_as_explore_skips_it(run_dir, tmp_path, capsys):
+    """A run killed mid-write, or one still writing, ends its metrics.jsonl in half a line: report and
+    explore read the steps before it, as `plan --validate RUN_DIR` does."""
+    from fivefold.cli import main
+
+    run = tmp_path / "copy"
+    shutil.copytree(run_dir, run)
+    whole = (run / "metrics.jsonl").read_text()
+    (run / "metrics.jsonl").write_text(whole + '{"step": 99, "lo')
+    assert main(["report", str(run), "--out", str(tmp_path / "r.svg")]) == 0
+    assert (
+        main(["explore", "--run", str(run), "--top", "0", "--no-lab", "--out", str(tmp_path / "p.html")]) == 0
+    )
+    assert (tmp_path / "r.svg").exists() and (tmp_path / "p.html").exists()
+    capsys.readouterr()
 
 
 def test_report_on_a_directory_where_metrics_belong(run_dir, tmp_path, capsys):

@@ -16,6 +16,7 @@ from typing import Any
 
 from fivefold.errors import FivefoldError, reason
 from fivefold.outputs import write_text_whole
+from fivefold.runlog import json_lines
 
 COLORS = {
     "F": "#4e79a7",
@@ -108,10 +109,7 @@ def _read_metrics(path: Path) -> list[dict]:
     """Every step's record; each must carry a numeric step and loss, which the summary and plot use."""
     if not path.exists():
         return []
-    try:
-        records = [json.loads(line) for line in _read_text(path).splitlines() if line.strip()]
-    except (ValueError, RecursionError) as exc:  # not JSON, a 5000-digit number, deep nesting
-        raise FivefoldError(f"malformed {path}: {reason(exc)}") from None
+    records = [rec for _, rec in json_lines(_read_text(path), f"malformed {path}")]
     for n, rec in enumerate(records, start=1):
         if not isinstance(rec, dict) or not _real(rec.get("step")) or not _real(rec.get("loss")):
             raise FivefoldError(f"malformed {path}: record {n} is not an object with a numeric step and loss")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.errors import FivefoldError, reason
+from fivefold.runlog import json_lines
 
 MAX_TRACE_EVENTS = 4000
 CURVES = ("loss", "held_out_loss")
@@ -41,18 +42,10 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
     """Per step: the step and whichever of loss / held-out loss it recorded (numbers only)."""
     out = []
     try:
-        lines = path.read_text().splitlines()
+        text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise FivefoldError(f"{path}: cannot be read ({exc.__class__.__name__})") from None
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except (ValueError, RecursionError):
-            if n == len(lines):  # a run killed mid-write leaves a half line at the end
-                continue
-            raise FivefoldError(f"{path}: line {n} is not JSON: {line[:60]!r}") from None
+    for n, rec in json_lines(text, str(path)):
         if not isinstance(rec, dict) or not _number(rec.get("step")):
             raise FivefoldError(f"{path}: line {n} is not an object with a numeric 'step'")
         row = {"step": rec["step"]}

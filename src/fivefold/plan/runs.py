@@ -758,10 +758,10 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
     """A fivefold run directory (`config.toml` + `metrics.jsonl`) as a run of the reference schema:
     its model, layout and batch, on the machine it ran on (`_measured_on`), with fused kernels if it
     ran compiled, and the median step time after the first step."""
-    import json
     import statistics
 
     from fivefold.config import RunConfig, to_dict
+    from fivefold.runlog import json_lines
     from fivefold.support import pipeline_micro_batch
 
     p = Path(path)
@@ -774,23 +774,18 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
         text = (p / "metrics.jsonl").read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise FivefoldError(f"run directory {p}: cannot read metrics.jsonl ({type(exc).__name__})") from None
-    for line in text.splitlines():
-        if line.strip():
-            try:
-                rec = json.loads(line)
-            except (ValueError, RecursionError):
-                raise FivefoldError(f"run directory {p}: metrics.jsonl has a line that is not JSON") from None
-            if not isinstance(rec, dict):
-                raise FivefoldError(f"run directory {p}: metrics.jsonl has a line that is not a JSON object")
-            if "step_time_s" in rec:
-                t = rec["step_time_s"]
-                if not _positive_number(t):
-                    step = rec.get("step", "?")
-                    raise FivefoldError(
-                        f"run directory {p}: metrics.jsonl step {step}: step_time_s must be a positive "
-                        f"number of seconds, got {t!r}"
-                    )
-                times.append(float(t))
+    for _, rec in json_lines(text, f"run directory {p}: metrics.jsonl"):
+        if not isinstance(rec, dict):
+            raise FivefoldError(f"run directory {p}: metrics.jsonl has a line that is not a JSON object")
+        if "step_time_s" in rec:
+            t = rec["step_time_s"]
+            if not _positive_number(t):
+                step = rec.get("step", "?")
+                raise FivefoldError(
+                    f"run directory {p}: metrics.jsonl step {step}: step_time_s must be a positive "
+                    f"number of seconds, got {t!r}"
+                )
+            times.append(float(t))
     if len(times) < 2:
         raise FivefoldError(f"run directory {p}: metrics.jsonl needs step_time_s on at least 2 steps")
     m, lay, tr = to_dict(cfg.model), cfg.layout, cfg.train

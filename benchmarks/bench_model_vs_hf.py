@@ -1,10 +1,11 @@
 """Training-step throughput of fivefold's model against HF transformers' LlamaForCausalLM.
 
-Same dims, same weights (copied by name), same batch, same loss function and the same AdamW: one
-step is forward + backward + optimizer step. Each round times both models back to back (in
-alternating order) and yields one ratio HF time / fivefold time; the reported ratio is the median
-over rounds, so load from other processes that drifts between rounds cancels (> 1: fivefold faster).
-Tokens/s are medians over rounds too, and move with the machine's load; the ratio is the result.
+Same dims, same weights (copied by name, q/k rows in HF's rotary order), same batch, same loss
+function and the same AdamW: one step is forward + backward + optimizer step. Each round times both
+models back to back (in alternating order) and yields one ratio HF time / fivefold time; the
+reported ratio is the median over rounds, so load from other processes that drifts between rounds
+cancels (> 1: fivefold faster). Tokens/s are medians over rounds too, and move with the machine's
+load; the ratio is the result.
 
 On a machine shared with other busy processes, `--threads 1` gives far steadier numbers: with more
 intra-op threads than free cores, a step waits on whichever thread was descheduled.
@@ -23,7 +24,7 @@ import torch
 
 from fivefold.config import ModelSpec, load_model
 from fivefold.model import build_model, lm_loss, materialize
-from fivefold.model.hf import hf_config
+from fivefold.model.hf import hf_config, rotary_rows
 
 # (label, spec, micro-batch, sequence length)
 CASES = [
@@ -43,7 +44,9 @@ def hf_twin(spec: ModelSpec, model: torch.nn.Module) -> torch.nn.Module:
 
     config = transformers.LlamaConfig(**{k: v for k, v in hf_config(spec).items() if k != "architectures"})
     hf = transformers.LlamaForCausalLM(config)
-    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+    # HF's rotary pairs a head's halves where fivefold pairs neighbours: q/k rows change order
+    state = {name: rotary_rows(name, t, spec.head_dim, to_hf=True) for name, t in model.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
     if spec.tie_embeddings:
         hf.tie_weights()
@@ -78,6 +81,10 @@ def bench_case(label: str, spec: ModelSpec, batch: int, seq: int, repeats: int, 
     labels = torch.randint(0, spec.vocab, (batch, seq), generator=gen)
     with torch.no_grad():  # same weights, same function: the comparison is like for like
         gap = (ours(inputs) - theirs(inputs).logits).abs().max().item()
+    if gap > 1e-3:  # fp32: the twins agree to rounding, or the timing compares two different models
+        raise SystemExit(
+            f"{label}: HF's logits differ from fivefold's by {gap:.1e}; the weights were not copied"
+        )
     runs = {
         "fivefold": make_step(ours, lambda m, x: m(x), inputs, labels),
         "hf": make_step(theirs, lambda m, x: m(x).logits, inputs, labels),

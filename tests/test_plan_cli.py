@@ -1017,3 +1017,16 @@ def test_a_search_where_nothing_fits_names_the_obstacle(capsys, extra: list[str]
     answers); the line says what stopped them: the activations, not the model state, where it is so."""
     code, out, _ = run_cli(capsys, "--search", *extra)
     assert code == 0 and "0 fit" in out and reason in out, out
+
+
+def test_the_smallest_runs_file_docs_planner_shows_plans(tmp_path, capsys) -> None:
+    """docs/planner.md's "Someone else's runs" gives the smallest file --validate takes: it plans."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[1] / "docs" / "planner.md").read_text()
+    block = doc.split("The smallest file that plans:", 1)[1].split("```toml\n", 1)[1].split("```", 1)[0]
+    runs = tmp_path / "mine.toml"
+    runs.write_text(block)
+    assert main(["plan", "--validate", str(runs)]) == 0
+    out = capsys.readouterr().out
+    assert "my-8b" in out and "tokens/s/GPU" in out

@@ -44,11 +44,14 @@ TRAIN_FLAGS: dict[str, tuple[type, str]] = {
     "seed": (int, "seed of the weights and of the batch order"),
     "lr": (float, "peak learning rate"),
     "seq_len": (int, "tokens per sequence"),
-    "micro_batch": (int, "sequences per rank per forward"),
-    "global_batch": (int, "sequences per optimizer step (0: micro-batch × data-parallel ranks)"),
+    "micro_batch": (
+        int,
+        "sequences per rank per forward; with pp, a data rank's, split into --microbatches",
+    ),
+    "global_batch": (int, "sequences per optimizer step; 0: micro-batch × data-parallel ranks"),
     "warmup": (int, "learning-rate warm-up steps"),
-    "eval_every": (int, "held-out loss every N steps (and at the end)"),
-    "checkpoint_every": (int, "checkpoint every N steps (0: only at the end; -1: never)"),
+    "eval_every": (int, "held-out loss every N steps and at the end"),
+    "checkpoint_every": (int, "checkpoint every N steps; 0: only at the end, -1: never"),
     "data": (str, "stdlib (default), a text file or folder, .jsonl or a pre-tokenized .bin"),
     "tokenizer": (str, "bytes (default) or a tokenizer.json / HF directory"),
     "device": (str, "auto (default), cpu or cuda"),
@@ -122,7 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g = parser.add_argument_group("training")
     for name, (kind, text) in TRAIN_FLAGS.items():
-        g.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=text)
+        # the flag's value is None unless given, so a --config file's can stand; help names the default
+        default = TrainSpec.__dataclass_fields__[_FIELD.get(name, name)].default
+        shown = text if "default" in text else f"{text} (default {default})"
+        g.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=shown)
     add_layout_arguments(parser)
 
 

@@ -291,7 +291,7 @@ def _numerics(train: TrainSpec, per_rank: list[dict], reference: Any) -> list[Ro
     rows.append(
         Row(
             "numerics",
-            f"updated parameters (max abs diff, {cmp.worst_param or '-'})",
+            f"updated parameters (max abs diff, {cmp.worst_param or 'none differs'})",
             f"{cmp.max_abs:.3e}",
             f"<= {param_atol:g}",
             cmp.max_rel,

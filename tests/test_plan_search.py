@@ -157,12 +157,45 @@ def test_pinned_flags_that_contradict_or_that_train_refuses_are_named() -> None:
         raise AssertionError("--fsdp 8 --zero 1 was searched")
     sp = search(model, hw, 64, shape, top=3, pins={"sp": True})
     assert sp.plans and all(p.layout.tp > 1 and p.layout.sp for p in sp.plans)
-    split = search(model, hw, 64, shape, pins={"pp_schedule": "zero-bubble", "zero": 3})
+    split = search(model, hw, 64, shape, pins={"pp_schedule": "zero-bubble", "zero": 3, "fsdp": 8})
     assert not split.plans and "can be trained" in split.explanation[0]
     assert "use --zero 2" in split.explanation[0]
+    # without fsdp pinned, zero 3 stands where no data rank shards anything (tp × pp fill the world)
+    moot = search(model, hw, 64, shape, pins={"pp_schedule": "zero-bubble", "zero": 3})
+    assert moot.plans and all(p.layout.dp * p.layout.fsdp == 1 for p in moot.plans)
     # chunks that differ by a layer are trained (the cost-balanced split), so they are searched
     uneven = search(model, hw, 64, shape, pins={"pp_schedule": "interleaved-1f1b", "virtual_stages": 3})
     assert uneven.plans and all(p.layout.virtual_stages == 3 for p in uneven.plans)
+
+
+def test_pins_train_refuses_are_named_by_trains_own_check_not_as_memory() -> None:
+    """Pins whose every layout train refuses say so in train's words, as an input error: not that the
+    model state or the activations do not fit (the search had blamed memory for a 0.2 MB model)."""
+    tiny, moe, cpu = load_model("tiny"), load_model("tiny-moe"), load_hardware("cpu")
+    shape = TrainShape(seq_len=16, global_batch=8)
+    for model, pins, words in (
+        (tiny, {"dp": 4, "zero": 2}, "--zero 2 shards gradients with FSDP"),
+        (moe, {"ep": 2, "zero": 1}, "must divide fsdp×cp"),
+        (
+            tiny,
+            {"pp": 2, "pp_schedule": "dualpipev", "recompute": "full"},
+            "cannot run with --recompute full",
+        ),
+    ):
+        result = search(model, cpu, 4, shape, pins=dict(pins))
+        assert not result.plans and result.input_error, pins
+        assert "can be trained" in result.explanation[0] and words in result.explanation[0], (
+            result.explanation
+        )
+    # the tp shards ZeRO-1 cannot take, where the layouts without a pipeline are also too big
+    big = search(
+        load_model("llama3-405b"),
+        load_hardware("h100-80gb"),
+        16384,
+        TrainShape(8192, 2048),
+        pins={"tp": 8, "zero": 1},
+    )
+    assert big.input_error and "ZeroRedundancyOptimizer" in big.explanation[0]
 
 
 def test_the_flags_a_search_prints_train_the_plan_it_scored() -> None:
@@ -186,6 +219,10 @@ def test_the_flags_a_search_prints_train_the_plan_it_scored() -> None:
         ("tiny", 8, 128, 16, {"tp": 2, "pp": 2}),
         ("tiny", 4, 128, 16, {"pp": 2, "zero": 3}),
         ("tiny", 4, 128, 16, {"sp": True, "recompute": "full"}),
+        # a ZeRO stage pinned where no data rank shards it: train takes it, so the search keeps it
+        ("tiny", 2, 128, 8, {"tp": 2, "zero": 1}),
+        ("tiny", 4, 128, 8, {"tp": 2, "pp": 2, "zero": 1}),
+        ("tiny-moe", 4, 128, 8, {"cp": 4, "ep": 2, "zero": 1}),
     ):
         result = search(
             load_model(name), load_hardware("cpu"), gpus, TrainShape(seq, batch), top=6, pins=pins

@@ -150,6 +150,10 @@ PINNABLE = (
 )
 
 
+# pins a candidate carries as given; the axes, schedule and ZeRO stage are enumerated around the others
+PINNED_AS_GIVEN = ("order", "cp_impl", "recompute", "recompute_layers")
+
+
 def _pinned_data_modes(
     rest: int, cp: int, gpn: int, pins: dict, split_weights: bool = False
 ) -> list[tuple[int, int, int]]:
@@ -160,8 +164,11 @@ def _pinned_data_modes(
         if "zero" in pins:
             z = pins["zero"]
             modes = [m for m in modes if m[2] == z]
-            if z == 0 and rest > 1:
-                modes.append((rest, 1, 0))
+            # the stage asked for on the data axis that holds it (dp for 0 and 1, fsdp for 2 and 3),
+            # also where the search would not choose it; train's checks below say if it runs
+            natural = (rest, 1, z) if z < 2 else (1, rest, z)
+            if natural not in modes:
+                modes.append(natural)
         return modes
     if dp is not None and fsdp is not None:
         pairs = [(dp, fsdp)] if dp * fsdp == rest else []
@@ -171,10 +178,11 @@ def _pinned_data_modes(
         pairs = [(rest // fsdp, fsdp)] if rest % fsdp == 0 else []
     out = []
     for d, f in pairs:
+        if "zero" in pins:  # every axis of the data ranks given: whether train runs it is its checks' say
+            out.append((d, f, pins["zero"]))
+            continue
         plain = 0 if split_weights else 1
-        zeros = (
-            [pins["zero"]] if "zero" in pins else ([2, 3] if d == 1 and f > 1 else [3] if f > 1 else [plain])
-        )
+        zeros = [2, 3] if d == 1 and f > 1 else [3] if f > 1 else [plain]
         # sharded weights: zero 2 or 3, which only FSDP shards
         out += [(d, f, z) for z in zeros if not (f > 1 and z < 2) and not (f == 1 and z >= 2 and d * cp > 1)]
     return out
@@ -235,7 +243,9 @@ def candidates(
                                 sp=pins.get("sp", tp > 1) and tp > 1,
                                 pp_schedule=sched,
                                 virtual_stages=v,
-                                **{k: pins[k] for k in ("order", "cp_impl") if k in pins},
+                                # a pinned recompute is the layout's from the start, so train's checks
+                                # see it (DualPipeV refuses full recompute)
+                                **{k: pins[k] for k in PINNED_AS_GIVEN if k in pins},
                             )
 
 
@@ -247,13 +257,19 @@ def _check_pins(model: ModelSpec, pins: dict) -> None:
     if "pp" in pins and "virtual_stages" in pins:
         Layout(pp=pins["pp"], virtual_stages=pins["virtual_stages"]).check_model(model)
     # ep is left out: whether it divides fsdp × cp is the candidates' business when those are searched
-    given = {k: v for k, v in pins.items() if k in PINNABLE and k != "ep"}
-    # a pinned block count implies full recompute here (`plan --search` itself asks for --recompute full)
-    if given.get("recompute_layers"):
-        given.setdefault("recompute", "full")
+    given = {k: v for k, v in _given_pins(pins).items() if k != "ep"}
     if "pp" not in given and ("pp_schedule" in given or given.get("virtual_stages", 1) > 1):
         given["pp"] = 2
     Layout(**given).resolve()
+
+
+def _given_pins(pins: dict) -> dict:
+    """The pins as Layout fields; a pinned block count implies full recompute (`plan --search` itself
+    asks for --recompute full)."""
+    given = {k: v for k, v in pins.items() if k in PINNABLE}
+    if given.get("recompute_layers"):
+        given.setdefault("recompute", "full")
+    return given
 
 
 def search(
@@ -286,7 +302,7 @@ def search(
     facts = model_facts(model, arch, shape.seq_len)
     memo: dict = {}
     considered = fitting = 0
-    # why train refuses a candidate; whether any other one was sized against the memory
+    # why train refuses a candidate whose state fits; whether any such one passed train's checks
     refusal, runnable = "", False
     # why nothing fits, if nothing does: layouts whose model state fits, and of those, the ones whose
     # batch splits into a micro-batch tried (the rest of those ran out of activation memory)
@@ -298,7 +314,9 @@ def search(
     if "recompute_layers" in pins or pins.get("recompute") == "full":
         # --recompute full alone means every block, as in train; a block count implies full
         pins["recompute_layers"] = pins.get("recompute_layers", 0)
+    produced = 0
     for base in candidates(model, hw, gpus, shape, gpn, pins):
+        produced += 1
         n = shard_group(base)
         ends = tuple(stage_names(base, model, shape.seq_len))
         key = (base.tp, base.pp, base.ep, base.zero, n, ends, base.virtual_stages, base.pp_schedule)
@@ -312,7 +330,6 @@ def search(
             state_cache[key] = worst
         if state_cache[key] > cap:
             considered += 1
-            runnable = True  # (or not: too big to tell) the message is then about memory
             continue
         state_fits += 1
         data = base.dp * base.fsdp
@@ -386,9 +403,26 @@ def search(
     if best:
         explanation = explain(best, model, hw, gpus, gpn)
     else:
+        if not produced:  # no layout of this world holds the pins together: train's own word on why
+            refusal, runnable = _pins_refused(model, pins, gpus, shape), False
         why, input_error = _why_none(pins, refusal, runnable, state_fits, batch_splits, micro_batches, shape)
         explanation = [why]
     return SearchResult(best, considered, fitting, time.perf_counter() - start, explanation, input_error)
+
+
+def _pins_refused(model: ModelSpec, pins: dict, gpus: int, shape: TrainShape) -> str:
+    """Why the pins make no layout of `gpus`: the layout train builds from the same flags (the data
+    ranks filling the rest) and the first of its checks that refuses it, else a plain statement."""
+    given = _given_pins(pins)
+    if "dp" not in given and "fsdp" not in given:
+        given["dp"] = -1  # train's default: plain data parallelism fills the world
+    try:
+        lay = Layout(**given).resolve(gpus)
+        check_plan_inputs(model, lay, shape)
+        check_trainable(model, lay, shape.seq_len)
+    except FivefoldError as exc:
+        return str(exc)
+    return f"no layout of {gpus} GPUs holds these values together"
 
 
 def _why_none(
@@ -402,9 +436,10 @@ def _why_none(
 ) -> tuple[str, bool]:
     """Why a search found no layout: the first obstacle every candidate met, and whether it is a
     mistake in the request (every layout refused, a batch none splits) rather than an answer."""
-    fixed = ", ".join(f"{k}={v}" for k, v in pins.items())
+    # a block count of 0 is "every block", which --recompute full already says
+    fixed = ", ".join(f"{k}={v}" for k, v in pins.items() if (k, v) != ("recompute_layers", 0))
     with_fixed = f" with {fixed} fixed" if fixed else ""
-    if refusal and not runnable:  # none was too big: every layout with these flags is refused
+    if refusal and not runnable:  # every layout small enough to hold its state is refused
         return f"no layout{with_fixed} can be trained: {refusal}", True
     if not state_fits:
         state = "the model state alone exceeds GPU memory at every sharding degree tried"

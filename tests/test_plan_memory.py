@@ -310,3 +310,17 @@ def test_the_planners_in_flight_is_what_torchs_schedule_table_holds(schedule: st
             except ValueError:  # a count the schedule runs in no whole number of rounds
                 continue
             assert [in_flight(schedule, p, m, v, rank) for rank in range(p)] == held, (p, m)
+
+
+def test_an_fp32_runs_weights_are_their_own_master_copy() -> None:
+    """In fp32 (train's CPU default) AdamW keeps only its two moments beside the weights: the plan
+    holds 8 bytes a parameter of optimizer state, sharded over the data ranks at zero 1, as the
+    runtime's state (plan/state.py, which verify checks to the byte) holds them."""
+    model, cpu = load_model("tiny"), load_hardware("cpu")
+    fp32 = TrainShape(seq_len=16, global_batch=4, micro_batch=2, act_bytes=4, param_bytes=4)
+    n = model.num_params()
+    for zero, ranks in ((0, 1), (1, 2)):
+        p = plan(model, cpu, Layout(dp=2, zero=zero).resolve(2), fp32, 8)
+        assert p.memory.params == 4 * n and p.memory.optimizer == 8 * n / ranks
+    bf16 = TrainShape(seq_len=16, global_batch=4, micro_batch=2)  # 16-bit weights beside an fp32 master
+    assert plan(model, cpu, Layout(dp=2, zero=0).resolve(2), bf16, 8).memory.optimizer == 12 * n

@@ -74,6 +74,13 @@ def model_state(
             state(shape.grad_bytes, True),
             state(shape.optimizer_bytes - MASTER_BYTES, True),
         )
+    if shape.param_bytes >= MASTER_BYTES and shape.optimizer_bytes >= MASTER_BYTES:
+        # fp32 weights (an fp32 run) are their own master copy: the optimizer holds only its moments
+        return (
+            state(shape.param_bytes, zero >= 3),
+            state(shape.grad_bytes, zero >= 2),
+            state(shape.optimizer_bytes - MASTER_BYTES, zero >= 1),
+        )
     return (
         state(shape.param_bytes, zero >= 3),
         state(shape.grad_bytes, zero >= 2),

@@ -181,6 +181,10 @@ def test_pins_train_refuses_are_named_by_trains_own_check_not_as_memory() -> Non
             {"pp": 2, "pp_schedule": "dualpipev", "recompute": "full"},
             "cannot run with --recompute full",
         ),
+        # a block count is full recompute, which DualPipeV refuses on every pipeline
+        (tiny, {"pp_schedule": "dualpipev", "recompute_layers": 1}, "cannot run with --recompute full"),
+        # chunks no pipeline of this world holds: named on the smallest pipeline, as train names it
+        (moe, {"virtual_stages": 3, "pp_schedule": "zero-bubble"}, "exceeds the 4 layers"),
     ):
         result = search(model, cpu, 4, shape, pins=dict(pins))
         assert not result.plans and result.input_error, pins

@@ -310,10 +310,11 @@ def search(
     state_cache: dict[tuple, float] = {}
     shapes = [(b, dataclasses.replace(shape, micro_batch=b)) for b in micro_batches]
     bounded: list[tuple[float, int, Layout, TrainShape, int, Memory]] = []
-    recomputes = (pins["recompute"],) if "recompute" in pins else RECOMPUTE_ORDER
     if "recompute_layers" in pins or pins.get("recompute") == "full":
         # --recompute full alone means every block, as in train; a block count implies full
         pins["recompute_layers"] = pins.get("recompute_layers", 0)
+        pins["recompute"] = "full"
+    recomputes = (pins["recompute"],) if "recompute" in pins else RECOMPUTE_ORDER
     produced = 0
     for base in candidates(model, hw, gpus, shape, gpn, pins):
         produced += 1
@@ -414,6 +415,9 @@ def _pins_refused(model: ModelSpec, pins: dict, gpus: int, shape: TrainShape) ->
     """Why the pins make no layout of `gpus`: the layout train builds from the same flags (the data
     ranks filling the rest) and the first of its checks that refuses it, else a plain statement."""
     given = _given_pins(pins)
+    if "pp" not in given and ("pp_schedule" in given or given.get("virtual_stages", 1) > 1):
+        # a schedule asked for is a pipeline asked for: the smallest one this world has
+        given["pp"] = min((d for d in divisors(gpus) if d > 1), default=2)
     if "dp" not in given and "fsdp" not in given:
         given["dp"] = -1  # train's default: plain data parallelism fills the world
     try:

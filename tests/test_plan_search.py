@@ -279,3 +279,55 @@ def test_a_data_axis_pinned_to_fill_keeps_the_other_data_axis_at_one() -> None:
     for fill, other in (("dp", "fsdp"), ("fsdp", "dp")):
         result = search(model, hw, 8, shape, top=5, pins={fill: -1})
         assert result.plans and all(getattr(p.layout, other) == 1 for p in result.plans)
+
+
+def test_random_pinned_searches_propose_only_what_train_runs_or_name_why_not() -> None:
+    """Pins drawn at random over every pinnable flag, on tiny models whose state fits anywhere: each
+    search ends in layouts that train takes as printed, or in an input error naming train's reason;
+    never in 'nothing fits', which for a 0.2 MB model would be a wrong diagnosis."""
+    import argparse
+    import random
+    import shlex
+
+    from fivefold.commands import train as train_command
+    from fivefold.errors import FivefoldError
+    from fivefold.plan.search import plan_flags
+    from fivefold.train.loop import runtime_layout
+
+    cpu = load_hardware("cpu")
+    models = {name: load_model(name) for name in ("tiny", "tiny-moe")}
+    choices = {
+        "dp": [1, 2, 4, -1],
+        "fsdp": [1, 2, 4, -1],
+        "tp": [1, 2, 4],
+        "pp": [1, 2, 4],
+        "cp": [1, 2, 4],
+        "ep": [1, 2, 4],
+        "zero": [0, 1, 2, 3],
+        "sp": [True, False],
+        "pp_schedule": ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"],
+        "virtual_stages": [1, 2, 3],
+        "recompute": ["none", "selective", "full"],
+        "recompute_layers": [1, 2],
+        "cp_impl": ["ring", "allgather", "ulysses"],
+    }
+    draw = random.Random(7)
+    proposals = answered = 0
+    for _ in range(160):
+        name, gpus = draw.choice(sorted(models)), draw.choice([2, 4, 8])
+        seq, batch = draw.choice([64, 128]), draw.choice([8, 16])
+        pins = {k: draw.choice(choices[k]) for k in draw.sample(sorted(choices), draw.randint(1, 3))}
+        try:
+            result = search(models[name], cpu, gpus, TrainShape(seq, batch), top=2, pins=dict(pins))
+        except FivefoldError:  # pins no world holds (--fsdp 4 --zero 1): refused before any search
+            continue
+        assert result.plans or result.input_error, (name, gpus, pins, result.explanation)
+        answered += 1
+        for p in result.plans:
+            parser = argparse.ArgumentParser()
+            train_command.add_arguments(parser)
+            argv = ["--model", name, "--seq-len", str(seq), "--global-batch", str(batch)]
+            cfg = train_command.build_run_config(parser.parse_args(argv + shlex.split(plan_flags(p))))
+            runtime_layout(cfg.layout, gpus, cfg.model, seq)  # raises where train refuses
+            proposals += 1
+    assert answered >= 100 and proposals >= 150

@@ -178,12 +178,12 @@ def _pinned_data_modes(
         pairs = [(rest // fsdp, fsdp)] if rest % fsdp == 0 else []
     out = []
     for d, f in pairs:
-        if "zero" in pins:  # every axis of the data ranks given: whether train runs it is its checks' say
-            out.append((d, f, pins["zero"]))
-            continue
         plain = 0 if split_weights else 1
-        zeros = [2, 3] if d == 1 and f > 1 else [3] if f > 1 else [plain]
-        # sharded weights: zero 2 or 3, which only FSDP shards
+        zeros = (
+            [pins["zero"]] if "zero" in pins else ([2, 3] if d == 1 and f > 1 else [3] if f > 1 else [plain])
+        )
+        # sharded weights: zero 2 or 3, which only FSDP shards (pins that leave none are named by
+        # train's own check of the layout they make, `_pins_refused`)
         out += [(d, f, z) for z in zeros if not (f > 1 and z < 2) and not (f == 1 and z >= 2 and d * cp > 1)]
     return out
 

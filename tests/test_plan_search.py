@@ -6,7 +6,7 @@ import copy
 import re
 import time
 
-from fivefold.config import load_hardware, load_model
+from fivefold.config import Layout, load_hardware, load_model
 from fivefold.plan import TrainShape, plan
 from fivefold.plan.result import capacity
 from fivefold.plan.search import layout_flags, search
@@ -40,12 +40,20 @@ def test_405b_on_16k_gpus_is_fast_and_sensible() -> None:
 def test_search_agrees_with_plan_and_prefers_simple_layouts_for_small_models() -> None:
     model, hw = load_model("llama3-8b"), load_hardware("h100-80gb")
     shape = TrainShape(seq_len=4096, global_batch=256)
-    result = search(model, hw, 64, shape, top=3)
+    result = search(model, hw, 64, shape, top=5)
     best = result.plans[0]
-    assert best.layout.pp == 1 and best.layout.tp <= 2  # an 8B model needs no pipeline
     again = plan(model, hw, best.layout, best.shape)
     assert again.step_time_s == best.step_time_s
-    assert "No pipeline" in result.explanation[2]
+    # an 8B model needs no tensor parallelism and no pipeline: plain FSDP is within 1% of the best
+    # (a pipeline of 2 halves the FSDP traffic of each rank, which buys about that much)
+    assert best.layout.tp == 1 and best.layout.pp <= 2
+    simple = [p for p in result.plans if p.layout.pp == 1 and p.layout.tp == 1]
+    assert simple and simple[0].step_time_s <= 1.01 * best.step_time_s
+    zero1 = plan(model, hw, Layout(dp=64, zero=1).resolve(64), best.shape)
+    # fivefold's ZeRO-1 broadcasts every fp32 weight after the step, behind nothing
+    assert zero1.step_time_s > best.step_time_s and ("dp", "broadcast") in {
+        (c.axis, c.op) for c in zero1.comm
+    }
 
 
 def test_search_reports_when_nothing_fits() -> None:
@@ -331,3 +339,21 @@ def test_random_pinned_searches_propose_only_what_train_runs_or_name_why_not() -
             runtime_layout(cfg.layout, gpus, cfg.model, seq)  # raises where train refuses
             proposals += 1
     assert answered >= 100 and proposals >= 150
+
+
+def test_the_layout_plan_issues_zero1_as_the_runtime_does() -> None:
+    """fivefold's ZeRO-1 is torch's ZeroRedundancyOptimizer: DDP's all-reduce of the whole gradient,
+    then one broadcast of each parameter tensor from its owner. The layout plan counts those calls
+    and bytes, as the exact step verify judges (plan/step.py) counts them."""
+    from fivefold.plan.step import plan_step
+
+    model, cpu = load_model("tiny"), load_hardware("cpu")
+    layout = Layout(dp=2, zero=1).resolve(2)
+    fp32 = TrainShape(seq_len=16, global_batch=4, micro_batch=2, act_bytes=4, param_bytes=4)
+    p = plan(model, cpu, layout, fp32, 8)
+    ops = {(c.axis, c.op): c for c in p.comm}
+    assert set(ops) == {("dp", "all_reduce"), ("dp", "broadcast")}
+    exact = plan_step(
+        model, layout, 2, 16, 1, "fp32", {"dp": 0, "fsdp_cp": 0, "tp": 0, "pp": 0, "cp": 0}
+    ).comm
+    assert (ops[("dp", "broadcast")].count, ops[("dp", "broadcast")].bytes) == exact[("dp", "broadcast")]

@@ -15,7 +15,16 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from fivefold.config import HardwareSpec, Layout
-from fivefold.layout_math import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, RECV, REDUCE_SCATTER, SEND, replica_axis
+from fivefold.layout_math import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    BROADCAST,
+    RECV,
+    REDUCE_SCATTER,
+    SEND,
+    replica_axis,
+)
 from fivefold.mesh import axis_link_kinds, strides
 
 DEFAULT_LINK_EFFICIENCY = 0.75  # share of the per-direction link bandwidth a large collective reaches
@@ -67,6 +76,8 @@ def wire_factor(op: str, n: int) -> tuple[float, int]:
         return (n - 1) / n, n - 1
     if op in (SEND, RECV, "send_recv"):
         return 1.0, 1
+    if op == BROADCAST:  # pipelined down a ring: every rank but the last forwards the whole payload
+        return 1.0, n - 1
     raise ValueError(op)
 
 

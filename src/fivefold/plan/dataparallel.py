@@ -30,7 +30,7 @@ from fivefold.layout_math import (
     tp_local_shape,
 )
 from fivefold.plan.comm import collective_time, ring_nics, worst_link
-from fivefold.plan.memory import shard_group
+from fivefold.plan.memory import MASTER_BYTES, shard_group
 from fivefold.plan.runshape import Chunk, RunShape, Traffic, fsdp_sync_deferred
 from fivefold.plan.spec import TrainShape
 
@@ -113,11 +113,13 @@ def data_parallel_traffic(
     block_modules: list[float] | None = None,
     recomputed: float = 0.0,
     units: int = 1,
+    tensors: int = 1,
 ) -> None:
     """Record gradient (and ZeRO weight) traffic through `add`, each with the part no compute hides.
 
     FSDP gathers and reduces its `units` (the stage's blocks, embedding and head) one collective each,
-    so each pass over the stage pays the ring's latency `units` times."""
+    so each pass over the stage pays the ring's latency `units` times; ZeroRedundancyOptimizer
+    broadcasts the stage's parameter `tensors` one each."""
     z = layout.zero
     overlap = shape.overlap_grad_reduce and hw.comm_overlap and (z == 0 or shape.sharded_overlap)
     overlap = overlap and not (shape.reduce_after_pipeline and layout.pp > 1)
@@ -176,6 +178,20 @@ def data_parallel_traffic(
         for payload, group, link in ((dense, n, shard_link), (experts, n_exp, shard_link)):
             if z == 0:
                 once(shard_axis, ALL_REDUCE, g * payload, group, link, "b")
+            elif shape.zero1_broadcasts:  # the whole gradient as DDP reduces it, then every updated
+                # parameter from the rank that owns it, after the step: nothing left to hide behind
+                once(shard_axis, ALL_REDUCE, g * payload, group, link, "b")
+                if group > 1 and payload > 0:
+                    k = per_node if link == shard_link else 1
+                    add(
+                        shard_axis,
+                        BROADCAST,
+                        MASTER_BYTES * payload / tensors,
+                        group,
+                        link,
+                        tensors,
+                        per_node=k,
+                    )
             else:
                 reduce = ALL_REDUCE if shape.sharded_copies else REDUCE_SCATTER
                 once(shard_axis, reduce, g * payload, group, link, "b")

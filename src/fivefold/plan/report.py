@@ -168,6 +168,13 @@ def fsdp_units(model: ModelSpec, layout: Layout, which: str, seq_len: int = 0) -
     return n_dense + n_moe + int(first) + int(last and not (model.tie_embeddings and first))
 
 
+def stage_tensors(model: ModelSpec, layout: Layout, shape: TrainShape, which: str) -> int:
+    """Parameter tensors a stage holds: its blocks' (`TrainShape.block_tensors` each), the embedding
+    on the first stage, the final norm and the head on the last."""
+    n_layers = sum(stage_counts(model, layout.pp, which, layout, shape.seq_len))
+    return n_layers * shape.block_tensors + int(holds_embedding(which)) + 2 * int(holds_head(which))
+
+
 def _forward(lt: dict[bool, LayerTime], dense: int, moe: int) -> float:
     """Forward seconds of `dense` dense and `moe` MoE layers (one micro-batch, one rank)."""
     return dense * lt[False].fwd + (moe * lt[True].fwd if moe else 0.0)
@@ -542,6 +549,7 @@ def _plan(
         hw,
         *sub_module_facts(model, arch, layout, shape),
         units=fsdp_units(model, layout, worst, shape.seq_len),
+        tensors=stage_tensors(model, layout, shape, worst),
     )
     n = shard_group(layout)
     local = (dense / n + experts / max(n // layout.ep, 1)) if layout.zero >= 1 else dense + experts
@@ -664,8 +672,6 @@ def outside_layers(
         copies = 2 * m * sum(recomputed_counts(model, layout, worst, shape.seq_len)) * kept / HOST_LINK_BPS
         out["the checkpoints' copies to the host and back"] = copies
     if shape.sharded_copies:
-        n_layers = sum(stage_counts(model, layout.pp, worst, layout, shape.seq_len))
-        ends = int(holds_embedding(worst)) + 2 * int(holds_head(worst))  # embedding; final norm, head
-        gather = gather_copies_time(layout, shape, n_layers * shape.block_tensors + ends)
+        gather = gather_copies_time(layout, shape, stage_tensors(model, layout, shape, worst))
         out["the host's per-tensor copies of the sharded optimizer's gather"] = gather
     return out

@@ -119,13 +119,20 @@ def _schedules(pp: int, layers: int, moe: bool) -> list[tuple[str, int]]:
     return out
 
 
-def _data_modes(rest: int, cp: int, gpn: int, split_weights: bool = False) -> list[tuple[int, int, int]]:
+def _data_modes(
+    rest: int, cp: int, gpn: int, split_weights: bool = False, ddp_too: bool = False
+) -> list[tuple[int, int, int]]:
     """(dp, fsdp, zero) splits of the data-parallel ranks; `split_weights`: tp or ep shards the
-    weights, which the runtime's ZeRO-1 (ZeroRedundancyOptimizer, plain tensors) cannot take."""
+    weights, which the runtime's ZeRO-1 (ZeroRedundancyOptimizer, plain tensors) cannot take.
+    `ddp_too`: zero 1 sends more than DDP (ZeroRedundancyOptimizer's broadcasts after the all-reduce),
+    so plain DDP is a candidate beside it."""
     if rest == 1:
         return [(1, 1, 0)]
-    # plain DDP (zero 0) is dominated by zero 1 (the same wire bytes, less memory) where zero 1 runs
+    # elsewhere plain DDP (zero 0) is dominated by zero 1 (Megatron's distributed optimizer: the same
+    # wire bytes, less memory) where zero 1 runs
     modes = [(rest, 1, 0 if split_weights else 1), (1, rest, 2), (1, rest, 3)]
+    if ddp_too and not split_weights:
+        modes.append((rest, 1, 0))
     for f in divisors(rest):  # HSDP: shard inside a node (or a few), replicate across
         if 1 < f < rest and f * cp <= 4 * gpn and (f & (f - 1)) == 0:
             modes.append((rest // f, f, 3))
@@ -155,12 +162,12 @@ PINNED_AS_GIVEN = ("order", "cp_impl", "recompute", "recompute_layers")
 
 
 def _pinned_data_modes(
-    rest: int, cp: int, gpn: int, pins: dict, split_weights: bool = False
+    rest: int, cp: int, gpn: int, pins: dict, split_weights: bool = False, ddp_too: bool = False
 ) -> list[tuple[int, int, int]]:
     """(dp, fsdp, zero) splits that honour pinned dp, fsdp and zero."""
     dp, fsdp = pins.get("dp"), pins.get("fsdp")
     if dp is None and fsdp is None:
-        modes = _data_modes(rest, cp, gpn, split_weights)
+        modes = _data_modes(rest, cp, gpn, split_weights, ddp_too)
         if "zero" in pins:
             z = pins["zero"]
             modes = [m for m in modes if m[2] == z]
@@ -178,9 +185,9 @@ def _pinned_data_modes(
         pairs = [(rest // fsdp, fsdp)] if rest % fsdp == 0 else []
     out = []
     for d, f in pairs:
-        plain = 0 if split_weights else 1
+        plain = [0] if split_weights else [1, 0] if ddp_too else [1]
         zeros = (
-            [pins["zero"]] if "zero" in pins else ([2, 3] if d == 1 and f > 1 else [3] if f > 1 else [plain])
+            [pins["zero"]] if "zero" in pins else ([2, 3] if d == 1 and f > 1 else [3] if f > 1 else plain)
         )
         # sharded weights: zero 2 or 3, which only FSDP shards (pins that leave none are named by
         # train's own check of the layout they make, `_pins_refused`)
@@ -212,7 +219,7 @@ def candidates(
                     continue
                 rest = gpus // (tp * pp * cp)
                 split = tp > 1 or (model.is_moe and pins.get("ep", 2) > 1)
-                for dp, fsdp, zero in _pinned_data_modes(rest, cp, gpn, pins, split):
+                for dp, fsdp, zero in _pinned_data_modes(rest, cp, gpn, pins, split, shape.zero1_broadcasts):
                     eps = [1]
                     if model.is_moe:
                         room = fsdp * cp

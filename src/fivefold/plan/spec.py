@@ -98,6 +98,10 @@ class TrainShape:
     # updated weights come back through one slice and one copy per parameter tensor and data rank,
     # issued one by one from the host (nanotron's ZeRO-1: sync_gradients_across_dp, all_gather_coalesced)
     sharded_copies: bool = False
+    # ZeRO-1 as torch's ZeroRedundancyOptimizer runs it (fivefold's runtime): DDP all-reduces the whole
+    # gradient, and after the step each rank broadcasts the parameters it owns, one tensor at a time;
+    # Megatron's distributed optimizer reduce-scatters and all-gathers instead
+    zero1_broadcasts: bool = True
     # gradients accumulate in fp32 through a separate add after each micro-batch's backward (read the
     # 16-bit gradient, read and write the fp32 one), not fused into the weight-gradient matmul as
     # Megatron's gradient_accumulation_fusion does (nanotron's FP32GradientAccumulator)

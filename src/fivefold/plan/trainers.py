@@ -104,6 +104,7 @@ TRAINERS = {
         "ring_grad_fp32": True,
         "torch_ddp_buckets": True,
         "cp_causal_skip": False,
+        "zero1_broadcasts": True,  # its ZeRO-1 is torch's ZeroRedundancyOptimizer
     },
 }
 # `fivefold plan --trainer NAME`: the trainer whose facts a plan takes (fivefold's own by default)
@@ -157,6 +158,7 @@ def shape_facts(trainer: dict[str, Any]) -> dict[str, Any]:
         "cp_causal_skip": bool(trainer.get("cp_causal_skip", True)),
         "sharded_overlap": bool(trainer.get("sharded_overlap", True)),
         "sharded_copies": bool(trainer.get("sharded_copies", False)),
+        "zero1_broadcasts": bool(trainer.get("zero1_broadcasts", False)),
         "fp32_accumulate_pass": bool(trainer.get("fp32_accumulate_pass", False)),
         "block_tensors": int(trainer.get("block_tensors", 9)),
         "sp_any_length": bool(trainer.get("sp_any_length", False)),

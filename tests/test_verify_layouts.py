@@ -323,3 +323,18 @@ def test_bf16_numerics_fail_a_run_that_did_not_train_or_did_not_reduce() -> None
         v for k, v in still.items() if "direction" not in k
     )
     assert judged(half.params, reference.losses)["update direction (cosine)"] is False
+
+
+def test_the_activation_row_shows_the_largest_rank_when_every_rank_equals_its_plan() -> None:
+    """Every rank saves exactly what its plan says: the row shows the rank that saves the most, not
+    rank 0 (a first stage holding only the embedding saved 1,024 bytes and stood for the peak)."""
+    from types import SimpleNamespace
+
+    from fivefold.commands.verify import _memory
+
+    state = {"params": 8, "grads": 8, "optimizer": 16}
+    saved = [1_024, 90_112, 88_064]
+    per_rank = [{"state": state, "activations": a, "process_peak": 1} for a in saved]
+    plans = [SimpleNamespace(state=state)] * 3
+    row = next(r for r in _memory(per_rank, plans, [float(a) for a in saved]) if "saved" in r.name)
+    assert "rank 1" in row.name and row.measured == "90,112" and row.ok

@@ -386,7 +386,9 @@ def _memory(per_rank: list[dict], plans: list[Any], acts: list[float]) -> list[R
         got, want = per_rank[0]["state"][part], plans[0].state[part]
         rows.append(Row("memory", name, f"{got:,}", f"{want:,}", worst, off is None))
     diffs = [_rel(r["activations"], a) for r, a in zip(per_rank, acts)]
-    worst_rank = max(range(len(diffs)), key=lambda i: diffs[i])
+    # the rank furthest from its plan; among equals, the one that saves the most (not an embedding-only
+    # first stage that happens to be rank 0)
+    worst_rank = max(range(len(diffs)), key=lambda i: (diffs[i], per_rank[i]["activations"]))
     rows.append(
         Row(
             "memory",

@@ -177,6 +177,15 @@ def pipeline_micro_batch(layout: Layout, local: int) -> int:
     return local // layout.microbatches
 
 
+def run_micro_batch(layout: Layout, micro_batch: int, step_batch: int) -> int:
+    """The micro-batch a plan counts for a run of train's flags: train splits a pipelined data rank's
+    batch (of a `step_batch` over the data ranks) into --microbatches, and each is what a plan calls a
+    micro-batch (--micro-batch is then the batch's accumulation unit); else --micro-batch itself."""
+    if layout.pp > 1 and layout.microbatches:
+        return pipeline_micro_batch(layout, step_batch // layout.data_parallel)
+    return micro_batch
+
+
 def step_split(layout: Layout, micro_batch: int, accumulation: int) -> tuple[int, int]:
     """(sequences per micro-batch, micro-batches per step) of a data rank that accumulates
     `accumulation` micro-batches of `micro_batch`: those, or with a pipeline its whole batch split into

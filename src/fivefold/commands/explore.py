@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from fivefold.mesh import resolve_layout
     from fivefold.plan import TrainShape
     from fivefold.plan.runshape import DTYPE_BYTES
-    from fivefold.support import pipeline_micro_batch
+    from fivefold.support import run_micro_batch
 
     base = None
     if args.run:
@@ -99,10 +99,8 @@ def run(args: argparse.Namespace) -> int:
     global_batch = args.global_batch or (
         base.train.step_batch(layout.data_parallel) if base else defaults.global_batch(gpus, seq_len, micro)
     )
-    if base and not args.micro_batch and layout.pp > 1 and layout.microbatches:
-        # train split a pipelined data rank's batch into --microbatches: each is what a plan calls a
-        # micro-batch, as `plan --validate RUN_DIR` reads the same run
-        micro = pipeline_micro_batch(layout, global_batch // layout.data_parallel)
+    if base and not args.micro_batch:  # the run's split, as `plan --validate RUN_DIR` reads it
+        micro = run_micro_batch(layout, micro, global_batch)
 
     # a run is planned in its own dtype (fp32 by default), so the page's plan and ledger agree
     width = DTYPE_BYTES[base.train.dtype] if base else DTYPE_BYTES["bf16"]

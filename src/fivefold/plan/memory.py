@@ -74,17 +74,14 @@ def model_state(
             state(shape.grad_bytes, True),
             state(shape.optimizer_bytes - MASTER_BYTES, True),
         )
-    if shape.param_bytes >= MASTER_BYTES and shape.optimizer_bytes >= MASTER_BYTES:
+    optimizer = shape.optimizer_bytes
+    if shape.param_bytes >= MASTER_BYTES and optimizer >= MASTER_BYTES:
         # fp32 weights (an fp32 run) are their own master copy: the optimizer holds only its moments
-        return (
-            state(shape.param_bytes, zero >= 3),
-            state(shape.grad_bytes, zero >= 2),
-            state(shape.optimizer_bytes - MASTER_BYTES, zero >= 1),
-        )
+        optimizer -= MASTER_BYTES
     return (
         state(shape.param_bytes, zero >= 3),
         state(shape.grad_bytes, zero >= 2),
-        state(shape.optimizer_bytes, zero >= 1),
+        state(optimizer, zero >= 1),
     )
 
 

@@ -762,7 +762,7 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
 
     from fivefold.config import RunConfig, to_dict
     from fivefold.runlog import json_lines
-    from fivefold.support import pipeline_micro_batch
+    from fivefold.support import run_micro_batch
 
     p = Path(path)
     for name in ("config.toml", "metrics.jsonl"):
@@ -797,10 +797,7 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
         seq_len=tr.seq_len, arch="fivefold Llama block (SwiGLU)", tie_embeddings=bool(m["tie_embeddings"])
     )
     batch = tr.step_batch(lay.data_parallel)
-    # train splits a pipelined data rank's batch into --microbatches; each is what a plan calls a
-    # micro-batch (its --micro-batch is then the batch's accumulation unit, not the forward's size)
-    local = batch // lay.data_parallel
-    micro = pipeline_micro_batch(lay, local) if lay.pp > 1 and lay.microbatches else tr.micro_batch
+    micro = run_micro_batch(lay, tr.micro_batch, batch)
     return {
         "id": p.name,
         "source": f"run-directory/{p.name}",

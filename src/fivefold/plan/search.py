@@ -265,17 +265,18 @@ def _check_pins(model: ModelSpec, pins: dict) -> None:
         Layout(pp=pins["pp"], virtual_stages=pins["virtual_stages"]).check_model(model)
     # ep is left out: whether it divides fsdp × cp is the candidates' business when those are searched
     given = {k: v for k, v in _given_pins(pins).items() if k != "ep"}
-    if "pp" not in given and ("pp_schedule" in given or given.get("virtual_stages", 1) > 1):
-        given["pp"] = 2
     Layout(**given).resolve()
 
 
-def _given_pins(pins: dict) -> dict:
+def _given_pins(pins: dict, gpus: int = 0) -> dict:
     """The pins as Layout fields; a pinned block count implies full recompute (`plan --search` itself
-    asks for --recompute full)."""
+    asks for --recompute full), and a pinned schedule or chunk count a pipeline: the smallest one a
+    world of `gpus` has (2 without a world)."""
     given = {k: v for k, v in pins.items() if k in PINNABLE}
     if given.get("recompute_layers"):
         given.setdefault("recompute", "full")
+    if "pp" not in given and ("pp_schedule" in given or given.get("virtual_stages", 1) > 1):
+        given["pp"] = min((d for d in divisors(gpus) if d > 1), default=2)
     return given
 
 
@@ -421,10 +422,7 @@ def search(
 def _pins_refused(model: ModelSpec, pins: dict, gpus: int, shape: TrainShape) -> str:
     """Why the pins make no layout of `gpus`: the layout train builds from the same flags (the data
     ranks filling the rest) and the first of its checks that refuses it, else a plain statement."""
-    given = _given_pins(pins)
-    if "pp" not in given and ("pp_schedule" in given or given.get("virtual_stages", 1) > 1):
-        # a schedule asked for is a pipeline asked for: the smallest one this world has
-        given["pp"] = min((d for d in divisors(gpus) if d > 1), default=2)
+    given = _given_pins(pins, gpus)
     if "dp" not in given and "fsdp" not in given:
         given["dp"] = -1  # train's default: plain data parallelism fills the world
     try:

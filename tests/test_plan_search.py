@@ -6,6 +6,8 @@ import copy
 import re
 import time
 
+import pytest
+
 from fivefold.config import Layout, load_hardware, load_model
 from fivefold.plan import TrainShape, plan
 from fivefold.plan.result import capacity
@@ -357,3 +359,11 @@ def test_the_layout_plan_issues_zero1_as_the_runtime_does() -> None:
         model, layout, 2, 16, 1, "fp32", {"dp": 0, "fsdp_cp": 0, "tp": 0, "pp": 0, "cp": 0}
     ).comm
     assert (ops[("dp", "broadcast")].count, ops[("dp", "broadcast")].bytes) == exact[("dp", "broadcast")]
+    # an MoE stage's experts go out in the same broadcasts as its dense weights: every byte once, and
+    # no more calls than the runtime issues (the plan counts 9 tensors a block, MoE blocks have more)
+    moe = load_model("tiny-moe")
+    ops = {(c.axis, c.op): c for c in plan(moe, cpu, layout, fp32, 8).comm}
+    calls, sent = plan_step(
+        moe, layout, 2, 16, 1, "fp32", {"dp": 0, "fsdp_cp": 0, "tp": 0, "pp": 0, "cp": 0}
+    ).comm[("dp", "broadcast")]
+    assert ops[("dp", "broadcast")].bytes == pytest.approx(sent) and ops[("dp", "broadcast")].count <= calls

@@ -176,26 +176,24 @@ def data_parallel_traffic(
     n_exp = max(n // ep, 1)
     if z <= 1:
         for payload, group, link in ((dense, n, shard_link), (experts, n_exp, shard_link)):
-            if z == 0:
+            if z == 0 or shape.zero1_broadcasts:  # the whole gradient, as DDP reduces it
                 once(shard_axis, ALL_REDUCE, g * payload, group, link, "b")
-            elif shape.zero1_broadcasts:  # the whole gradient as DDP reduces it, then every updated
-                # parameter from the rank that owns it, after the step: nothing left to hide behind
-                once(shard_axis, ALL_REDUCE, g * payload, group, link, "b")
-                if group > 1 and payload > 0:
-                    k = per_node if link == shard_link else 1
-                    add(
-                        shard_axis,
-                        BROADCAST,
-                        MASTER_BYTES * payload / tensors,
-                        group,
-                        link,
-                        tensors,
-                        per_node=k,
-                    )
             else:
                 reduce = ALL_REDUCE if shape.sharded_copies else REDUCE_SCATTER
                 once(shard_axis, reduce, g * payload, group, link, "b")
                 once(shard_axis, ALL_GATHER, p * payload, group, link, "f")
+        if z == 1 and shape.zero1_broadcasts and dense + experts > 0:
+            # after the step every updated fp32 parameter, one tensor each, from the rank that owns
+            # it (experts too: this ZeRO-1 runs without ep): nothing is left to hide them behind
+            add(
+                shard_axis,
+                BROADCAST,
+                MASTER_BYTES * (dense + experts) / tensors,
+                n,
+                shard_link,
+                tensors,
+                per_node=per_node,
+            )
     elif z == 2 and shape.params_kept:
         # DeepSpeed's ZeRO-2: weights stay whole across micro-batches; gradients are reduce-scattered
         # every micro-batch behind its backward, the updated shards gathered once a step

@@ -64,40 +64,34 @@ def gemm_rate(m: int, k: int, n: int, dtype: torch.dtype, device: str, repeats: 
     return 2.0 * m * k * n / timed(lambda: a @ b, repeats, device)
 
 
-def attention_rate(head_dim: int, tokens: int, dtype: torch.dtype, device: str, repeats: int) -> float:
-    """Measured FLOP/s of causal fused attention's forward (4·s²·d per head, halved by the mask)."""
-    seq = min(4096, tokens)
-    batch = max(1, tokens // seq)
-    heads = max(1, 2048 // head_dim)
-    q, k, v = (torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=device) for _ in range(3))
-    flops = 4.0 * batch * heads * seq * seq * head_dim / 2
-
-    def attend() -> torch.Tensor:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    return flops / timed(attend, repeats, device)
-
-
-def attention_train_rate(
-    seq: int, causal: bool, tokens: int, dtype: torch.dtype, device: str, repeats: int
+def attention_rate(
+    head_dim: int,
+    heads: int,
+    seq: int,
+    tokens: int,
+    dtype: torch.dtype,
+    device: str,
+    repeats: int,
+    causal: bool = True,
+    backward: bool = False,
 ) -> float:
-    """Measured FLOP/s of fused attention's forward and backward at head dim 128, counted as the
-    published kernel benchmarks count them: 4·s²·d per head forward (halved by a causal mask) and
-    2.5 times that backward."""
+    """Measured FLOP/s of fused attention over `tokens` in sequences of `seq`, counted as the published
+    kernel benchmarks count them: 4·s²·d per head forward (halved by a causal mask) and, with
+    `backward`, 2.5 times that more."""
     batch = max(1, tokens // seq)
-    heads, head_dim = 16, 128
     q, k, v = (
-        torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=device, requires_grad=True)
+        torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=device, requires_grad=backward)
         for _ in range(3)
     )
-    grad = torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=device)
-    flops = 3.5 * 4.0 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
+    grad = torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=device) if backward else None
+    flops = (3.5 if backward else 1.0) * 4.0 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
 
-    def step() -> None:
+    def call() -> None:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        torch.autograd.grad(out, (q, k, v), grad)
+        if backward:
+            torch.autograd.grad(out, (q, k, v), grad)
 
-    return flops / timed(step, repeats, device)
+    return flops / timed(call, repeats, device)
 
 
 def fit_fixed_keys(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -181,7 +175,8 @@ def main() -> int:
     )
     attention = []
     for head_dim in (64, 128, 256):
-        rate = attention_rate(head_dim, args.tokens, dtype, args.device, args.repeats)
+        heads, seq = max(1, 2048 // head_dim), min(4096, args.tokens)  # 2,048 wide, up to 4,096 tokens
+        rate = attention_rate(head_dim, heads, seq, args.tokens, dtype, args.device, args.repeats)
         attention.append({"head_dim": head_dim, "flops": rate})
     ref = next(a["flops"] for a in attention if a["head_dim"] == 128)
     print(f"\n| head dim | attention TFLOP/s | ÷ head dim 128 | planner (half dim {ATTENTION_HALF_DIM}) |")
@@ -198,7 +193,9 @@ def main() -> int:
     sweep = []
     for causal in (True, False):
         for seq in seqs:
-            rate = attention_train_rate(seq, causal, sweep_tokens, dtype, args.device, args.repeats)
+            rate = attention_rate(
+                128, 16, seq, sweep_tokens, dtype, args.device, args.repeats, causal=causal, backward=True
+            )
             sweep.append({"seq": seq, "causal": causal, "keys": seq // 2 if causal else seq, "flops": rate})
     fitted_keys, top = fit_fixed_keys([(a["keys"], a["flops"]) for a in sweep])
     print(

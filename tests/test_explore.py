@@ -228,7 +228,7 @@ def test_lab_offers_full_recompute_of_the_fewest_blocks_where_selective_does_not
             assert not plan(model, hw, _lab_layout(f, rest, n - 1, 16), _lab_shape(shape, rest), 8).fits
         assert not lab["entries"][f][rest.replace(FEWEST, "selective")][0]
     # the search's own pick lands on the same key (and the same block count) in the lab
-    pins = {"tp": 1, "pp": 1, "cp": 1, "fsdp": 1, "micro_batch": 4}
+    pins = {"tp": 1, "pp": 1, "cp": 1, "fsdp": 1, "micro_batch": 2}
     picks = search(model, hw, 16, shape, 8, pins=pins).plans
     assert any(p.layout.recompute_layers for p in picks)
     for p in picks:

@@ -276,7 +276,7 @@ def test_lab_numbers_are_the_planners_and_follow_the_controls(lab_page) -> None:
 
 def test_lab_offers_full_recompute_of_some_blocks(lab_page) -> None:
     lab_page.click('#tabs button[data-view="lab"]')
-    for control, value in (("tp", "1"), ("pp", "1"), ("cp", "1"), ("fsdp", "1"), ("zero", "1"), ("mb", "4")):
+    for control, value in (("tp", "1"), ("pp", "1"), ("cp", "1"), ("fsdp", "1"), ("zero", "1"), ("mb", "2")):
         lab_page.select_option(f"[data-control={control}]", value)
     # at pp 1 the schedule and its chunks mean nothing: their controls are off
     assert lab_page.is_disabled("[data-control=schedule]") and lab_page.is_disabled("[data-control=v]")

@@ -107,7 +107,11 @@ def test_gqa_shrinks_kv_activations_and_fsdp_shards_state() -> None:
     p1 = plan(gqa, hw, Layout(dp=8, zero=0).resolve(8), shape)
     p3 = plan(gqa, hw, Layout(fsdp=8, zero=3).resolve(8), shape)
     n = p1.memory.detail["params_on_rank"]
-    assert p1.memory.params == pytest.approx(2 * n)
+    # fivefold's DDP computes under autocast from fp32 weights, their own master: 4 bytes, then Adam's
+    # two moments; Megatron-style trainers keep 16-bit weights beside an fp32 master
+    assert p1.memory.params == pytest.approx(4 * n) and p1.memory.optimizer == pytest.approx(8 * n)
+    fused = plan(gqa, hw, Layout(dp=8, zero=0).resolve(8), dataclasses.replace(shape, saved_as_eager=False))
+    assert fused.memory.params == pytest.approx(2 * n) and fused.memory.optimizer == pytest.approx(12 * n)
     # FSDP's fp32 shard is the weight and the master: 4 bytes, then Adam's two moments
     assert p3.memory.params == pytest.approx(4 * n / 8)
     assert p3.memory.optimizer == pytest.approx(8 * n / 8)
@@ -322,5 +326,35 @@ def test_an_fp32_runs_weights_are_their_own_master_copy() -> None:
     for zero, ranks in ((0, 1), (1, 2)):
         p = plan(model, cpu, Layout(dp=2, zero=zero).resolve(2), fp32, 8)
         assert p.memory.params == 4 * n and p.memory.optimizer == 8 * n / ranks
-    bf16 = TrainShape(seq_len=16, global_batch=4, micro_batch=2)  # 16-bit weights beside an fp32 master
-    assert plan(model, cpu, Layout(dp=2, zero=0).resolve(2), bf16, 8).memory.optimizer == 12 * n
+    # in bf16 the runtime's DDP computes under autocast from the same fp32 weights (the bf16 copies it
+    # makes are saved activations); fused kernels' plans keep 16-bit weights beside an fp32 master
+    bf16 = TrainShape(seq_len=16, global_batch=4, micro_batch=2)
+    assert plan(model, cpu, Layout(dp=2, zero=0).resolve(2), bf16, 8).memory.optimizer == 8 * n
+    fused = dataclasses.replace(bf16, saved_as_eager=False)
+    assert plan(model, cpu, Layout(dp=2, zero=0).resolve(2), fused, 8).memory.optimizer == 12 * n
+
+
+def test_compile_plans_what_fused_kernels_save_and_eager_what_fivefolds_blocks_save(capsys) -> None:
+    """fivefold's runtime is eager unless `train --compile`: a plan counts its blocks' saved tensors
+    (each norm's fp32 input and reciprocal RMS, SwiGLU's activated gate, the gathered matmul input
+    under sp: `fivefold.plan.activations`); `plan --compile`, and the published trainers, count what
+    fused kernels keep (Korthikanti et al.)."""
+    import json
+
+    from fivefold.cli import main
+    from fivefold.plan.activations import block_saved
+
+    base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--tp", "8", "--sp", "--seq-len", "4096"]
+    base += ["--global-batch", "8", "--json"]
+    detail = {}
+    for extra in ([], ["--compile"], ["--trainer", "megatron"]):
+        assert main([*base, *extra]) == 0
+        detail[" ".join(extra)] = json.loads(capsys.readouterr().out)["memory"]["detail"]
+    model = load_model("llama3-8b")
+    layout = Layout(tp=8, sp=True).resolve(8)
+    eager = block_saved(model, layout, 1, 4096, "bf16", False, "none")
+    fused = layer_activations(model, resolve_arch(model), layout, 1, 4096, False, "none")
+    assert detail[""]["activations_per_layer"] == int(eager)
+    assert detail["--compile"]["activations_per_layer"] == int(fused)
+    assert detail["--trainer megatron"]["activations_per_layer"] == int(fused)
+    assert eager > 1.5 * fused  # the gathered inputs of the matmuls, fp32 norms, four SwiGLU tensors

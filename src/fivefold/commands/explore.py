@@ -104,8 +104,15 @@ def run(args: argparse.Namespace) -> int:
 
     # a run is planned in its own dtype (fp32 by default), so the page's plan and ledger agree
     width = DTYPE_BYTES[base.train.dtype] if base else DTYPE_BYTES["bf16"]
+    # and with the saved activations of its own kernels (a compiled run's fused ones)
+    compiled = bool(base and base.train.compile)
     shape = TrainShape(
-        seq_len=seq_len, global_batch=global_batch, micro_batch=micro, act_bytes=width, param_bytes=width
+        seq_len=seq_len,
+        global_batch=global_batch,
+        micro_batch=micro,
+        act_bytes=width,
+        param_bytes=width,
+        saved_as_eager=not compiled,
     ).validate()
     resolved = resolve_layout(layout, gpus, model=model) if given else None
     out = Path(args.out)

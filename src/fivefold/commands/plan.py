@@ -83,6 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "trainer's",
     )
     parser.add_argument("--fp8", action="store_true", help="matmuls in fp8 (Transformer Engine, float8)")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="the trainer runs under torch.compile (`train --compile`): fused elementwise kernels, and "
+        "the activations they save; default: fivefold's eager runtime, whose saved tensors are counted "
+        "one by one",
+    )
     runs = parser.add_argument_group("validation against published runs")
     runs.add_argument(
         "--validate",
@@ -248,6 +255,8 @@ def run(args: argparse.Namespace) -> int:
     trainer = named_trainer_facts(args.trainer, hw)  # what the search may propose, the note says
     if args.grad_dtype is not None:
         facts["grad_bytes"] = 4 if args.grad_dtype == "fp32" else 2
+    if args.compile:  # fused kernels keep Korthikanti et al.'s tensors, not the eager code's
+        facts.update(fused=True, saved_as_eager=False)
     shape = TrainShape(
         seq_len=args.seq_len,
         global_batch=args.global_batch,
@@ -368,6 +377,7 @@ def _shape_flags(args: argparse.Namespace) -> str:
         if getattr(args, flag, default) != default:
             out += f" --{flag.replace('_', '-')} {getattr(args, flag)}"
     out += " --fp8" if getattr(args, "fp8", False) else ""
+    out += " --compile" if getattr(args, "compile", False) else ""
     return out + (" --no-overlap-grad-reduce" if getattr(args, "no_overlap_grad_reduce", False) else "")
 
 

@@ -32,6 +32,8 @@ per-forward bf16 copies of this rank's expert weights (`_expert_weight_casts`).
 
 from __future__ import annotations
 
+import dataclasses
+
 from fivefold.config import Layout, ModelSpec
 from fivefold.plan.runshape import Chunk, RunShape
 
@@ -250,22 +252,44 @@ def _routing(
 def micro_batch_saved(run: RunShape, chunk: Chunk, ids: bool = True) -> float:
     """Saved bytes of one micro-batch on `chunk`; `ids`: with its token ids (a pipeline counts them
     once a step: `planned_activations`)."""
+    spec = run.spec
+    again = set(run.again([chunk]))
+    total = sum(layer_saved(run, spec.is_moe_layer(i), i in again) for i in chunk.layers)
+    whole = any(i not in again for i in chunk.layers)
+    total += ends_saved(run, chunk, whole)
+    if chunk.first and ids:  # the token ids (each block's input, the first's too, is its block's)
+        total += 8 * run.tokens
+    if chunk.last and ids:  # and the targets the loss keeps
+        total += 8 * run.tokens
+    return total
+
+
+def ends_saved(run: RunShape, chunk: Chunk, whole: bool) -> float:
+    """What one micro-batch saves on `chunk` beside its blocks, without the step's token ids and
+    targets: the rotary table where a block runs whole (`whole`), and on the last chunk the final
+    norm, the head's input and the loss."""
     spec, lay = run.spec, run.layout
     t, h = run.tokens, spec.hidden
     n = t // lay.tp if lay.sp else t
-    again = set(run.again([chunk]))
-    total = sum(layer_saved(run, spec.is_moe_layer(i), i in again) for i in chunk.layers)
-    bf16_weights = run.act_bytes == 2 and not run.autocast
-    if any(i not in again for i in chunk.layers):  # a block that runs whole saves its rotations
-        total += 4 * t * spec.head_dim  # the rotary table: t·d/2 complex64 rotations
-    if chunk.first and ids:  # the token ids (each block's input, the first's too, is its block's)
-        total += 8 * t
+    total = 4.0 * t * spec.head_dim if whole else 0.0  # the rotary table: t·d/2 complex64 rotations
     if chunk.last:  # final norm (its input: the last block's output; with bf16 weights its fp32
         # copy), the head's input (and autocast's weight copy), fp32 log-softmax
+        bf16_weights = run.act_bytes == 2 and not run.autocast
         total += 4 * n + 4 * n * h + (2 * n * h if bf16_weights else n * h * run.stream_bytes)
         total += _linear_inputs(run, t, h, 1) + _weights(run, spec.vocab * h / lay.tp)
-        total += loss_saved(run, chunk, ids)
+        total += loss_saved(run, chunk, ids=False)
     return total
+
+
+def block_saved(
+    spec: ModelSpec, layout: Layout, micro_batch: int, seq_len: int, dtype: str, moe: bool, recompute: str
+) -> float:
+    """`layer_saved` of one block under `recompute` ("full": the block re-runs whole, keeping its
+    input; "selective": its attention core re-runs; "none"), whatever the layout's own recompute:
+    the layout plan weighs each kind (`fivefold.plan.memory`)."""
+    kind = "selective" if recompute == "selective" else "none"
+    run = RunShape(spec, dataclasses.replace(layout, recompute=kind), micro_batch, seq_len, 1, dtype)
+    return layer_saved(run, moe, recomputed=recompute == "full")
 
 
 def loss_saved(run: RunShape, chunk: Chunk, ids: bool = True) -> float:

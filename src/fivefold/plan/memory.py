@@ -20,12 +20,15 @@ Selective recompute drops the attention-core term; full recompute keeps only eac
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from fivefold.config import Layout, ModelSpec, recomputed_blocks
 from fivefold.layout_math import rank_stages, stage_split
+from fivefold.plan.activations import block_saved, ends_saved
 from fivefold.plan.pipeline import in_flight
+from fivefold.plan.runshape import Chunk, RunShape
 from fivefold.plan.spec import Arch, TrainShape, kv_heads_local, layer_shard
 
 BYTES = 2
@@ -139,6 +142,22 @@ def layer_activations(
     else:
         mlp = BYTES * (3 if arch.gated_mlp else 2) * tokens * model.ffn_hidden / t
     return norms + qkv + core + out_in + mlp
+
+
+def eager_count(model: ModelSpec, arch: Arch, shape: TrainShape) -> bool:
+    """Whether a stage's saved activations are counted as fivefold's eager model code keeps them
+    (`fivefold.plan.activations`, what `verify` measures to the byte): for fivefold's own runtime
+    without torch.compile, on the block it runs (SwiGLU, standard attention, Megatron-style selective
+    recompute). Fused kernels (compiled, published trainers) keep what Korthikanti et al. count."""
+    return (
+        shape.saved_as_eager
+        and arch.gated_mlp
+        and not arch.expert_tp
+        and not model.is_mla
+        and shape.sac == "attention"
+        and shape.attention != "materialized"  # its SDPA never keeps the scores
+        and not shape.offload_checkpoints
+    )
 
 
 V_SCHEDULES = ("zbv", "dualpipev")
@@ -370,16 +389,32 @@ def _stage_memory(
     n = shard_group(layout)
     n_exp = max(n // layout.ep, 1)
     z = layout.zero
-    params, grads, optimizer = model_state(dense, experts, z, n, n_exp, shape)
+    n_dense, n_moe = stage_counts(model, layout.pp, which, layout, shape.seq_len)
+    rc = layout.recompute
+    dtype = "bf16" if shape.act_bytes == 2 else "fp32"
+    eager = eager_count(model, arch, shape)
+    if eager:
+        run = RunShape(model, layout, shape.micro_batch, shape.seq_len, m, dtype)
+        autocast = run.autocast
+    state_shape = shape
+    if eager and autocast:  # autocast computes from fp32 weights, their own master copy; the bf16
+        # copies it makes for the matmuls are counted with the saved activations
+        state_shape = dataclasses.replace(shape, param_bytes=MASTER_BYTES)
+    params, grads, optimizer = model_state(dense, experts, z, n, n_exp, state_shape)
     if shape.offload_optimizer:  # master weights and moments live on the host
         if z >= 3 and shape.fp32_shard and shape.optimizer_bytes >= MASTER_BYTES:
             params = params * shape.param_bytes / MASTER_BYTES  # a 16-bit shard stays on the device
         optimizer = 0.0
 
-    n_dense, n_moe = stage_counts(model, layout.pp, which, layout, shape.seq_len)
-    rc = layout.recompute
-
     def act(moe: bool, recompute: str) -> float:
+        if eager:  # what the runtime's own block keeps, in its dtypes (autocast depends on dp, fsdp;
+            # an MoE block's expert weight casts on ep and fsdp)
+            key = ("saved", layout.tp, layout.cp, layout.sp, layout.cp_impl, autocast, shape.micro_batch)
+            key += (moe, recompute) + ((layout.ep, layout.fsdp) if moe else ())
+            if key not in memo:
+                mb, seq = shape.micro_batch, shape.seq_len
+                memo[key] = block_saved(model, layout, mb, seq, dtype, moe, recompute)
+            return memo[key]
         key = ("act", layout.tp, layout.cp, layout.sp, shape.micro_batch, moe, recompute, shape.sac)
         if key not in memo:
             memo[key] = layer_activations(
@@ -399,12 +434,25 @@ def _stage_memory(
     activations = flight * sum(
         (c - r) * per_layer[moe] + r * checkpoint * act(moe, "full") for c, r, moe in kinds
     )
+    if eager:  # beside the blocks: the rotary table, the head and the loss of each micro-batch in
+        # flight, and the step's token ids and targets, held from the first forward to the last backward
+        first, last = holds_embedding(which), holds_head(which)
+        whole = any(c > r for c, r, _ in kinds)
+        key = ("ends", layout.tp, layout.cp, layout.sp, autocast, shape.micro_batch, last, whole)
+        if key not in memo:
+            memo[key] = ends_saved(run, Chunk(0, (), first, last), whole)
+        activations += flight * memo[key]
+        # (with cp and no pipeline, each micro-batch's sequence shard is a copy of its own)
+        held = 1 if layout.cp > 1 and layout.pp == 1 else m
+        activations += 8 * run.tokens * held * (first + last)
     working = 0.0
     if r_dense + r_moe:  # during the backward one layer's activations are rebuilt at a time
         working = max(act(moe, "none") for c, r, moe in kinds if r)
     elif rc == "selective" and kinds:  # and one layer's recomputed attention core (its scores, where
         # the kernel materialises them), alive from its recompute to the end of its backward
-        working = max(act(moe, "none") - act(moe, "selective") for *_, moe in kinds)
+        # (never below nothing: the eager checkpoint keeps q and k in the fp32 stream under autocast,
+        # more than the flash kernel's own bf16 copies)
+        working = max(max(act(moe, "none") - act(moe, "selective"), 0.0) for *_, moe in kinds)
     tokens = shape.micro_batch * shape.seq_len / layout.cp
     logits = 0.0
     if holds_head(which):  # 16-bit logits + fp32 softmax kept by the vocab-parallel loss

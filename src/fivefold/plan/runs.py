@@ -452,6 +452,8 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         # its activations some other way, or not at all (XLA's partitioner pads: `sp_any_length`)
         layout = dataclasses.replace(layout, sp=False)
     facts["fused"] = bool(lt.get("torch_compile", facts["fused"]))
+    # a compiled fivefold run keeps what its fused kernels keep, not its eager code's tensors
+    facts["saved_as_eager"] = facts["saved_as_eager"] and not lt.get("torch_compile", False)
     facts["tp_overlap"] = bool(lt.get("async_tp", facts["tp_overlap"]))
     shape = TrainShape(
         block="llama" if gated else ("gpt" if plain else "auto"),
@@ -465,7 +467,9 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         act_bytes=STATE_DTYPE_BYTES.get(precision, 2),
         param_bytes=STATE_DTYPE_BYTES.get(precision, 2),
         optimizer_bytes=optimizer_bytes(run),
-        expert_tp=True,  # published MoE runs (Megatron and the like) split the experts over tp too
+        # published MoE runs (Megatron and the like) split the experts over tp too; fivefold's runtime
+        # keeps the MoE block whole on every tp rank
+        expert_tp=bool(trainer.get("expert_tp", True)),
         offload_optimizer=_offload(lt.get("cpu_offload", lt.get("offload_optimizer", False))),
         params_kept=params_kept,
         sac="op" if str(lt.get("recompute_policy", "")).lower().startswith("op") else "attention",

@@ -39,6 +39,10 @@ class TrainShape:
     # sum of several (q, k, v; w1, w3), so only its gathers of the output gradient are hidden there
     tp_overlap_backward_scatters: bool = True
     fused: bool = True  # fused elementwise kernels (Megatron/TE, torch.compile); False: eager PyTorch
+    # saved activations as fivefold's eager model code keeps them (each norm's fp32 input and
+    # reciprocal RMS, SwiGLU's activated gate, rotary q and k; `fivefold.plan.activations`), the
+    # runtime without --compile; False: what fused kernels keep (Korthikanti et al.; published trainers)
+    saved_as_eager: bool = True
     fp8: bool = False  # matmuls in fp8 (Transformer Engine / torchao float8 linears), the rest in 16 bits
     # fused cross-entropy (FlashAttention's xentropy kernel, llm-foundry's default): only the 16-bit
     # logits are kept and their gradient is written in place; otherwise an fp32 copy is kept as well

@@ -13,7 +13,15 @@ from dataclasses import dataclass
 from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError
 from fivefold.flops import hardware_flops_per_token, model_flops_per_token
-from fivefold.layout_math import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER, SEND, end_ranks
+from fivefold.layout_math import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    REDUCE_SCATTER,
+    SEND,
+    end_ranks,
+    names_by_layer,
+)
 from fivefold.plan.comm import (
     Collective,
     collective_time,
@@ -38,6 +46,7 @@ from fivefold.plan.memory import (
     BYTES,
     Memory,
     cached_stage_params,
+    chunk_layers,
     holds_embedding,
     holds_head,
     layer_activations,
@@ -46,6 +55,7 @@ from fivefold.plan.memory import (
     recomputed_fraction,
     shard_group,
     stage_counts,
+    stage_rank,
     stage_weights,
 )
 from fivefold.plan.pipeline import bubble_time, p2p_on_critical_path
@@ -169,10 +179,17 @@ def fsdp_units(model: ModelSpec, layout: Layout, which: str, seq_len: int = 0) -
 
 
 def stage_tensors(model: ModelSpec, layout: Layout, shape: TrainShape, which: str) -> int:
-    """Parameter tensors a stage holds: its blocks' (`TrainShape.block_tensors` each), the embedding
-    on the first stage, the final norm and the head on the last."""
-    n_layers = sum(stage_counts(model, layout.pp, which, layout, shape.seq_len))
-    return n_layers * shape.block_tensors + int(holds_embedding(which)) + 2 * int(holds_head(which))
+    """Parameter tensors a stage holds: its blocks' (fivefold's runtime: each block's own, an MoE
+    block's router, stacked experts and shared expert with them; another trainer's:
+    `TrainShape.block_tensors` each), the embedding on the first stage, the final norm and the head
+    on the last."""
+    if shape.zero1_broadcasts:  # fivefold's runtime, whose parameter list the exact step reads
+        by_layer = names_by_layer(model)
+        rank = stage_rank(which, layout.pp)
+        blocks = sum(len(by_layer[i]) for r in chunk_layers(model, layout, shape.seq_len, rank) for i in r)
+    else:
+        blocks = sum(stage_counts(model, layout.pp, which, layout, shape.seq_len)) * shape.block_tensors
+    return blocks + int(holds_embedding(which)) + 2 * int(holds_head(which))
 
 
 def _forward(lt: dict[bool, LayerTime], dense: int, moe: int) -> float:

@@ -6,8 +6,6 @@ import copy
 import re
 import time
 
-import pytest
-
 from fivefold.config import Layout, load_hardware, load_model
 from fivefold.plan import TrainShape, plan
 from fivefold.plan.result import capacity

@@ -358,3 +358,18 @@ def test_compile_plans_what_fused_kernels_save_and_eager_what_fivefolds_blocks_s
     assert detail["--compile"]["activations_per_layer"] == int(fused)
     assert detail["--trainer megatron"]["activations_per_layer"] == int(fused)
     assert eager > 1.5 * fused  # the gathered inputs of the matmuls, fp32 norms, four SwiGLU tensors
+
+
+def test_a_plan_says_when_selective_recompute_frees_nothing_of_the_eager_blocks() -> None:
+    """fivefold's SDPA core saves only its inputs, output and log-sum-exp: re-running it frees about
+    nothing (under autocast the checkpoint keeps q and k in fp32: more). The plan says so, and
+    points to full recompute; fused kernels' plans (Megatron's count) free the core and say nothing."""
+    model, hw = load_model("llama3-8b"), load_hardware("h100-80gb")
+    shape = TrainShape(seq_len=4096, global_batch=8)
+    lay = Layout(dp=8, recompute="selective").resolve(8)
+    eager = plan(model, hw, lay, shape)
+    assert any("--recompute selective keeps" in n and "--recompute full" in n for n in eager.notes)
+    none = plan(model, hw, Layout(dp=8).resolve(8), shape)
+    assert eager.memory.activations >= none.memory.activations
+    fused = plan(model, hw, lay, dataclasses.replace(shape, saved_as_eager=False))
+    assert not any("--recompute selective" in n for n in fused.notes)

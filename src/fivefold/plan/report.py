@@ -47,6 +47,7 @@ from fivefold.plan.memory import (
     Memory,
     cached_stage_params,
     chunk_layers,
+    eager_count,
     holds_embedding,
     holds_head,
     layer_activations,
@@ -176,6 +177,28 @@ def fsdp_units(model: ModelSpec, layout: Layout, which: str, seq_len: int = 0) -
     n_dense, n_moe = stage_counts(model, layout.pp, which, layout, seq_len)
     first, last = holds_embedding(which), holds_head(which)
     return n_dense + n_moe + int(first) + int(last and not (model.tie_embeddings and first))
+
+
+def _selective_frees(model: ModelSpec, layout: Layout, shape: TrainShape) -> list[str]:
+    """A note where selective recompute frees (almost) nothing of fivefold's eager blocks: its SDPA
+    core saves only q, k, v, its output and the log-sum-exp, which the checkpoint keeps at its
+    boundary anyway (q and k in the fp32 stream under autocast: then it keeps more)."""
+    from fivefold.plan.activations import block_saved
+
+    dtype = "bf16" if shape.act_bytes == 2 else "fp32"
+    moe = model.is_moe_layer(model.layers - 1)  # the blocks most of the model is made of
+    kept = {
+        rc: block_saved(model, layout, shape.micro_batch, shape.seq_len, dtype, moe, rc)
+        for rc in ("none", "selective")
+    }
+    freed = 1 - kept["selective"] / kept["none"] if kept["none"] else 0.0
+    if freed >= 0.05:
+        return []
+    said = f"frees {freed:.1%} of" if freed > 0 else f"keeps {-freed:.1%} more of"
+    return [
+        f"--recompute selective {said} a block's saved activations here: the attention core it re-runs "
+        "saves little beside its inputs; --recompute full (or --recompute-layers N) frees memory"
+    ]
 
 
 def stage_tensors(model: ModelSpec, layout: Layout, shape: TrainShape, which: str) -> int:
@@ -602,6 +625,8 @@ def _plan(
         notes.append(f"interleaved 1F1B wants micro-batches ({m}) divisible by pp ({layout.pp})")
     if (model.layers % (layout.pp * v)) != 0:
         notes.append(f"{model.layers} layers do not split evenly into pp×virtual = {layout.pp * v} chunks")
+    if layout.recompute == "selective" and eager_count(model, arch, shape):
+        notes += _selective_frees(model, layout, shape)
     dispatched = sorted({c.axis for c in comm_list if host_dispatch(hw, c.axis, c.op) > 0}, key=order.index)
     if dispatched:
         each = ", ".join(f"{a} {host_dispatch(hw, a, ALL_GATHER) * 1e3:.2f} ms" for a in dispatched)

@@ -110,7 +110,8 @@ def test_gqa_shrinks_kv_activations_and_fsdp_shards_state() -> None:
     # fivefold's DDP computes under autocast from fp32 weights, their own master: 4 bytes, then Adam's
     # two moments; Megatron-style trainers keep 16-bit weights beside an fp32 master
     assert p1.memory.params == pytest.approx(4 * n) and p1.memory.optimizer == pytest.approx(8 * n)
-    fused = plan(gqa, hw, Layout(dp=8, zero=0).resolve(8), dataclasses.replace(shape, saved_as_eager=False))
+    published = dataclasses.replace(shape, saved_as_eager=False, fp32_weights=False)
+    fused = plan(gqa, hw, Layout(dp=8, zero=0).resolve(8), published)
     assert fused.memory.params == pytest.approx(2 * n) and fused.memory.optimizer == pytest.approx(12 * n)
     # FSDP's fp32 shard is the weight and the master: 4 bytes, then Adam's two moments
     assert p3.memory.params == pytest.approx(4 * n / 8)
@@ -330,7 +331,7 @@ def test_an_fp32_runs_weights_are_their_own_master_copy() -> None:
     # makes are saved activations); fused kernels' plans keep 16-bit weights beside an fp32 master
     bf16 = TrainShape(seq_len=16, global_batch=4, micro_batch=2)
     assert plan(model, cpu, Layout(dp=2, zero=0).resolve(2), bf16, 8).memory.optimizer == 8 * n
-    fused = dataclasses.replace(bf16, saved_as_eager=False)
+    fused = dataclasses.replace(bf16, saved_as_eager=False, fp32_weights=False)
     assert plan(model, cpu, Layout(dp=2, zero=0).resolve(2), fused, 8).memory.optimizer == 12 * n
 
 
@@ -371,5 +372,5 @@ def test_a_plan_says_when_selective_recompute_frees_nothing_of_the_eager_blocks(
     assert any("--recompute selective keeps" in n and "--recompute full" in n for n in eager.notes)
     none = plan(model, hw, Layout(dp=8).resolve(8), shape)
     assert eager.memory.activations >= none.memory.activations
-    fused = plan(model, hw, lay, dataclasses.replace(shape, saved_as_eager=False))
+    fused = plan(model, hw, lay, dataclasses.replace(shape, saved_as_eager=False, fp32_weights=False))
     assert not any("--recompute selective" in n for n in fused.notes)

@@ -6,6 +6,8 @@ import copy
 import re
 import time
 
+import pytest
+
 from fivefold.config import Layout, load_hardware, load_model
 from fivefold.plan import TrainShape, plan
 from fivefold.plan.result import capacity
@@ -359,6 +361,16 @@ def test_the_layout_plan_issues_zero1_as_the_runtime_does() -> None:
         model, layout, 2, 16, 1, "fp32", {"dp": 0, "fsdp_cp": 0, "tp": 0, "pp": 0, "cp": 0}
     ).comm
     assert (ops[("dp", "broadcast")].count, ops[("dp", "broadcast")].bytes) == exact[("dp", "broadcast")]
+    # beside cp, DDP reduces over dp×cp but ZeroRedundancyOptimizer partitions over dp alone: the
+    # broadcasts' group and each rank's share of the moments are dp's
+    cp = Layout(dp=2, cp=2, zero=1).resolve(4)
+    p = plan(model, cpu, cp, fp32, 8)
+    ops = {(c.axis, c.op): c for c in p.comm}
+    coords = {"dp": 0, "fsdp_cp": 0, "tp": 0, "pp": 0, "cp": 0}
+    step = plan_step(model, cp, 2, 16, 1, "fp32", coords)
+    assert ops[("dp", "broadcast")].group == 2
+    assert (ops[("dp", "broadcast")].count, ops[("dp", "broadcast")].bytes) == step.comm[("dp", "broadcast")]
+    assert p.memory.optimizer == pytest.approx(step.state["optimizer"], rel=0.01)
     # an MoE stage's experts go out in the same broadcasts as its dense weights: every byte once, one
     # call per tensor of the runtime's (router, stacked experts, shared expert: 13 a block, not 9),
     # on each stage of a pipeline too

@@ -340,17 +340,20 @@ def test_the_activation_row_shows_the_largest_rank_when_every_rank_equals_its_pl
     assert "rank 1" in row.name and row.measured == "90,112" and row.ok
 
 
-def test_the_layout_plan_counts_the_saved_activations_verify_measures() -> None:
+def test_the_layout_plan_counts_the_state_and_saved_activations_verify_measures() -> None:
     """`fivefold plan` (the layout plan, its closed-form pipeline peaks) counts each stage's saved
     activations as fivefold's eager blocks keep them: on every drawn layout whose schedule has a closed
     form, each stage equals `planned_activations`, which `test_verify_judgments_pass` holds equal to
     the measured bytes. The schedules whose peak is read off torch's action tables are planned by
     closed forms: never more than 1% under, and at most 1.8× over (V schedules under full recompute,
-    whose last chunk holds one micro-batch's loss where the closed form counts the stage's flight)."""
+    whose last chunk holds one micro-batch's loss where the closed form counts the stage's flight).
+    Its weights, gradients and optimizer state are the exact step's (`plan/state.py`, judged to the
+    byte), but for ZeRO-1's greedy partition, which the plan splits evenly."""
     from fivefold.config import load_hardware
     from fivefold.plan.activations import TABLED, planned_activations
     from fivefold.plan.memory import _stage_memory, stage_names, stage_rank
     from fivefold.plan.spec import TrainShape, resolve_arch
+    from fivefold.plan.step import plan_step
     from fivefold.support import step_split
 
     hw = load_hardware("cpu")
@@ -364,9 +367,15 @@ def test_the_layout_plan_counts_the_saved_activations_verify_measures() -> None:
         ).on(hw)
         arch = resolve_arch(spec, shape.block, shape.attention)
         for which in stage_names(lay, spec, train.seq_len):
-            planned = _stage_memory(spec, arch, lay, shape, m, which, {}).activations
+            mem = _stage_memory(spec, arch, lay, shape, m, which, {})
+            planned = mem.activations
             rank = stage_rank(which, lay.pp)
             exact = planned_activations(spec, lay, micro, train.seq_len, m, case.dtype, {"pp": rank})
+            coords = {"pp": rank, "dp": 0, "fsdp_cp": 0, "tp": 0, "cp": 0, "ep": 0}
+            state = plan_step(spec, lay, micro, train.seq_len, m, case.dtype, coords).state
+            uneven = 0.01 if lay.zero == 1 and lay.dp > 1 else 0.0
+            for part in ("params", "grads", "optimizer"):
+                assert getattr(mem, part) == pytest.approx(state[part], rel=uneven), (case.name, which, part)
             if lay.pp > 1 and lay.pp_schedule in TABLED:
                 assert 0.99 * exact <= planned <= 1.8 * exact, (case.name, which, planned / exact)
             else:

@@ -347,6 +347,28 @@ def _param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+_LOCAL_COUNTS: dict[tuple, tuple[list[tuple[int, int]], dict[str, int]]] = {}
+
+
+def local_param_counts(spec: ModelSpec, tp: int, ep: int) -> tuple[list[tuple[int, int]], dict[str, int]]:
+    """Elements a tp rank holds of each layer, as (dense, routed experts ÷ ep), and of the embedding,
+    the final norm and the head (`tp_local_shape`'s cuts; cached: do not modify)."""
+    key = (_spec_key(spec), tp, ep)
+    if key not in _LOCAL_COUNTS:
+        shapes = chunk_param_shapes(spec)
+
+        def local(name: str) -> int:
+            return numel(tp_local_shape(name, shapes[name], spec, tp)) // (ep if is_expert(name) else 1)
+
+        layers = [
+            (sum(local(n) for n in names if not is_expert(n)), sum(local(n) for n in names if is_expert(n)))
+            for names in names_by_layer(spec).values()
+        ]
+        ends = {n: local(n) for n in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")}
+        _LOCAL_COUNTS[key] = (layers, ends)
+    return _LOCAL_COUNTS[key]
+
+
 def is_expert(name: str) -> bool:
     return ".experts." in name
 

@@ -131,7 +131,8 @@ def in_ledger_words(comms: list[Collective], layout: Layout) -> list[Collective]
             continue
         if layout.cp > 1 and c.axis == "fsdp":
             c = replace(c, axis=replica_axis(layout, ("fsdp", "cp")) or c.axis)
-        elif layout.cp > 1 and c.axis == "dp" and layout.fsdp == 1:  # sharded over dp×cp (shard_group)
+        elif layout.cp > 1 and c.axis == "dp" and layout.fsdp == 1 and c.group == layout.dp * layout.cp:
+            # sharded over dp×cp (shard_group); ZeroRedundancyOptimizer's broadcasts stay on dp
             c = replace(c, axis=replica_axis(layout, ("dp", "fsdp", "cp")) or c.axis)
         out.append(c)
     return out

@@ -184,15 +184,17 @@ def data_parallel_traffic(
                 once(shard_axis, ALL_GATHER, p * payload, group, link, "f")
         if z == 1 and shape.zero1_broadcasts and dense + experts > 0:
             # after the step every updated fp32 parameter, one tensor each, from the rank that owns
-            # it (experts too: this ZeRO-1 runs without ep): nothing is left to hide them behind
+            # it (experts too: this ZeRO-1 runs without ep): nothing is left to hide them behind.
+            # ZeroRedundancyOptimizer partitions over the dp ranks alone: cp ranks each keep a copy
+            dp_link = worst_link(kinds, "dp")
             add(
-                shard_axis,
+                "dp",
                 BROADCAST,
                 MASTER_BYTES * (dense + experts) / tensors,
-                n,
-                shard_link,
+                layout.dp,
+                dp_link,
                 tensors,
-                per_node=per_node,
+                per_node=ring_nics(layout, ("dp",), dp_link, hw.gpus_per_node),
             )
     elif z == 2 and shape.params_kept:
         # DeepSpeed's ZeRO-2: weights stay whole across micro-batches; gradients are reduce-scattered

@@ -20,12 +20,11 @@ Selective recompute drops the attention-core term; full recompute keeps only eac
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from fivefold.config import Layout, ModelSpec, recomputed_blocks
-from fivefold.layout_math import rank_stages, stage_split
+from fivefold.layout_math import local_param_counts, rank_stages, stage_split
 from fivefold.plan.activations import block_saved, ends_saved
 from fivefold.plan.pipeline import in_flight
 from fivefold.plan.runshape import Chunk, RunShape
@@ -343,6 +342,27 @@ def stage_params(
     return dense, experts, biggest
 
 
+def runtime_stage_params(
+    model: ModelSpec, layout: Layout, which: str, seq_len: int = 0
+) -> tuple[float, float, float]:
+    """`stage_params` as fivefold's runtime holds them, tensor by tensor (the exact step's
+    `plan/state.py` cuts them the same way before FSDP): K/V projections whole where tp exceeds the
+    KV heads, biases and q/k norms, a pipeline's own head copy of tied embeddings."""
+    layers, ends = local_param_counts(model, layout.tp, layout.ep)
+    dense = experts = biggest = 0.0
+    for chunk in chunk_layers(model, layout, seq_len, stage_rank(which, layout.pp)):
+        for i in chunk:
+            d, e = layers[i]
+            dense, experts, biggest = dense + d, experts + e, max(biggest, d + e)
+    if holds_embedding(which):
+        dense += ends["model.embed_tokens.weight"]
+    if holds_head(which):
+        dense += ends["model.norm.weight"]
+        if layout.pp > 1 or not model.tie_embeddings:  # a pipeline's last chunk keeps its own copy
+            dense += ends["lm_head.weight"]
+    return dense, experts, biggest
+
+
 def memory(
     model: ModelSpec,
     arch: Arch,
@@ -365,10 +385,18 @@ def memory(
 
 
 def cached_stage_params(
-    model: ModelSpec, arch: Arch, layout: Layout, which: str, memo: dict, seq_len: int = 0
+    model: ModelSpec,
+    arch: Arch,
+    layout: Layout,
+    which: str,
+    memo: dict,
+    seq_len: int = 0,
+    exact: bool = False,
 ) -> tuple[float, float, float]:
+    """`stage_params`, or with `exact` (fivefold's runtime) `runtime_stage_params`, kept in `memo`."""
     key = (
         "params",
+        exact,
         layout.tp,
         layout.pp,
         layout.ep,
@@ -378,29 +406,72 @@ def cached_stage_params(
         which,
     )
     if key not in memo:
-        memo[key] = stage_params(model, arch, layout, which, seq_len)
+        if exact:
+            memo[key] = runtime_stage_params(model, layout, which, seq_len)
+        else:
+            memo[key] = stage_params(model, arch, layout, which, seq_len)
     return memo[key]
+
+
+def runs_own_tensors(model: ModelSpec, arch: Arch, shape: TrainShape) -> bool:
+    """Whether the plan holds fivefold's runtime's own parameter tensors (`runtime_stage_params`):
+    its runtime, on the block it builds."""
+    return shape.fp32_weights and arch.gated_mlp and not arch.expert_tp and not model.is_mla
+
+
+def stage_state(
+    dense: float, experts: float, layout: Layout, shape: TrainShape
+) -> tuple[float, float, float, float]:
+    """(weights, gradients, optimizer, compute-dtype copies of the weights) of a rank holding `dense`
+    and `experts` parameters: the trainer's own accounting (`TrainShape.fp32_weights`)."""
+    n = shard_group(layout)
+    n_exp = max(n // layout.ep, 1)
+    if shape.fp32_weights:
+        return _fp32_weights_state(dense, experts, layout, shape, n, n_exp)
+    return (*model_state(dense, experts, layout.zero, n, n_exp, shape), 0.0)
+
+
+def _fp32_weights_state(
+    dense: float, experts: float, layout: Layout, shape: TrainShape, n: int, n_exp: int
+) -> tuple[float, float, float, float]:
+    """(weights, gradients, optimizer, compute-dtype copies) of a runtime that keeps fp32 weights as
+    their own master (fivefold's: Adam adds only its moments) and casts them for the compute: FSDP2
+    shards them over fsdp×cp at zero 2 as at 3, and at zero 2 keeps the stage gathered from its
+    forward to its backward (`reshard_after_forward=False`); `replicate` (tp beside data replicas)
+    keeps a bf16 copy; autocast (DDP, ZeRO-1, tp alone) casts per matmul. The exact step's state
+    (`plan/state.py`, what `verify` measures) is the first three."""
+    sharded = layout.zero >= 2 and n > 1
+    width, whole = shape.act_bytes, dense + experts
+    shard = dense / n + experts / n_exp
+    params = MASTER_BYTES * (shard if sharded else whole)
+    grads = shape.grad_bytes * (shard if sharded else whole)
+    moments = shape.optimizer_bytes - MASTER_BYTES
+    optimizer = moments * (shard if sharded else whole)
+    if layout.zero == 1:  # ZeroRedundancyOptimizer partitions over the dp ranks alone
+        optimizer = moments * whole / layout.dp
+    if sharded:  # zero 3's gathered units are the `fsdp_gather` buffer
+        return params, grads, optimizer, (width * whole if layout.zero == 2 else 0.0)
+    # in 16 bits `replicate`'s bf16 copy, or autocast's casts (saved activations when eager)
+    return params, grads, optimizer, (width * whole if width < MASTER_BYTES else 0.0)
 
 
 def _stage_memory(
     model: ModelSpec, arch: Arch, layout: Layout, shape: TrainShape, m: int, which: str, memo: dict
 ) -> Memory:
-    dense, experts, biggest = cached_stage_params(model, arch, layout, which, memo, shape.seq_len)
+    dense, experts, biggest = cached_stage_params(
+        model, arch, layout, which, memo, shape.seq_len, runs_own_tensors(model, arch, shape)
+    )
     n = shard_group(layout)
-    n_exp = max(n // layout.ep, 1)
     z = layout.zero
     n_dense, n_moe = stage_counts(model, layout.pp, which, layout, shape.seq_len)
     rc = layout.recompute
     dtype = "bf16" if shape.act_bytes == 2 else "fp32"
     eager = eager_count(model, arch, shape)
-    if eager:
-        run = RunShape(model, layout, shape.micro_batch, shape.seq_len, m, dtype)
-        autocast = run.autocast
-    state_shape = shape
-    if eager and autocast:  # autocast computes from fp32 weights, their own master copy; the bf16
-        # copies it makes for the matmuls are counted with the saved activations
-        state_shape = dataclasses.replace(shape, param_bytes=MASTER_BYTES)
-    params, grads, optimizer = model_state(dense, experts, z, n, n_exp, state_shape)
+    run = RunShape(model, layout, shape.micro_batch, shape.seq_len, m, dtype)
+    autocast = run.autocast
+    params, grads, optimizer, copies = stage_state(dense, experts, layout, shape)
+    if autocast and eager:  # autocast's bf16 copies are saved for the backward: activations
+        copies = 0.0
     if shape.offload_optimizer:  # master weights and moments live on the host
         if z >= 3 and shape.fp32_shard and shape.optimizer_bytes >= MASTER_BYTES:
             params = params * shape.param_bytes / MASTER_BYTES  # a 16-bit shard stays on the device
@@ -464,7 +535,7 @@ def _stage_memory(
         gather += shape.grad_bytes * biggest
     if z >= 3 and n > 1:  # the gathered layer being used and the next one prefetched
         gather += 2 * shape.param_bytes * biggest
-    buffers = logits + gather + working
+    buffers = logits + gather + working + copies
     detail = {
         # a first or last stage may hold no layer at all (`--pp-split 0,32`): only the embedding or head
         "activations_per_layer": max(
@@ -474,6 +545,7 @@ def _stage_memory(
         "layers_on_stage": n_dense + n_moe,
         "logits": logits,
         "fsdp_gather": gather,
+        "weight_copies": copies,
         "recompute_working": working,
         "params_on_rank": dense + experts,
     }

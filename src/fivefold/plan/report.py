@@ -54,6 +54,7 @@ from fivefold.plan.memory import (
     memory,
     recomputed_counts,
     recomputed_fraction,
+    runs_own_tensors,
     shard_group,
     stage_counts,
     stage_rank,
@@ -575,7 +576,8 @@ def _plan(
     pipeline_time = m * (t_f + t_b) + bubble
 
     # --- data-parallel traffic: gradients, and parameters under ZeRO-1/3
-    dense, experts, _ = cached_stage_params(model, arch, layout, worst, memo, shape.seq_len)
+    exact = runs_own_tensors(model, arch, shape)
+    dense, experts, _ = cached_stage_params(model, arch, layout, worst, memo, shape.seq_len, exact)
     data_parallel_traffic(
         layout,
         shape,

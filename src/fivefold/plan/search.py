@@ -26,12 +26,13 @@ from fivefold.errors import FivefoldError, divisors
 from fivefold.plan.comm import links
 from fivefold.plan.memory import (
     Memory,
+    cached_stage_params,
     memory,
-    model_state,
     most_chunk_layers,
+    runs_own_tensors,
     shard_group,
     stage_names,
-    stage_params,
+    stage_state,
 )
 from fivefold.plan.report import _plan, check_plan_inputs, model_facts, step_lower_bound
 from fivefold.plan.result import Plan, capacity, size_words
@@ -331,11 +332,10 @@ def search(
         key = (base.tp, base.pp, base.ep, base.zero, n, ends, base.virtual_stages, base.pp_schedule)
         if key not in state_cache:  # model state of the worst stage (the split decides it), no batch
             worst = 0.0
+            exact = runs_own_tensors(model, arch, shape)
             for which in ends:
-                dense, experts, _ = stage_params(model, arch, base, which, shape.seq_len)
-                worst = max(
-                    worst, sum(model_state(dense, experts, base.zero, n, max(n // base.ep, 1), shape))
-                )
+                dense, experts, _ = cached_stage_params(model, arch, base, which, memo, shape.seq_len, exact)
+                worst = max(worst, sum(stage_state(dense, experts, base, shape)[:3]))
             state_cache[key] = worst
         if state_cache[key] > cap:
             considered += 1

@@ -43,6 +43,11 @@ class TrainShape:
     # reciprocal RMS, SwiGLU's activated gate, rotary q and k; `fivefold.plan.activations`), the
     # runtime without --compile; False: what fused kernels keep (Korthikanti et al.; published trainers)
     saved_as_eager: bool = True
+    # fp32 weights that are their own master copy, cast to the compute dtype per matmul (autocast) or
+    # per gather (FSDP2's and replicate's mixed precision), FSDP sharding them at zero 2 as at 3:
+    # fivefold's runtime; False: 16-bit weights beside an fp32 master in the optimizer (Megatron, the
+    # ZeRO paper's accounting), the published trainers
+    fp32_weights: bool = True
     fp8: bool = False  # matmuls in fp8 (Transformer Engine / torchao float8 linears), the rest in 16 bits
     # fused cross-entropy (FlashAttention's xentropy kernel, llm-foundry's default): only the 16-bit
     # logits are kept and their gradient is written in place; otherwise an fp32 copy is kept as well

@@ -107,6 +107,7 @@ TRAINERS = {
         "zero1_broadcasts": True,  # its ZeRO-1 is torch's ZeroRedundancyOptimizer
         "saved_as_eager": True,  # its eager model code's saved tensors (torch.compile's: run facts)
         "expert_tp": False,  # its MoE block runs whole on every tp rank
+        "fp32_weights": True,  # fp32 weights, their own master, cast for the compute
     },
 }
 # `fivefold plan --trainer NAME`: the trainer whose facts a plan takes (fivefold's own by default)
@@ -162,6 +163,7 @@ def shape_facts(trainer: dict[str, Any]) -> dict[str, Any]:
         "sharded_copies": bool(trainer.get("sharded_copies", False)),
         "zero1_broadcasts": bool(trainer.get("zero1_broadcasts", False)),
         "saved_as_eager": bool(trainer.get("saved_as_eager", False)),
+        "fp32_weights": bool(trainer.get("fp32_weights", False)),
         "fp32_accumulate_pass": bool(trainer.get("fp32_accumulate_pass", False)),
         "block_tensors": int(trainer.get("block_tensors", 9)),
         "sp_any_length": bool(trainer.get("sp_any_length", False)),

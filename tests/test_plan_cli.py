@@ -908,9 +908,9 @@ def test_a_calibration_is_anchored_at_the_devices_own_figures(capsys, tmp_path) 
     from fivefold.plan import validation as V
 
     cpu = V.anchored(load_hardware("cpu"))
-    assert cpu.latency_other == 650 and cpu.matmul_other == 0.5
+    assert cpu.latency_other == 650 and cpu.matmul_other == 0.85
     assert cpu.memory_other == C.DEFAULT_MEMORY_EFFICIENCY
-    assert cpu.attention_other == pytest.approx(0.5 * C.ATTENTION_RATIO)
+    assert cpu.attention_other == pytest.approx(0.85 * C.ATTENTION_RATIO)
     h100 = load_hardware("h100-80gb")
     assert V.anchored(h100).matmul_hopper == h100.matmul_efficiency
     assert V.anchored(h100).latency_other == V.START.latency_other  # not a knob of a GPU's fit
@@ -1038,3 +1038,49 @@ def test_the_smallest_runs_file_docs_planner_shows_plans(tmp_path, capsys) -> No
     assert main(["plan", "--validate", str(runs)]) == 0
     out = capsys.readouterr().out
     assert "my-8b" in out and "tokens/s/GPU" in out
+
+
+def test_a_cpu_run_is_planned_with_the_threads_it_ran_with(capsys, tmp_path, monkeypatch) -> None:
+    """On a CPU device a rank computes with its share of the machine's cores (`fivefold train` gives
+    each of n local ranks cores // n threads, and records them in run.json); the per-op host work of
+    each block does not shrink with them. A run directory is planned with its own threads, also on a
+    calibrated file, which does not keep the threads of the run it was fitted to."""
+    import dataclasses
+
+    from fivefold.config import Layout, RunConfig, TrainSpec, load_hardware, load_model
+    from fivefold.plan.compute import on_this_host
+
+    cpu = load_hardware("cpu")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert on_this_host(cpu, 1, 8).threads_per_rank == 3  # as train would set them here
+    assert on_this_host(load_hardware("h100-80gb"), 1, 8).threads_per_rank == 0  # a GPU: no threads
+    model, shape = load_model("small"), TrainShape(seq_len=256, global_batch=4, micro_batch=4, act_bytes=4)
+    one, two = (
+        plan(model, dataclasses.replace(cpu, threads_per_rank=t), Layout().resolve(1), shape) for t in (1, 2)
+    )
+    # two threads halve the compute, not the blocks' dispatch
+    dispatch = 3 * cpu.block_dispatch_us * 1e-6 * (model.layers + 1)
+    assert two.step_time_s - dispatch == pytest.approx((one.step_time_s - dispatch) / 2, rel=0.02)
+
+    cfg = RunConfig(model=model, train=TrainSpec(seq_len=256, micro_batch=4, global_batch=4))
+    cfg.layout = cfg.layout.resolve(1)
+    steps = [{"step": i, "step_time_s": t} for i, t in enumerate((1.0, 0.05, 0.05), 1)]
+    for threads in (1, 2):
+        run = tmp_path / f"t{threads}"
+        run.mkdir()
+        (run / "config.toml").write_text(cfg.to_toml())
+        (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+        facts = {"world": 1, "mfu_peak_from": "cpu", "threads_per_rank": threads}
+        (run / "run.json").write_text(json.dumps(facts))
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert main(["plan", "--validate", str(tmp_path / "t1"), str(tmp_path / "t2"), "--json"]) == 0
+    runs = {r["run"]: r["predicted"] for r in json.loads(capsys.readouterr().out)["as_shipped"]["runs"]}
+    assert 1.3 * runs["t2"] < runs["t1"] < 2 * runs["t2"]  # each run its own threads
+    cal = tmp_path / "cal.toml"
+    assert main(["plan", "--calibrate", str(tmp_path / "t2"), "--out", str(cal)]) == 0
+    assert "threads_per_rank = 0" in cal.read_text()
+    capsys.readouterr()
+    argv = ["plan", "--validate", str(tmp_path / "t1"), str(tmp_path / "t2"), "--hardware", str(cal)]
+    assert main([*argv, "--json"]) == 0
+    runs = {r["run"]: r["predicted"] for r in json.loads(capsys.readouterr().out)["as_shipped"]["runs"]}
+    assert runs["t1"] > 1.3 * runs["t2"]

@@ -146,6 +146,25 @@ def _print_json(out: dict, left_out: list[str]) -> None:
     print(json.dumps({**out, "left_out": left_out}))
 
 
+def _dispatch_share(cases: list, hw) -> float:  # noqa: ANN001 - validation cases and a HardwareSpec
+    """The share of the cases' planned step time that is the blocks' host dispatch (a CPU device's
+    `block_dispatch_us`), which a calibration takes as given."""
+    import dataclasses
+
+    from fivefold.plan import plan
+
+    if not hw.block_dispatch_us or hw.comm_overlap:
+        return 0.0
+    total = without = 0.0
+    for c in cases:
+        own = dataclasses.replace(hw, threads_per_rank=c.inputs.hw.threads_per_rank)
+        inp = c.inputs
+        total += plan(inp.model, own, inp.layout, inp.shape).step_time_s
+        bare = dataclasses.replace(own, block_dispatch_us=0.0)
+        without += plan(inp.model, bare, inp.layout, inp.shape).step_time_s
+    return 1 - without / total if total else 0.0
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -167,7 +186,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     hw = knobs.apply(cases[0].inputs.hw)
     result = V.in_sample(cases, knobs)
     s = result.summary()
-    data = {k: v for k, v in to_dict(dataclasses.replace(hw)).items() if k != "name"}  # the file names it
+    # the file names the device; the threads are each run's own, not the device's
+    data = {k: v for k, v in to_dict(dataclasses.replace(hw, threads_per_rank=0.0)).items() if k != "name"}
     text = (
         f"# fitted by `fivefold plan --calibrate` to {s['runs']} run(s): mean |error| {s['mean']:.1%}, "
         f"worst {s['worst']:.1%}\n" + dumps_toml(data)
@@ -177,6 +197,14 @@ def _calibrate(args: argparse.Namespace) -> int:
             "note: one run with tp or cp fixes one number, its step: how much of it is compute and how much"
             " the collectives' cost cannot be told apart. Calibrate on a data-parallel run as well to plan"
             " other layouts on this machine",
+            file=sys.stderr,
+        )
+    dispatch = _dispatch_share(cases, hw)
+    if dispatch > 0.5:
+        print(
+            f"note: {dispatch:.0%} of these runs' planned steps is the host's per-op work (a CPU's eager "
+            "dispatch), which no knob here fits: their compute is too small to calibrate its rates. "
+            "Calibrate on a larger model's run as well",
             file=sys.stderr,
         )
     if args.out:

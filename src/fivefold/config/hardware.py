@@ -59,6 +59,14 @@ class HardwareSpec:
     # collectives run beside the compute (their own stream and copy engines); not on a CPU, whose
     # cores do both: there every collective, its host-side copies and hooks, sits on the critical path
     comm_overlap: bool = True
+    # on a CPU device (no `comm_overlap`), the cores each rank computes with: the runtime gives each of
+    # a machine's local ranks its share of the cores (`host_threads`); 0: as `fivefold train` would
+    # run the planned layout on this machine. The preset's rates are one core's
+    threads_per_rank: float = 0.0
+    # host time of one transformer block's forward on a CPU device, one micro-batch: eager PyTorch
+    # dispatches each op and records it for autograd whatever its size (the backward's, twice as many
+    # ops, cost twice); the threads do not share it. 0 on a GPU, whose host runs ahead of its kernels
+    block_dispatch_us: float = 0.0
 
     def validate(self) -> HardwareSpec:
         for f in fields(self):
@@ -88,6 +96,19 @@ class HardwareSpec:
         return self
 
 
+def host_threads(local_ranks: int) -> int:
+    """Intra-op threads for each of `local_ranks` ranks on this machine: OMP_NUM_THREADS when the
+    user set it, else the cores this process may run on divided among the ranks (at least 1), so
+    ranks do not oversubscribe the cores and a lone rank uses all of them."""
+    import os
+
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_ranks))
+
+
 # every figure of a device (GB, TFLOP/s, GB/s, µs, W) is far below this; 1e300 overflowed the planner
 MAX_VALUE = 1e9
 POSITIVE = ("gpu_memory_gb", "peak_tflops", "gpus_per_node", "intra_node_gbps", "inter_node_gbps", "hbm_gbps")
@@ -103,6 +124,8 @@ NON_NEGATIVE = (
     "power_limit_w",
     "fp8_speedup",
     "step_overhead_s",
+    "threads_per_rank",
+    "block_dispatch_us",
 )
 FRACTIONS = ("matmul_efficiency", "link_efficiency", "memory_efficiency", "attention_efficiency")
 

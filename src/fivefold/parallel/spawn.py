@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from fivefold.config.hardware import host_threads
 from fivefold.errors import FivefoldError
 from fivefold.outputs import write_without_a_reader
 
@@ -36,14 +37,9 @@ MAX_LOCAL_RANKS = 64
 
 
 def threads_per_rank(local_ranks: int) -> int:
-    """Intra-op threads for each of `local_ranks` ranks on this machine: OMP_NUM_THREADS when the
-    user set it, else the cores this process may run on divided among the ranks (at least 1), so
-    ranks do not oversubscribe the cores and a lone rank uses all of them."""
-    given = os.environ.get("OMP_NUM_THREADS", "")
-    if given.isdigit() and int(given) > 0:
-        return int(given)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, local_ranks))
+    """Intra-op threads for each of `local_ranks` ranks on this machine (the planner counts the same:
+    `fivefold.config.hardware.host_threads`)."""
+    return host_threads(local_ranks)
 
 
 def local_launch_config(nproc: int, port: int, own_signals: bool = False, log_dir: str | None = None) -> Any:

@@ -50,6 +50,26 @@ def head_dim_factor(head_dim: float) -> float:
     return head_dim / (head_dim + ATTENTION_HALF_DIM) / ref
 
 
+def host_threads_of(hw: HardwareSpec) -> float:
+    """The cores a rank of `hw` computes with: `threads_per_rank` on a CPU device, else 1. A rank
+    with t threads runs its matmuls and streams at t cores' rates (one thread's 256- to 1024-wide fp32
+    matmuls ran 1.9-2.1x faster on two here, large elementwise ops 1.6-1.7x); its per-op host work
+    (`block_dispatch_us`) does not shrink."""
+    return max(hw.threads_per_rank, 1.0) if not hw.comm_overlap else 1.0
+
+
+def on_this_host(hw: HardwareSpec, world: int, gpus_per_node: int) -> HardwareSpec:
+    """`hw` with the threads `fivefold train` gives each rank of a `world`-rank run on this machine,
+    where `hw` is a CPU device that does not say (`threads_per_rank` 0)."""
+    if hw.comm_overlap or hw.threads_per_rank > 0:
+        return hw
+    from dataclasses import replace
+
+    from fivefold.config.hardware import host_threads
+
+    return replace(hw, threads_per_rank=float(host_threads(min(world, gpus_per_node))))
+
+
 def clock_factor(hw: HardwareSpec) -> float:
     """Tensor-core clock under an operator's power cap: dynamic power grows as f·V² with V ∝ f, so
     the sustained clock scales as the cube root of the power allowed."""
@@ -86,13 +106,15 @@ class Rates:
     hbm: float  # sustained bytes/s
     half_dim: float = DEFAULT_GEMM_HALF_DIM  # HardwareSpec.gemm_half_dim
     fixed_keys: float = DEFAULT_ATTENTION_FIXED_KEYS  # HardwareSpec.attention_fixed_keys
+    block_dispatch: float = 0.0  # seconds, HardwareSpec.block_dispatch_us
 
     @classmethod
     def of(
         cls, hw: HardwareSpec, fp8: bool = False, attention: str = "flash", act_bytes: int = BYTES
     ) -> Rates:
         eff = Efficiencies.of(hw)
-        peak = hw.peak_tflops * 1e12 * clock_factor(hw)
+        threads = host_threads_of(hw)
+        peak = hw.peak_tflops * 1e12 * clock_factor(hw) * threads
         dense = peak * eff.matmul
         # fp8 linears: the tensor-core peak doubles, but casts and scaling eat part of it; the
         # attention core stays in 16 bits
@@ -104,9 +126,10 @@ class Rates:
         return cls(
             dense * speedup,
             attn,
-            hw.hbm_gbps * 1e9 * eff.memory * BYTES / act_bytes,
+            hw.hbm_gbps * 1e9 * eff.memory * BYTES / act_bytes * threads,
             hw.gemm_half_dim,
             hw.attention_fixed_keys,
+            hw.block_dispatch_us * 1e-6 if not hw.comm_overlap else 0.0,
         )
 
     def gemm(self, m: float, k: float, n: float, count: float = 1.0) -> float:
@@ -228,8 +251,9 @@ def layer_time(
         # Ulysses' all-to-alls change layout: q, k, v and the output are each copied about three times
         # a pass (the contiguous send buffer, the received layout, the sequence order), read and written
         reorder = rates.stream(3 * 2 * BYTES * tokens * (2 * q_local + 2 * kv_local))
-    fwd = gemm_fwd + core + elementwise + reorder
-    bwd = 2 * gemm_fwd + core_bwd + 2 * elementwise + reorder
+    # a CPU host's per-op work (dispatch, autograd), in series and not threaded: twice the ops backward
+    fwd = gemm_fwd + core + elementwise + reorder + rates.block_dispatch
+    bwd = 2 * gemm_fwd + core_bwd + 2 * elementwise + reorder + 2 * rates.block_dispatch
     ffn = model.expert_ffn_hidden * model.experts_per_token if moe else model.ffn_hidden
     mlp_mats = 3 if (arch.gated_mlp or moe) else 2
     skipped = (kv_local + q_local + ffn / tp) / (2 * q_local + 2 * kv_local + mlp_mats * ffn / tp)
@@ -247,7 +271,8 @@ def head_time(
     vocab_local = model.vocab / layout.tp
     fwd = rates.gemm(tokens, model.hidden, vocab_local) + rates.stream(10 * tokens * vocab_local)
     bwd = 2 * rates.gemm(tokens, model.hidden, vocab_local) + rates.stream(8 * tokens * vocab_local)
-    return fwd, bwd
+    # the embedding, final norm, head and loss: about a block's worth of ops on a CPU host
+    return fwd + rates.block_dispatch, bwd + 2 * rates.block_dispatch
 
 
 def step_overhead(hw: HardwareSpec, gpus: int) -> float:

@@ -39,6 +39,7 @@ from fivefold.plan.compute import (
     accumulate_pass_time,
     head_time,
     layer_time,
+    on_this_host,
     optimizer_time,
 )
 from fivefold.plan.dataparallel import data_parallel_traffic, gather_copies_time
@@ -92,6 +93,7 @@ def plan(
     check_plan_inputs(model, layout, shape)
     gpn = gpus_per_node or hw.gpus_per_node
     shape = shape.on(hw)
+    hw = on_this_host(hw, layout.world, gpn)
     arch = resolve_arch(model, shape.block, shape.attention, shape.expert_tp)
     m = shape.microbatches(layout)
     return _plan(model, hw, layout, shape, arch, gpn, m)
@@ -627,6 +629,12 @@ def _plan(
         notes.append(f"interleaved 1F1B wants micro-batches ({m}) divisible by pp ({layout.pp})")
     if (model.layers % (layout.pp * v)) != 0:
         notes.append(f"{model.layers} layers do not split evenly into pp×virtual = {layout.pp * v} chunks")
+    if not hw.comm_overlap and hw.threads_per_rank:  # a CPU device: say what its rates assumed
+        notes.append(
+            f"each rank computes with {hw.threads_per_rank:g} thread(s) (as `fivefold train` splits this "
+            "machine's cores, or as the run recorded); each block's eager ops also cost the host "
+            f"{hw.block_dispatch_us:g} µs a forward, whatever the threads"
+        )
     if layout.recompute == "selective" and eager_count(model, arch, shape):
         notes += _selective_frees(model, layout, shape)
     dispatched = sorted({c.axis for c in comm_list if host_dispatch(hw, c.axis, c.op) > 0}, key=order.index)

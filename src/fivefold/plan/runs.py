@@ -172,6 +172,8 @@ HARDWARE_KEYS = (
     ("intra_node_gbs_per_gpu", "intra_node_gbps", float),
     ("hbm_gbs", "hbm_gbps", float),
     ("power_limit_w", "power_limit_w", float),
+    # a CPU run's threads per rank (`run.json` of a fivefold run directory)
+    ("threads_per_rank", "threads_per_rank", float),
 )
 
 
@@ -744,6 +746,19 @@ def _span(lo: float, hi: float) -> str:
     return f"{lo:.3g}" if abs(hi - lo) <= 0.005 * hi else f"{lo:.3g}–{hi:.3g}"
 
 
+def _threads(run_dir: Path) -> dict[str, float]:
+    """The threads each rank computed with, as `fivefold train` recorded them in `run.json` (a run
+    directory from before it did: none, and the plan assumes what a run gets on this machine)."""
+    import json
+
+    try:
+        threads = json.loads((run_dir / "run.json").read_text()).get("threads_per_rank")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return {}
+    ok = isinstance(threads, int | float) and not isinstance(threads, bool) and 1 <= threads <= 4096
+    return {"threads_per_rank": float(threads)} if ok else {}
+
+
 def _measured_on(run_dir: Path, device: str) -> str:
     """The hardware preset the run measured its MFU against (`run.json`, written by `fivefold train`
     from the device's name), else the `cpu` preset, or H100 for a cuda run that does not say."""
@@ -807,7 +822,7 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
         "source": f"run-directory/{p.name}",
         "kind": "measured",
         "flops_definition": "fivefold (non-causal)",
-        "hardware": {"gpu": _measured_on(p, tr.device), "gpus_per_node": world},
+        "hardware": {"gpu": _measured_on(p, tr.device), "gpus_per_node": world, **_threads(p)},
         "model": model,
         "layout": {
             "gpus": world,

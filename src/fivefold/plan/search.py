@@ -24,6 +24,7 @@ from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.config.layout import DEFAULT_ORDER, complete_order
 from fivefold.errors import FivefoldError, divisors
 from fivefold.plan.comm import links
+from fivefold.plan.compute import on_this_host
 from fivefold.plan.memory import (
     Memory,
     cached_stage_params,
@@ -306,6 +307,7 @@ def search(
     start = time.perf_counter()
     gpn = gpus_per_node or hw.gpus_per_node
     shape = shape.on(hw)
+    hw = on_this_host(hw, gpus, gpn)
     arch = resolve_arch(model, shape.block, shape.attention, shape.expert_tp)
     cap = capacity(hw)
     facts = model_facts(model, arch, shape.seq_len)

@@ -502,8 +502,15 @@ def in_sample(all_cases: list[Case], knobs: Knobs | None = None) -> Validation:
 
 
 def on_hardware(cases: list[Case], hw: HardwareSpec) -> list[Case]:
-    """The cases planned on `hw` (a calibrated file, say) instead of the GPU each names."""
-    return [dataclasses.replace(c, inputs=dataclasses.replace(c.inputs, hw=hw)) for c in cases]
+    """The cases planned on `hw` (a calibrated file, say) instead of the GPU each names; a CPU run
+    keeps the threads it ran with, where `hw` does not say."""
+
+    def threads(c: Case) -> HardwareSpec:
+        if hw.threads_per_rank or not c.inputs.hw.threads_per_rank:
+            return hw
+        return dataclasses.replace(hw, threads_per_rank=c.inputs.hw.threads_per_rank)
+
+    return [dataclasses.replace(c, inputs=dataclasses.replace(c.inputs, hw=threads(c))) for c in cases]
 
 
 def as_shipped(all_cases: list[Case], reference: list[Case] | None = None) -> Validation:

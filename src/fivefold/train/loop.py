@@ -660,5 +660,7 @@ def _write_outputs(
         (run_dir / "ledger.json").write_text(json.dumps(empty, indent=1))
     if rank == 0:
         plot_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss.png", vocab)
-        (run_dir / "run.json").write_text(json.dumps({"world": world, "mfu_peak_from": hardware}, indent=1))
+        # the threads each rank computed with: a CPU run's plan needs them (`fivefold plan --validate`)
+        facts = {"world": world, "mfu_peak_from": hardware, "threads_per_rank": torch.get_num_threads()}
+        (run_dir / "run.json").write_text(json.dumps(facts, indent=1))
     _barrier()

@@ -18,7 +18,9 @@ CommDebugMode), and print the rest per collective as `tp_dispatch_us` and `fsdp_
 context-parallel core (Ulysses' all-to-alls, the all-gather core's gathers) issues its collectives
 through torch's functional collectives with their autograd wrapping: the forward and backward of one
 `all_to_all_single_autograd`, less two bare all-to-alls of the same size, per collective, is
-`cp_dispatch_us`.
+`cp_dispatch_us`. Last, one thread's step of the `tiny` model on 8 tokens, whose compute is next to
+nothing, over its blocks (and one block's worth for the embedding, head and loss) and three passes (a
+backward is two forwards' ops), is the host's per-op work a block costs: `block_dispatch_us`.
 Run: .venv/bin/python benchmarks/bench_gloo_links.py [--ranks 2] [--large-mb 16]
 """
 
@@ -57,12 +59,14 @@ def _call(op: str, x: torch.Tensor, ranks: int) -> None:
 
 
 def _timed(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of `fn` over `repeats` calls after three, each started together on every rank."""
+    """Median seconds of `fn` over `repeats` calls after three, each started together on every rank
+    (in a group)."""
     for _ in range(3):
         fn()
     times = []
     for _ in range(repeats):
-        dist.barrier()
+        if dist.is_initialized():
+            dist.barrier()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -190,6 +194,25 @@ def dispatch(times: dict, small: int, form: str) -> float:
     return max(0.0, (times[f"{form}_step"] - compute - bare) / max(sum(calls.values()), 1))
 
 
+def block_dispatch(repeats: int) -> float:
+    """Seconds of host work one block's eager forward costs whatever its size: a step of the `tiny`
+    model on 8 tokens (its compute next to nothing) over its blocks and the embedding, head and loss
+    (one block's worth), a forward and a backward of twice its ops each, on one thread."""
+    from fivefold.config import load_model
+    from fivefold.model.transformer import Transformer
+
+    torch.set_num_threads(1)
+    spec = load_model("tiny")
+    model = Transformer(spec)
+    ids = torch.randint(0, spec.vocab, (1, 8))
+
+    def step() -> None:
+        logits = model(ids)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+
+    return _timed(step, repeats) / (3 * (spec.layers + 1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
@@ -213,6 +236,7 @@ def main() -> None:
         calls = ", ".join(f"{n} {op}" for op, n in sorted(times[f"{form}_calls"].items()))
         print(f"# {form} step {times[f'{form}_step'] * 1e3:.2f} ms ({calls})")
         print(f"{form}_dispatch_us = {dispatch(times, small, form) * 1e6:.0f}")
+    print(f"block_dispatch_us = {block_dispatch(args.repeats * 3) * 1e6:.0f}  # tiny, 8 tokens, one thread")
 
 
 if __name__ == "__main__":

@@ -908,9 +908,9 @@ def test_a_calibration_is_anchored_at_the_devices_own_figures(capsys, tmp_path) 
     from fivefold.plan import validation as V
 
     cpu = V.anchored(load_hardware("cpu"))
-    assert cpu.latency_other == 650 and cpu.matmul_other == 0.85
+    assert cpu.latency_other == 650 and cpu.matmul_other == 0.8
     assert cpu.memory_other == C.DEFAULT_MEMORY_EFFICIENCY
-    assert cpu.attention_other == pytest.approx(0.85 * C.ATTENTION_RATIO)
+    assert cpu.attention_other == pytest.approx(0.8 * C.ATTENTION_RATIO)
     h100 = load_hardware("h100-80gb")
     assert V.anchored(h100).matmul_hopper == h100.matmul_efficiency
     assert V.anchored(h100).latency_other == V.START.latency_other  # not a knob of a GPU's fit

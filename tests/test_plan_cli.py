@@ -1084,3 +1084,32 @@ def test_a_cpu_run_is_planned_with_the_threads_it_ran_with(capsys, tmp_path, mon
     assert main([*argv, "--json"]) == 0
     runs = {r["run"]: r["predicted"] for r in json.loads(capsys.readouterr().out)["as_shipped"]["runs"]}
     assert runs["t1"] > 1.3 * runs["t2"]
+
+
+def test_validate_sets_a_run_directorys_measured_memory_beside_the_plan(capsys, tmp_path) -> None:
+    """A run directory's metrics carry rank 0's weights, gradients, optimizer state and saved
+    activations; `plan --validate` sets each beside the layout plan of rank 0's stage, which counts
+    them as the runtime holds them (here the exact step's figures, which verify meets to the byte)."""
+    from fivefold.config import Layout, RunConfig, TrainSpec, load_model
+    from fivefold.plan.activations import planned_activations
+    from fivefold.plan.step import plan_step
+
+    model = load_model("tiny")
+    layout = Layout(fsdp=2).resolve(2)
+    cfg = RunConfig(model=model, train=TrainSpec(seq_len=64, micro_batch=2, global_batch=8), layout=layout)
+    coords = {"pp": 0, "dp": 0, "fsdp_cp": 0, "tp": 0, "cp": 0, "ep": 0}
+    state = plan_step(model, layout, 2, 64, 2, "fp32", coords).state
+    saved = planned_activations(model, layout, 2, 64, 2, "fp32", coords)
+    run = tmp_path / "fsdp2"
+    run.mkdir()
+    (run / "config.toml").write_text(cfg.to_toml())
+    memory = {**state, "activations": int(saved), "rss_peak": 1 << 28}
+    steps = [{"step": i, "step_time_s": 0.05, "memory": memory} for i in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    assert main(["plan", "--validate", str(run), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["memory"]
+    assert {r["part"] for r in rows} == {"params", "grads", "optimizer", "activations"}
+    assert all(r["planned"] == r["measured"] for r in rows), rows
+    assert main(["plan", "--validate", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0's memory" in out and "+0.0%" in out

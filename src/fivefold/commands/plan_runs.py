@@ -101,11 +101,19 @@ def run_runs(args: argparse.Namespace) -> int:
             title = f"on --hardware {given} (the constant is the bundled runs' median MFU)"
         shipped = V.as_shipped(cases, _runs([])[0])
         _plot(args, shipped, f"{paths[0] if len(paths) == 1 else 'your runs'}: {title.split(' (')[0]}")
+        memory = [(c.id, *row) for c in cases for row in V.rank0_memory(c)]
         if args.json:
-            _print_json({"as_shipped": shipped.to_json()}, left_out)
+            rows = [
+                {"run": r, "part": part, "measured": got, "planned": int(want)}
+                for r, part, got, want in memory
+            ]
+            _print_json({"as_shipped": shipped.to_json(), **({"memory": rows} if rows else {})}, left_out)
             return 0
         print(V.per_run_table(shipped))
         print(V.source_table(shipped, title))
+        if memory:
+            print()
+            print(_memory_table(memory))
         return 0
     inside = V.in_sample(cases)
     loso = V.cross_validate(cases) if cross else None
@@ -128,6 +136,19 @@ def run_runs(args: argparse.Namespace) -> int:
         print(V.source_table(loso, "leave-one-source-out (knobs fitted without the source)"))
         print(V.knobs_table(loso))
     return 0
+
+
+def _memory_table(rows: list[tuple[str, str, int, float]]) -> str:
+    """Rank 0's measured memory of run directories against the plan, a line per part."""
+    width = max(len("run"), *(len(r[0]) for r in rows)) + 2
+    lines = [
+        "rank 0's memory, measured by the run against the plan of its stage (bytes)",
+        f"{'run':<{width}}{'part':<13}{'measured':>15}{'planned':>15}{'diff':>9}",
+    ]
+    for run, part, got, want in rows:
+        diff = f"{want / got - 1:+.1%}" if got else "-"
+        lines.append(f"{run:<{width}}{part:<13}{got:>15,}{int(want):>15,}{diff:>9}")
+    return "\n".join(lines)
 
 
 def _plot(args: argparse.Namespace, validation, title: str) -> None:  # noqa: ANN001 - Validation

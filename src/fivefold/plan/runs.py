@@ -773,6 +773,10 @@ def _measured_on(run_dir: Path, device: str) -> str:
     return "H100" if device == "cuda" else "cpu"
 
 
+# what a run directory's metrics.jsonl measures of rank 0's memory, as the plan names it
+MEASURED_PARTS = ("params", "grads", "optimizer", "activations")
+
+
 def run_from_dir(path: str | Path) -> dict[str, Any]:
     """A fivefold run directory (`config.toml` + `metrics.jsonl`) as a run of the reference schema:
     its model, layout and batch, on the machine it ran on (`_measured_on`), with fused kernels if it
@@ -789,6 +793,7 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
             raise FivefoldError(f"run directory {p}: no {name} (a `fivefold train` run directory has both)")
     cfg = RunConfig.from_toml(p / "config.toml")
     times = []
+    memory: dict[str, int] = {}  # rank 0's state and saved activations, as its last records give them
     try:
         text = (p / "metrics.jsonl").read_text()
     except (OSError, UnicodeDecodeError) as exc:
@@ -805,6 +810,15 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
                     f"number of seconds, got {t!r}"
                 )
             times.append(float(t))
+        held = rec.get("memory")
+        if isinstance(held, dict):
+            memory.update(
+                {
+                    k: int(v)
+                    for k, v in held.items()
+                    if k in MEASURED_PARTS and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                }
+            )
     if len(times) < 2:
         raise FivefoldError(f"run directory {p}: metrics.jsonl needs step_time_s on at least 2 steps")
     m, lay, tr = to_dict(cfg.model), cfg.layout, cfg.train
@@ -845,5 +859,8 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
             "precision": tr.dtype,
             "framework": "fivefold",
         },
-        "measured": {"iteration_time_s": statistics.median(times[1:])},
+        "measured": {
+            "iteration_time_s": statistics.median(times[1:]),
+            **({"rank0_memory_bytes": memory} if memory else {}),
+        },
     }

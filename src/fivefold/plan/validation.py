@@ -39,7 +39,7 @@ from fivefold.plan.runs import (
 )
 from fivefold.plan.runs import load_runs as _load_runs
 from fivefold.plan.search import RECOMPUTE_ORDER, lightest_recompute
-from fivefold.plan.spec import TrainShape
+from fivefold.plan.spec import TrainShape, resolve_arch
 
 GIB = 2**30
 # an unpublished choice is filled with the trainer's default unless another is this much faster
@@ -499,6 +499,25 @@ def in_sample(all_cases: list[Case], knobs: Knobs | None = None) -> Validation:
     median = statistics.median(p.published_mfu for p in preds)
     const = {p.run: median / p.published_mfu - 1 for p in preds}
     return Validation(preds, const, {"all": knobs})
+
+
+def rank0_memory(case: Case) -> list[tuple[str, int, float]]:
+    """(part, measured, planned) bytes of rank 0 for a run directory that measured them: its weights,
+    gradients and optimizer state, and the peak of its saved activations where the run measured them
+    (`--measure-memory-every`), against the layout plan of rank 0's stage."""
+    from fivefold.plan.memory import _stage_memory, stage_names, stage_rank
+
+    measured = case.run.get("measured", {}).get("rank0_memory_bytes") or {}
+    if not measured:
+        return []
+    inp = case.inputs
+    shape = inp.shape.on(inp.hw)
+    arch = resolve_arch(inp.model, shape.block, shape.attention, shape.expert_tp)
+    which = next(
+        w for w in stage_names(inp.layout, inp.model, shape.seq_len) if stage_rank(w, inp.layout.pp) == 0
+    )
+    mem = _stage_memory(inp.model, arch, inp.layout, shape, shape.microbatches(inp.layout), which, {})
+    return [(part, measured[part], float(getattr(mem, part))) for part in measured]
 
 
 def on_hardware(cases: list[Case], hw: HardwareSpec) -> list[Case]:

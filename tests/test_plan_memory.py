@@ -155,7 +155,9 @@ def test_v_shaped_schedules_put_both_ends_on_rank_zero() -> None:
     embedding, the output head and the logits; 1F1B splits them over the first and the last rank."""
     model = load_model("llama3-8b")
     hw = load_hardware("h100-80gb")
-    shape = TrainShape(seq_len=4096, global_batch=32)
+    # a published trainer's accounting, whose logits make rank 0 the worst (fivefold's eager blocks
+    # keep enough that a middle rank, with more of them, is)
+    shape = TrainShape(seq_len=4096, global_batch=32, saved_as_eager=False, fp32_weights=False)
     plain = plan(model, hw, Layout(pp=4, pp_schedule="1f1b").resolve(4), shape)
     vee = plan(model, hw, Layout(pp=4, pp_schedule="zbv").resolve(4), shape)
     assert vee.memory.stage == "first+last"

@@ -345,8 +345,9 @@ def test_the_layout_plan_counts_the_state_and_saved_activations_verify_measures(
     activations as fivefold's eager blocks keep them: on every drawn layout whose schedule has a closed
     form, each stage equals `planned_activations`, which `test_verify_judgments_pass` holds equal to
     the measured bytes. The schedules whose peak is read off torch's action tables are planned by
-    closed forms: never more than 1% under, and at most 1.8× over (V schedules under full recompute,
-    whose last chunk holds one micro-batch's loss where the closed form counts the stage's flight).
+    closed forms: within 1% under and 5% over (zero-bubble's middle stages keep an MoE block's tail,
+    which its input pass frees; the last chunk holds one micro-batch's head and loss, or under
+    zero-bubble only its loss, whatever the rank's flight).
     Its weights, gradients and optimizer state are the exact step's (`plan/state.py`, judged to the
     byte), but for ZeRO-1's greedy partition, which the plan splits evenly."""
     from fivefold.config import load_hardware
@@ -377,7 +378,7 @@ def test_the_layout_plan_counts_the_state_and_saved_activations_verify_measures(
             for part in ("params", "grads", "optimizer"):
                 assert getattr(mem, part) == pytest.approx(state[part], rel=uneven), (case.name, which, part)
             if lay.pp > 1 and lay.pp_schedule in TABLED:
-                assert 0.99 * exact <= planned <= 1.8 * exact, (case.name, which, planned / exact)
+                assert 0.99 * exact <= planned <= 1.05 * exact, (case.name, which, planned / exact)
             else:
                 assert planned == exact, (case.name, which, planned, exact)
                 checked += 1

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from fivefold.config import Layout, ModelSpec, recomputed_blocks
 from fivefold.layout_math import local_param_counts, rank_stages, stage_split
-from fivefold.plan.activations import block_saved, ends_saved
+from fivefold.plan.activations import block_saved, ends_saved, loss_saved
 from fivefold.plan.pipeline import in_flight
 from fivefold.plan.runshape import Chunk, RunShape
 from fivefold.plan.spec import Arch, TrainShape, kv_heads_local, layer_shard
@@ -509,10 +509,22 @@ def _stage_memory(
         # flight, and the step's token ids and targets, held from the first forward to the last backward
         first, last = holds_embedding(which), holds_head(which)
         whole = any(c > r for c, r, _ in kinds)
-        key = ("ends", layout.tp, layout.cp, layout.sp, autocast, shape.micro_batch, last, whole)
-        if key not in memo:
-            memo[key] = ends_saved(run, Chunk(0, (), first, last), whole)
-        activations += flight * memo[key]
+        key = ("ends", layout.tp, layout.cp, layout.sp, autocast, shape.micro_batch, whole)
+        if key not in memo:  # (the rotary table; the final norm and head; the loss)
+            rotary = ends_saved(run, Chunk(0, (), True, False), whole)
+            loss = loss_saved(run, Chunk(0, (), False, True), ids=False)
+            memo[key] = (rotary, ends_saved(run, Chunk(0, (), True, True), whole) - rotary - loss, loss)
+        rotary, head, loss = memo[key]
+        # a pipeline's last chunk runs each micro-batch's backward right after its forward: one
+        # micro-batch's head and loss at a time, whatever the rank's flight (its other chunks'), but
+        # in all-forwards-first GPipe; zero-bubble's input pass frees only the loss, and the head
+        # waits for the weight pass with the rest of the last rank's flight (a V schedule's last chunk,
+        # on rank 0, runs its weight passes soon after: measured, one micro-batch's)
+        one = layout.pp > 1 and layout.pp_schedule != "gpipe"
+        waits = layout.pp_schedule == "zero-bubble" or not one
+        activations += flight * rotary
+        activations += last * (flight if waits else min(flight, 1.0)) * head
+        activations += last * (min(flight, 1.0) if one else flight) * loss
         # (with cp and no pipeline, each micro-batch's sequence shard is a copy of its own)
         held = 1 if layout.cp > 1 and layout.pp == 1 else m
         activations += 8 * run.tokens * held * (first + last)

@@ -1086,7 +1086,7 @@ def test_a_cpu_run_is_planned_with_the_threads_it_ran_with(capsys, tmp_path, mon
     assert runs["t1"] > 1.3 * runs["t2"]
 
 
-def test_validate_sets_a_run_directorys_measured_memory_beside_the_plan(capsys, tmp_path) -> None:
+def test_validate_and_report_set_a_run_directorys_measured_memory_beside_the_plan(capsys, tmp_path) -> None:
     """A run directory's metrics carry rank 0's weights, gradients, optimizer state and saved
     activations; `plan --validate` sets each beside the layout plan of rank 0's stage, which counts
     them as the runtime holds them (here the exact step's figures, which verify meets to the byte)."""
@@ -1104,7 +1104,7 @@ def test_validate_sets_a_run_directorys_measured_memory_beside_the_plan(capsys, 
     run.mkdir()
     (run / "config.toml").write_text(cfg.to_toml())
     memory = {**state, "activations": int(saved), "rss_peak": 1 << 28}
-    steps = [{"step": i, "step_time_s": 0.05, "memory": memory} for i in (1, 2, 3)]
+    steps = [{"step": i, "loss": 5.0, "step_time_s": 0.05, "memory": memory} for i in (1, 2, 3)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
     assert main(["plan", "--validate", str(run), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["memory"]
@@ -1113,3 +1113,9 @@ def test_validate_sets_a_run_directorys_measured_memory_beside_the_plan(capsys, 
     assert main(["plan", "--validate", str(run)]) == 0
     out = capsys.readouterr().out
     assert "rank 0's memory" in out and "+0.0%" in out
+    # `fivefold report` sets them beside the plan too
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "memory of rank 0" in out
+    line = next(x for x in out.splitlines() if "saved activations" in x)
+    assert f"{saved / 2**20:.3f} MiB  (plan {saved / 2**20:.3f})" in line

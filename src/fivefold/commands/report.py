@@ -50,6 +50,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _memory_line(run_dir: Path) -> str:
+    """Rank 0's measured memory beside the plan of its stage, where the run measured it and its
+    config.toml plans (`fivefold plan --validate` gives the same, with the step time)."""
+    from fivefold.plan.validation import run_dir_memory
+
+    if not (run_dir / "config.toml").is_file():
+        return ""
+    try:
+        rows = run_dir_memory(run_dir)
+    except FivefoldError:  # a run the planner cannot take (said by `plan --validate`): no line
+        return ""
+    names = {"activations": "saved activations"}
+    lines = [
+        f"    {names.get(part, part):<18}{got / 2**20:>10.3f} MiB  (plan {want / 2**20:.3f})"
+        for part, got, want in rows
+    ]
+    return "\n".join(["  memory of rank 0, measured (plan of its stage):", *lines]) if lines else ""
+
+
 def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
@@ -76,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
     step = _pick_step(events, args.step)
     timeline = [e for e in events if e["args"].get("step") == step]
     print(summary(run_dir, metrics, ledger, timeline, idle_fraction(events, step) if timeline else None))
+    memory = _memory_line(run_dir)
+    if memory:
+        print(memory)
     predicted = predicted_timeline(run_dir / "config.toml") if timeline else []
     if predicted:
         idle = _predicted_idle(predicted)

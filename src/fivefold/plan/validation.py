@@ -520,6 +520,14 @@ def rank0_memory(case: Case) -> list[tuple[str, int, float]]:
     return [(part, measured[part], float(getattr(mem, part))) for part in measured]
 
 
+def run_dir_memory(path: str | Path) -> list[tuple[str, int, float]]:
+    """`rank0_memory` of one fivefold run directory (none where its metrics measured no memory)."""
+    from fivefold.plan.runs import run_from_dir
+
+    found = cases([run_from_dir(path)])
+    return rank0_memory(found[0]) if found else []
+
+
 def on_hardware(cases: list[Case], hw: HardwareSpec) -> list[Case]:
     """The cases planned on `hw` (a calibrated file, say) instead of the GPU each names; a CPU run
     keeps the threads it ran with, where `hw` does not say."""

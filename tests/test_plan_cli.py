@@ -1119,3 +1119,11 @@ def test_validate_and_report_set_a_run_directorys_measured_memory_beside_the_pla
     assert "memory of rank 0" in out
     line = next(x for x in out.splitlines() if "saved activations" in x)
     assert f"{saved / 2**20:.3f} MiB  (plan {saved / 2**20:.3f})" in line
+
+
+def test_the_plan_names_what_its_buffers_hold(capsys) -> None:
+    """The buffers bar is several things: the text says which, in the chart's unit."""
+    argv = ["plan", "--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--fsdp", "8", "--zero", "2"]
+    assert main([*argv, "--sp", "--seq-len", "8192", "--global-batch", "64"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("(buffers:"))
+    assert "logits" in line and "compute-dtype weight copies" in line and "GB" in line

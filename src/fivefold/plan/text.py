@@ -56,6 +56,24 @@ def memory_chart(parts: dict[str, float], cap: float) -> list[str]:
     return lines
 
 
+# what the buffers bar holds, as `Memory.detail` names it
+BUFFER_PARTS = (
+    ("logits", "logits"),
+    ("weight_copies", "compute-dtype weight copies"),
+    ("fsdp_gather", "FSDP's unsharded units"),
+    ("recompute_working", "a recomputed layer"),
+)
+
+
+def _buffer_parts(detail: dict[str, float], total: float) -> list[str]:
+    """One line naming what the buffers are, in the chart's unit (none where there are none)."""
+    size, unit = byte_unit(total)
+    parts = [
+        f"{name} {detail[key] / size:.2f} {unit}" for key, name in BUFFER_PARTS if detail.get(key, 0) > 0
+    ]
+    return [f"  (buffers: {', '.join(parts)})"] if parts else []
+
+
 def plan_text(p: Plan) -> str:
     lay = p.layout
     m = p.memory
@@ -81,6 +99,7 @@ def plan_text(p: Plan) -> str:
         },
         capacity(p.hardware),
     )
+    out += _buffer_parts(m.detail, m.params + m.grads + m.optimizer + m.activations + m.buffers)
     # a merged axis (fsdp_cp) or a long op name widens its column rather than running into the next
     axis_w = max([5] + [len(c.axis) + 1 for c in p.comm])
     op_w = max([16] + [len(c.op) + 1 for c in p.comm])

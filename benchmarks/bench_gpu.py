@@ -161,13 +161,14 @@ def hardware_peak() -> float:
     return load_hardware(hardware_preset()).peak_tflops * 1e12
 
 
-def planned(toml: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """The planner's step time and MFU for the same model, batch and single GPU."""
+def planned(toml: Path, args: argparse.Namespace, compiled: bool = False) -> dict[str, Any]:
+    """The planner's step time, MFU and memory for the same model, batch and single GPU: of the
+    eager runtime, or with `compiled` of `train --compile` (`plan --compile`)."""
     command = [
         sys.executable, "-m", "fivefold", "plan", "--model", str(toml), "--hardware", hardware_preset(),
         "--gpus", "1", "--seq-len", str(args.seq), "--global-batch", str(args.micro_batch),
         "--micro-batch", str(args.micro_batch), "--recompute", "none", "--json",
-    ]  # fmt: skip
+    ] + (["--compile"] if compiled else [])  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         return {"error": done.stderr[-2000:]}
@@ -203,13 +204,15 @@ def table(result: dict[str, Any]) -> str:
             f"| {label} | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f} % | {r['step_s']:.3f} | "
             f"{r['first_step_s']:.1f} | {r['peak_memory_gb']:.1f} |"
         )
+    for key, label in (("plan", "plan"), ("plan_compiled", "plan --compile")):
+        each = result.get(key, {})
+        if "step_s" in each:
+            rows.append(
+                f"| {label} ({result['hardware']}) | {args_tokens(result) / each['step_s']:,.0f} | "
+                f"{100 * each['mfu']:.1f} % ({100 * each['mfu_low']:.1f}–{100 * each['mfu_high']:.1f}) | "
+                f"{each['step_s']:.3f} | | {each['memory_gb']:.1f} (planned) |"
+            )
     plan = result.get("plan", {})
-    if "step_s" in plan:
-        rows.append(
-            f"| plan ({result['hardware']}) | {args_tokens(result) / plan['step_s']:,.0f} | "
-            f"{100 * plan['mfu']:.1f} % ({100 * plan['mfu_low']:.1f}–{100 * plan['mfu_high']:.1f}) | "
-            f"{plan['step_s']:.3f} | | {plan['memory_gb']:.1f} (planned) |"
-        )
     lines = ["\n".join(rows), ""]
     for mode in ("eager", "compiled"):
         ours, theirs = result.get(f"fivefold_{mode}", {}), result.get(f"peer_{mode}", {})
@@ -257,6 +260,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         toml = model_toml(MODEL, Path(tmp) / "llama-1b.toml")
         result["plan"] = planned(toml, args)
+        result["plan_compiled"] = planned(toml, args, compiled=True)
         for mode in modes:
             if args.only != "peer":
                 result[f"fivefold_{mode}"] = fivefold_run(toml, args, mode == "compiled", Path(tmp))

@@ -1127,3 +1127,15 @@ def test_the_plan_names_what_its_buffers_hold(capsys) -> None:
     assert main([*argv, "--sp", "--seq-len", "8192", "--global-batch", "64"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("(buffers:"))
     assert "logits" in line and "compute-dtype weight copies" in line and "GB" in line
+
+
+def test_a_serving_plan_says_which_training_flags_it_ignores(capsys) -> None:
+    """--mode inference has no optimizer, backward or micro-batches: each training flag given is
+    named once on stderr, and the serving plan stands (the training plan does the same for --batch)."""
+    argv = ["plan", "--model", "tiny", "--hardware", "cpu", "--gpus", "2", "--mode", "inference", "--tp", "2"]
+    assert main(argv) == 0
+    assert "note:" not in capsys.readouterr().err
+    assert main([*argv, "--zero", "0", "--compile", "--recompute", "full", "--micro-batch", "2"]) == 0
+    err = capsys.readouterr().err
+    for flag in ("--zero", "--compile", "--recompute", "--micro-batch"):
+        assert f"note: {flag} is a flag of a training plan" in err, flag

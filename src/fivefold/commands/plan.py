@@ -404,6 +404,23 @@ def _does_not_fit(p, args: argparse.Namespace, pinned) -> str:  # noqa: ANN001 -
     return "\n".join(lines) + "\n"
 
 
+# `plan` flags a serving plan has no use for (--mode inference)
+TRAINING_ONLY = (
+    "global_batch",
+    "micro_batch",
+    "zero",
+    "recompute",
+    "recompute_layers",
+    "pp_schedule",
+    "microbatches",
+    "virtual_stages",
+    "grad_dtype",
+    "no_overlap_grad_reduce",
+    "fp8",
+    "compile",
+)
+
+
 def _inference(args: argparse.Namespace, model, hw, gpn: int, assumed: dict) -> int:
     import json
 
@@ -424,6 +441,13 @@ def _inference(args: argparse.Namespace, model, hw, gpn: int, assumed: dict) -> 
             f"and the generated tokens; valid prompt: 1..{context - 1}"
         )
     shape = InferenceShape(batch=args.batch, context=context, prompt=prompt).validate()
+    # flags of the training plan: serving has no optimizer, backward or micro-batches, which whoever
+    # typed them did not expect (the training plan says the same of the serving flags)
+    for flag in TRAINING_ONLY:
+        value = getattr(args, flag, None)
+        if value is not None and value is not False:  # (--zero 0 is given: 0 is no None)
+            said = f"--{flag.replace('_', '-')}"
+            print(f"note: {said} is a flag of a training plan; this serving plan ignores it", file=sys.stderr)
     if args.search:
         from fivefold.plan.inference import search_serving
 

@@ -63,6 +63,7 @@ def test_the_gloo_link_benchmark_prints_a_latency_and_a_bandwidth_for_a_hardware
     assert float(values["intra_node_latency_us"]) > 0 and float(values["intra_node_gbps"]) > 0
     assert float(values["tp_dispatch_us"]) >= 0 and float(values["fsdp_dispatch_us"]) >= 0
     assert float(values["cp_dispatch_us"]) >= 0
+    assert 0 < float(values["block_dispatch_us"]) < 10_000  # a block's host work, microseconds
 
 
 def test_the_gemm_shape_benchmark_fits_a_known_half_dimension_and_runs_here(tmp_path) -> None:

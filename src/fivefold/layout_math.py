@@ -210,7 +210,7 @@ def stage_split(spec: ModelSpec, layout: Layout, seq_len: int) -> list[int]:
     chunks = layout.pp * layout.virtual_stages
     if layout.pp_split:
         return parse_split(layout.pp_split, spec.layers, chunks)
-    key = (_spec_key(spec), chunks, seq_len)
+    key = (spec_key(spec), chunks, seq_len)
     if key not in _SPLITS:  # the planner asks for the same split for many layouts
         _SPLITS[key] = balanced_split(stage_costs(spec, seq_len), chunks)
     return list(_SPLITS[key])
@@ -220,7 +220,7 @@ _SPLITS: dict[tuple, list[int]] = {}
 _SHAPES: dict[tuple, dict[str, tuple[int, ...]]] = {}
 
 
-def _spec_key(spec: ModelSpec) -> tuple:
+def spec_key(spec: ModelSpec) -> tuple:
     """The fields that decide a model's shapes and costs (ModelSpec itself is not hashable)."""
     return tuple(
         getattr(spec, f)
@@ -273,7 +273,7 @@ def param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
     Cached per model shape: callers must not modify the returned dict.
     """
-    key = _spec_key(spec)
+    key = spec_key(spec)
     if key not in _SHAPES:
         _SHAPES[key] = _param_shapes(spec)
     return _SHAPES[key]
@@ -285,7 +285,7 @@ _WITH_HEAD: dict[tuple, dict[str, tuple[int, ...]]] = {}
 def chunk_param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """`param_shapes`, plus under tied embeddings the head that a pipeline's last chunk holds as its
     own copy of the shared weight (the runtime sums the two copies' gradients). Cached like it."""
-    key = _spec_key(spec)
+    key = spec_key(spec)
     if key not in _WITH_HEAD:
         shapes = dict(param_shapes(spec))
         shapes.setdefault("lm_head.weight", (spec.vocab, spec.hidden))
@@ -298,7 +298,7 @@ _BY_LAYER: dict[tuple, dict[int, list[str]]] = {}
 
 def names_by_layer(spec: ModelSpec) -> dict[int, list[str]]:
     """Parameter names of each transformer layer, in the model's order (cached; do not modify)."""
-    key = _spec_key(spec)
+    key = spec_key(spec)
     if key not in _BY_LAYER:
         out: dict[int, list[str]] = {i: [] for i in range(spec.layers)}
         for name in param_shapes(spec):
@@ -347,13 +347,25 @@ def _param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-_LOCAL_COUNTS: dict[tuple, tuple[list[tuple[int, int]], dict[str, int]]] = {}
+@dataclass(frozen=True)
+class LocalCounts:
+    """Elements a tp rank holds, layer by layer, as prefix sums (a stage's layers i..j hold
+    dense[j] - dense[i] dense and experts[j] - experts[i] routed-expert elements), each layer's
+    total (for the largest), and the embedding's, final norm's and head's."""
+
+    dense: list[int]
+    experts: list[int]
+    totals: list[int]
+    ends: dict[str, int]
 
 
-def local_param_counts(spec: ModelSpec, tp: int, ep: int) -> tuple[list[tuple[int, int]], dict[str, int]]:
-    """Elements a tp rank holds of each layer, as (dense, routed experts ÷ ep), and of the embedding,
+_LOCAL_COUNTS: dict[tuple, LocalCounts] = {}
+
+
+def local_param_counts(spec: ModelSpec, tp: int, ep: int) -> LocalCounts:
+    """Elements a tp rank holds of each layer, dense and routed experts ÷ ep, and of the embedding,
     the final norm and the head (`tp_local_shape`'s cuts; cached: do not modify)."""
-    key = (_spec_key(spec), tp, ep)
+    key = (spec_key(spec), tp, ep)
     if key not in _LOCAL_COUNTS:
         shapes = chunk_param_shapes(spec)
 
@@ -365,7 +377,11 @@ def local_param_counts(spec: ModelSpec, tp: int, ep: int) -> tuple[list[tuple[in
             for names in names_by_layer(spec).values()
         ]
         ends = {n: local(n) for n in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")}
-        _LOCAL_COUNTS[key] = (layers, ends)
+        dense, experts = [0], [0]
+        for d, e in layers:
+            dense.append(dense[-1] + d)
+            experts.append(experts[-1] + e)
+        _LOCAL_COUNTS[key] = LocalCounts(dense, experts, [d + e for d, e in layers], ends)
     return _LOCAL_COUNTS[key]
 
 

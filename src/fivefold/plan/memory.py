@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 
 from fivefold.config import Layout, ModelSpec, recomputed_blocks
-from fivefold.layout_math import local_param_counts, rank_stages, stage_split
+from fivefold.layout_math import local_param_counts, rank_stages, spec_key, stage_split
 from fivefold.plan.activations import block_saved, ends_saved, loss_saved
 from fivefold.plan.pipeline import in_flight
 from fivefold.plan.runshape import Chunk, RunShape
@@ -347,19 +347,36 @@ def runtime_stage_params(
 ) -> tuple[float, float, float]:
     """`stage_params` as fivefold's runtime holds them, tensor by tensor (the exact step's
     `plan/state.py` cuts them the same way before FSDP): K/V projections whole where tp exceeds the
-    KV heads, biases and q/k norms, a pipeline's own head copy of tied embeddings."""
-    layers, ends = local_param_counts(model, layout.tp, layout.ep)
+    KV heads, biases and q/k norms, a pipeline's own head copy of tied embeddings. Kept across plans
+    (the explorer's lab and a search plan thousands of layouts of one model)."""
+    key = (spec_key(model), seq_len, layout.tp, layout.pp, layout.ep, layout.virtual_stages)
+    key += (layout.pp_schedule, layout.pp_split, which)
+    if key not in _RUNTIME_PARAMS:
+        if len(_RUNTIME_PARAMS) > 8192:  # a long-lived process planning many models
+            _RUNTIME_PARAMS.clear()
+        _RUNTIME_PARAMS[key] = _runtime_stage_params(model, layout, which, seq_len)
+    return _RUNTIME_PARAMS[key]
+
+
+_RUNTIME_PARAMS: dict[tuple, tuple[float, float, float]] = {}
+
+
+def _runtime_stage_params(
+    model: ModelSpec, layout: Layout, which: str, seq_len: int
+) -> tuple[float, float, float]:
+    counts = local_param_counts(model, layout.tp, layout.ep)
     dense = experts = biggest = 0.0
     for chunk in chunk_layers(model, layout, seq_len, stage_rank(which, layout.pp)):
-        for i in chunk:
-            d, e = layers[i]
-            dense, experts, biggest = dense + d, experts + e, max(biggest, d + e)
+        if chunk:
+            dense += counts.dense[chunk.stop] - counts.dense[chunk.start]
+            experts += counts.experts[chunk.stop] - counts.experts[chunk.start]
+            biggest = max(biggest, max(counts.totals[chunk.start : chunk.stop]))
     if holds_embedding(which):
-        dense += ends["model.embed_tokens.weight"]
+        dense += counts.ends["model.embed_tokens.weight"]
     if holds_head(which):
-        dense += ends["model.norm.weight"]
+        dense += counts.ends["model.norm.weight"]
         if layout.pp > 1 or not model.tie_embeddings:  # a pipeline's last chunk keeps its own copy
-            dense += ends["lm_head.weight"]
+            dense += counts.ends["lm_head.weight"]
     return dense, experts, biggest
 
 

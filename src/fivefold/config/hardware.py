@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields
 
 from fivefold.errors import FivefoldError
@@ -100,8 +101,6 @@ def host_threads(local_ranks: int) -> int:
     """Intra-op threads for each of `local_ranks` ranks on this machine: OMP_NUM_THREADS when the
     user set it, else the cores this process may run on divided among the ranks (at least 1), so
     ranks do not oversubscribe the cores and a lone rank uses all of them."""
-    import os
-
     given = os.environ.get("OMP_NUM_THREADS", "")
     if given.isdigit() and int(given) > 0:
         return int(given)

@@ -36,12 +36,6 @@ LOOPBACK = "127.0.0.1"
 MAX_LOCAL_RANKS = 64
 
 
-def threads_per_rank(local_ranks: int) -> int:
-    """Intra-op threads for each of `local_ranks` ranks on this machine (the planner counts the same:
-    `fivefold.config.hardware.host_threads`)."""
-    return host_threads(local_ranks)
-
-
 def local_launch_config(nproc: int, port: int, own_signals: bool = False, log_dir: str | None = None) -> Any:
     """torch's elastic launcher for `nproc` ranks on this machine, as `torchrun --standalone` sets it up:
     c10d rendezvous on the loopback store at `port`, no restarts, fresh (spawned) interpreters.
@@ -151,7 +145,8 @@ def _entry(fn: Callable[..., Any], args: tuple, backend: str = "gloo") -> Any:
     write_without_a_reader()
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
-    torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    # each local rank's share of the cores (the planner counts the same: `host_threads`)
+    torch.set_num_threads(host_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)

@@ -746,28 +746,30 @@ def _span(lo: float, hi: float) -> str:
     return f"{lo:.3g}" if abs(hi - lo) <= 0.005 * hi else f"{lo:.3g}–{hi:.3g}"
 
 
-def _threads(run_dir: Path) -> dict[str, float]:
-    """The threads each rank computed with, as `fivefold train` recorded them in `run.json` (a run
-    directory from before it did: none, and the plan assumes what a run gets on this machine)."""
+def _run_facts(run_dir: Path) -> dict[str, Any]:
+    """`run.json` as `fivefold train` writes it (the world, the preset its MFU was measured against,
+    the threads each rank computed with); empty where it is missing or not a JSON object."""
     import json
 
     try:
-        threads = json.loads((run_dir / "run.json").read_text()).get("threads_per_rank")
-    except (OSError, ValueError, AttributeError, RecursionError):
+        facts = json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError, RecursionError):
         return {}
+    return facts if isinstance(facts, dict) else {}
+
+
+def _threads(facts: dict[str, Any]) -> dict[str, float]:
+    """The threads each rank computed with, as `run.json` recorded them (a run directory from before
+    it did: none, and the plan assumes what a run gets on this machine)."""
+    threads = facts.get("threads_per_rank")
     ok = isinstance(threads, int | float) and not isinstance(threads, bool) and 1 <= threads <= 4096
     return {"threads_per_rank": float(threads)} if ok else {}
 
 
-def _measured_on(run_dir: Path, device: str) -> str:
+def _measured_on(facts: dict[str, Any], device: str) -> str:
     """The hardware preset the run measured its MFU against (`run.json`, written by `fivefold train`
     from the device's name), else the `cpu` preset, or H100 for a cuda run that does not say."""
-    import json
-
-    try:
-        named = json.loads((run_dir / "run.json").read_text()).get("mfu_peak_from")
-    except (OSError, ValueError, AttributeError, RecursionError):
-        named = None
+    named = facts.get("mfu_peak_from")
     if isinstance(named, str) and named in GPU_NAME_PRESETS.values():  # a preset's name, nothing else
         return named
     return "H100" if device == "cuda" else "cpu"
@@ -831,12 +833,13 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
     )
     batch = tr.step_batch(lay.data_parallel)
     micro = run_micro_batch(lay, tr.micro_batch, batch)
+    facts = _run_facts(p)
     return {
         "id": p.name,
         "source": f"run-directory/{p.name}",
         "kind": "measured",
         "flops_definition": "fivefold (non-causal)",
-        "hardware": {"gpu": _measured_on(p, tr.device), "gpus_per_node": world, **_threads(p)},
+        "hardware": {"gpu": _measured_on(facts, tr.device), "gpus_per_node": world, **_threads(facts)},
         "model": model,
         "layout": {
             "gpus": world,

@@ -30,9 +30,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 
 from fivefold.config import RunConfig
+from fivefold.config.hardware import host_threads
 from fivefold.errors import FivefoldError, storage_full
 from fivefold.outputs import write_without_a_reader
-from fivefold.parallel.spawn import echoes_lost_peer, local_launcher, threads_per_rank
+from fivefold.parallel.spawn import echoes_lost_peer, local_launcher
 from fivefold.train.checkpoint import remove_unfinished
 from fivefold.train.loop import train
 from fivefold.train.supervise import (
@@ -175,7 +176,7 @@ def _killed_rank(exc: ChildFailedError, error_dir: Path) -> tuple[int, int] | No
 def launch(nproc: int, job: TrainJob) -> int:
     """Start `nproc` local ranks training `job`; 0 when all of them succeed."""
     # each spawned rank reads it when torch starts: cores ÷ ranks, unless the user set it
-    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
+    os.environ["OMP_NUM_THREADS"] = str(host_threads(nproc))
     if torch.cuda.is_available() and nproc > torch.cuda.device_count() and job.config.train.device != "cpu":
         raise FivefoldError(
             f"--nproc {nproc} needs {nproc} GPUs but {torch.cuda.device_count()} are visible; "

@@ -227,12 +227,7 @@ def run(args: argparse.Namespace) -> int:
         return _inference(args, model, hw, gpn, assumed)
     # flags of the serving plan: a training plan has nothing to do with them, which whoever typed them
     # did not expect
-    for flag in ("batch", "context", "prompt", "objective"):
-        if getattr(args, flag) is not None:
-            print(
-                f"note: --{flag} is a flag of --mode inference; this training plan ignores it",
-                file=sys.stderr,
-            )
+    _say_ignored(args, ("batch", "context", "prompt", "objective"), "--mode inference", "this training plan")
     from fivefold.plan import TrainShape, plan
     from fivefold.plan import text as view
     from fivefold.plan.runshape import DTYPE_BYTES
@@ -404,6 +399,16 @@ def _does_not_fit(p, args: argparse.Namespace, pinned) -> str:  # noqa: ANN001 -
     return "\n".join(lines) + "\n"
 
 
+def _say_ignored(args: argparse.Namespace, flags: tuple[str, ...], whose: str, plan: str) -> None:
+    """One note on stderr for each of `flags` given that `plan` has no use for (a flag of `whose`)."""
+    for flag in flags:
+        value = getattr(args, flag, None)
+        if value is not None and value is not False:  # (--zero 0 is given: 0 is no None)
+            print(
+                f"note: --{flag.replace('_', '-')} is a flag of {whose}; {plan} ignores it", file=sys.stderr
+            )
+
+
 # `plan` flags a serving plan has no use for (--mode inference)
 TRAINING_ONLY = (
     "global_batch",
@@ -443,11 +448,7 @@ def _inference(args: argparse.Namespace, model, hw, gpn: int, assumed: dict) -> 
     shape = InferenceShape(batch=args.batch, context=context, prompt=prompt).validate()
     # flags of the training plan: serving has no optimizer, backward or micro-batches, which whoever
     # typed them did not expect (the training plan says the same of the serving flags)
-    for flag in TRAINING_ONLY:
-        value = getattr(args, flag, None)
-        if value is not None and value is not False:  # (--zero 0 is given: 0 is no None)
-            said = f"--{flag.replace('_', '-')}"
-            print(f"note: {said} is a flag of a training plan; this serving plan ignores it", file=sys.stderr)
+    _say_ignored(args, TRAINING_ONLY, "a training plan", "this serving plan")
     if args.search:
         from fivefold.plan.inference import search_serving
 

@@ -150,9 +150,7 @@ def eager_count(model: ModelSpec, arch: Arch, shape: TrainShape) -> bool:
     recompute). Fused kernels (compiled, published trainers) keep what Korthikanti et al. count."""
     return (
         shape.saved_as_eager
-        and arch.gated_mlp
-        and not arch.expert_tp
-        and not model.is_mla
+        and _runtime_block(model, arch)
         and shape.sac == "attention"
         and shape.attention != "materialized"  # its SDPA never keeps the scores
         and not shape.offload_checkpoints
@@ -433,7 +431,13 @@ def cached_stage_params(
 def runs_own_tensors(model: ModelSpec, arch: Arch, shape: TrainShape) -> bool:
     """Whether the plan holds fivefold's runtime's own parameter tensors (`runtime_stage_params`):
     its runtime, on the block it builds."""
-    return shape.fp32_weights and arch.gated_mlp and not arch.expert_tp and not model.is_mla
+    return shape.fp32_weights and _runtime_block(model, arch)
+
+
+def _runtime_block(model: ModelSpec, arch: Arch) -> bool:
+    """Whether `arch` is the block fivefold's model code builds: SwiGLU, standard attention, the MoE
+    block whole on every tp rank."""
+    return arch.gated_mlp and not arch.expert_tp and not model.is_mla
 
 
 def stage_state(
@@ -482,13 +486,13 @@ def _stage_memory(
     z = layout.zero
     n_dense, n_moe = stage_counts(model, layout.pp, which, layout, shape.seq_len)
     rc = layout.recompute
-    dtype = "bf16" if shape.act_bytes == 2 else "fp32"
     eager = eager_count(model, arch, shape)
-    run = RunShape(model, layout, shape.micro_batch, shape.seq_len, m, dtype)
-    autocast = run.autocast
     params, grads, optimizer, copies = stage_state(dense, experts, layout, shape)
-    if autocast and eager:  # autocast's bf16 copies are saved for the backward: activations
-        copies = 0.0
+    if eager:  # the run as the exact count sees it (its dtypes: autocast depends on dp and fsdp)
+        run = RunShape(model, layout, shape.micro_batch, shape.seq_len, m, shape.dtype)
+        autocast = run.autocast
+        if autocast:  # autocast's bf16 copies are saved for the backward: activations
+            copies = 0.0
     if shape.offload_optimizer:  # master weights and moments live on the host
         if z >= 3 and shape.fp32_shard and shape.optimizer_bytes >= MASTER_BYTES:
             params = params * shape.param_bytes / MASTER_BYTES  # a 16-bit shard stays on the device
@@ -501,7 +505,7 @@ def _stage_memory(
             key += (moe, recompute) + ((layout.ep, layout.fsdp) if moe else ())
             if key not in memo:
                 mb, seq = shape.micro_batch, shape.seq_len
-                memo[key] = block_saved(model, layout, mb, seq, dtype, moe, recompute)
+                memo[key] = block_saved(model, layout, mb, seq, shape.dtype, moe, recompute)
             return memo[key]
         key = ("act", layout.tp, layout.cp, layout.sp, shape.micro_batch, moe, recompute, shape.sac)
         if key not in memo:

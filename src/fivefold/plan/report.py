@@ -188,10 +188,9 @@ def _selective_frees(model: ModelSpec, layout: Layout, shape: TrainShape) -> lis
     boundary anyway (q and k in the fp32 stream under autocast: then it keeps more)."""
     from fivefold.plan.activations import block_saved
 
-    dtype = "bf16" if shape.act_bytes == 2 else "fp32"
     moe = model.is_moe_layer(model.layers - 1)  # the blocks most of the model is made of
     kept = {
-        rc: block_saved(model, layout, shape.micro_batch, shape.seq_len, dtype, moe, rc)
+        rc: block_saved(model, layout, shape.micro_batch, shape.seq_len, shape.dtype, moe, rc)
         for rc in ("none", "selective")
     }
     freed = 1 - kept["selective"] / kept["none"] if kept["none"] else 0.0

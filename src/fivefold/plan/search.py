@@ -327,6 +327,7 @@ def search(
         pins["recompute"] = "full"
     recomputes = (pins["recompute"],) if "recompute" in pins else RECOMPUTE_ORDER
     produced = 0
+    exact = runs_own_tensors(model, arch, shape)  # the stage's parameters as the runtime cuts them
     for base in candidates(model, hw, gpus, shape, gpn, pins):
         produced += 1
         n = shard_group(base)
@@ -334,7 +335,6 @@ def search(
         key = (base.tp, base.pp, base.ep, base.zero, n, ends, base.virtual_stages, base.pp_schedule)
         if key not in state_cache:  # model state of the worst stage (the split decides it), no batch
             worst = 0.0
-            exact = runs_own_tensors(model, arch, shape)
             for which in ends:
                 dense, experts, _ = cached_stage_params(model, arch, base, which, memo, shape.seq_len, exact)
                 worst = max(worst, sum(stage_state(dense, experts, base, shape)[:3]))

@@ -130,6 +130,11 @@ class TrainShape:
     # ReduceGrads once the schedule ends)
     reduce_after_pipeline: bool = False
 
+    @property
+    def dtype(self) -> str:
+        """The compute dtype's name, as a run and the exact count (`fivefold.plan.activations`) say it."""
+        return "bf16" if self.act_bytes == 2 else "fp32"
+
     def validate(self) -> TrainShape:
         for name in ("seq_len", "global_batch", "micro_batch"):
             if getattr(self, name) <= 0:

@@ -352,7 +352,7 @@ def test_the_layout_plan_counts_the_state_and_saved_activations_verify_measures(
     byte), but for ZeRO-1's greedy partition, which the plan splits evenly."""
     from fivefold.config import load_hardware
     from fivefold.plan.activations import TABLED, planned_activations
-    from fivefold.plan.memory import _stage_memory, stage_names, stage_rank
+    from fivefold.plan.memory import stage_memory, stage_names, stage_rank
     from fivefold.plan.spec import TrainShape, resolve_arch
     from fivefold.plan.step import plan_step
     from fivefold.support import step_split
@@ -368,7 +368,7 @@ def test_the_layout_plan_counts_the_state_and_saved_activations_verify_measures(
         ).on(hw)
         arch = resolve_arch(spec, shape.block, shape.attention)
         for which in stage_names(lay, spec, train.seq_len):
-            mem = _stage_memory(spec, arch, lay, shape, m, which, {})
+            mem = stage_memory(spec, arch, lay, shape, m, which)
             planned = mem.activations
             rank = stage_rank(which, lay.pp)
             exact = planned_activations(spec, lay, micro, train.seq_len, m, case.dtype, {"pp": rank})

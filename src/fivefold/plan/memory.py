@@ -399,6 +399,13 @@ def memory(
     )
 
 
+def stage_memory(
+    model: ModelSpec, arch: Arch, layout: Layout, shape: TrainShape, microbatches: int, which: str
+) -> Memory:
+    """The memory of one stage (`stage_names`' `which`), where `memory` gives the worst."""
+    return _stage_memory(model, arch, layout, shape, microbatches, which, {})
+
+
 def cached_stage_params(
     model: ModelSpec,
     arch: Arch,

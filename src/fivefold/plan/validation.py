@@ -505,7 +505,7 @@ def rank0_memory(case: Case) -> list[tuple[str, int, float]]:
     """(part, measured, planned) bytes of rank 0 for a run directory that measured them: its weights,
     gradients and optimizer state, and the peak of its saved activations where the run measured them
     (`--measure-memory-every`), against the layout plan of rank 0's stage."""
-    from fivefold.plan.memory import _stage_memory, stage_names, stage_rank
+    from fivefold.plan.memory import stage_memory, stage_names, stage_rank
 
     measured = case.run.get("measured", {}).get("rank0_memory_bytes") or {}
     if not measured:
@@ -516,7 +516,7 @@ def rank0_memory(case: Case) -> list[tuple[str, int, float]]:
     which = next(
         w for w in stage_names(inp.layout, inp.model, shape.seq_len) if stage_rank(w, inp.layout.pp) == 0
     )
-    mem = _stage_memory(inp.model, arch, inp.layout, shape, shape.microbatches(inp.layout), which, {})
+    mem = stage_memory(inp.model, arch, inp.layout, shape, shape.microbatches(inp.layout), which)
     return [(part, measured[part], float(getattr(mem, part))) for part in measured]
 
 

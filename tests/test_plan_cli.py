@@ -280,8 +280,17 @@ def test_fits_margin_and_mfu_band(capsys) -> None:
     )
     code, out, _ = run_cli(capsys, *fitting)
     assert code == 0 and "fits with" in out and "GB to spare" in out
+    assert data["nearest_fit"] is None  # nothing to suggest for a layout that fits
     code, out, _ = run_cli(capsys, "--tp", "1", "--recompute", "none")  # 70B unsharded on one GPU
     assert code == 0 and "does not fit by" in out
+    # a program reads the nearest layout that fits as the text gives it: the same command and MFU
+    nearest_line = next(line for line in out.splitlines() if line.startswith("nearest that fits"))
+    code, out, _ = run_cli(capsys, "--tp", "1", "--recompute", "none", "--json")
+    data = json.loads(out)
+    nearest = data["nearest_fit"]
+    assert not data["fits"] and nearest["plan"]["fits"] and nearest["plan"]["fits_margin_bytes"] > 0
+    assert nearest_line.endswith(nearest["command"]) and f"MFU {nearest['mfu']:.1%}" in nearest_line
+    assert nearest["keeps_given_flags"] == ("keeping the flags you gave" in nearest_line)
 
 
 BAD_RUN = """
@@ -716,6 +725,9 @@ def test_serving_refuses_throughput_for_layouts_that_do_not_fit(capsys) -> None:
     assert "(keeping the flags you gave, latency)" in nearest and "--tp 2 --pp" in nearest
     code, text, _ = _serving(capsys, "llama3-70b", 8)
     assert "(the best layout, latency)" in text and text.splitlines()[1].endswith("--batch 1 --tp 8")
+    code, data, _ = _serving(capsys, "llama3-70b", 8, "--tp", "2", "--batch", "16", "--json")
+    assert nearest.endswith(data["nearest_fit"]["command"]) and data["nearest_fit"]["plan"]["fits"]
+    assert data["nearest_fit"]["keeps_given_flags"] and data["nearest_fit"]["plan"]["layout"]["tp"] == 2
     code, text, _ = _serving(capsys, "llama3-70b", 8, "--tp", "8")
     assert "nearest" not in text and "fits with" in text
     code, text, _ = _serving(capsys, "llama3-405b", 1, "--context", "8192", "--search")

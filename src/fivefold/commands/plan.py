@@ -313,21 +313,16 @@ def run(args: argparse.Namespace) -> int:
     if args.trainer != "fivefold":
         p.notes.append(f"planned with the facts of {TRAINER_FLAGS[args.trainer]} (--trainer {args.trainer})")
     defaults.say_assumed(assumed)
+    nearest = None
+    if p.margin_bytes < 0:
+        pinned = search(model, hw, args.gpus, shape, gpn, top=1, pins=_given_pins(args), trainer=trainer)
+        nearest = _nearest_fit(p, args, pinned)
     if args.json:
-        print(json.dumps(p.to_json()))
+        # a program reads the way out of a layout that does not fit as a person reads it in the text
+        print(json.dumps(p.to_json() | {"nearest_fit": nearest}))
         return 0
     if p.margin_bytes < 0:
-        best = search(
-            model,
-            hw,
-            args.gpus,
-            shape,
-            gpn,
-            top=1,
-            pins=_given_pins(args),
-            trainer=trainer,
-        )
-        print(_does_not_fit(p, args, best))
+        print(_does_not_fit(p, nearest))
     print(view.plan_text(p))
     from fivefold.support import check_trainable  # a plan may predict what only other frameworks run
 
@@ -376,24 +371,35 @@ def _shape_flags(args: argparse.Namespace) -> str:
     return out + (" --no-overlap-grad-reduce" if getattr(args, "no_overlap_grad_reduce", False) else "")
 
 
-def _does_not_fit(p, args: argparse.Namespace, pinned) -> str:  # noqa: ANN001 - Plan, SearchResult
-    """The first lines of a plan that does not fit: by how much, and the nearest layout that does
-    (searched: the typed flags kept where possible, else the best of the free search)."""
-    from fivefold.plan.result import fit_words
+def _nearest_fit(p, args: argparse.Namespace, pinned) -> dict | None:  # noqa: ANN001 - Plan, SearchResult
+    """The nearest layout that fits a plan that does not: the pinned search's best (the typed flags
+    kept), else the free search's; None where no layout fits. `command` plans it again."""
     from fivefold.plan.search import plan_flags, search
 
-    lines = [f"this layout {fit_words(p.margin_bytes)} per GPU: the figures below cannot be run as they are"]
-    found, kept = pinned, "keeping the flags you gave"
+    found, kept = pinned, True
     if not found.plans:
-        found = search(p.model, p.hardware, p.gpus, p.shape, p.gpus_per_node, top=1)
-        kept = "the flags you gave cannot fit; the best layout"
-    if found.plans:
-        best = found.plans[0]
-        lines.append(
-            f"nearest that fits ({kept}, MFU {best.mfu:.1%}): fivefold plan --model {args.model} "
-            f"--hardware {args.hardware} --gpus {p.gpus} --seq-len {p.shape.seq_len} "
-            f"--global-batch {p.shape.global_batch} {plan_flags(best)}{_shape_flags(args)}"
-        )
+        found, kept = search(p.model, p.hardware, p.gpus, p.shape, p.gpus_per_node, top=1), False
+    if not found.plans:
+        return None
+    best = found.plans[0]
+    command = (
+        f"fivefold plan --model {args.model} --hardware {args.hardware} --gpus {p.gpus} "
+        f"--seq-len {p.shape.seq_len} --global-batch {p.shape.global_batch} {plan_flags(best)}"
+        f"{_shape_flags(args)}"
+    )
+    return {"keeps_given_flags": kept, "mfu": best.mfu, "command": command, "plan": best.to_json()}
+
+
+def _does_not_fit(p, nearest: dict | None) -> str:  # noqa: ANN001 - Plan
+    """The first lines of a plan that does not fit: by how much, and the nearest layout that does."""
+    from fivefold.plan.result import fit_words
+
+    lines = [f"this layout {fit_words(p.margin_bytes)} per GPU: the figures below cannot be run as they are"]
+    if nearest is not None:
+        kept = "keeping the flags you gave"
+        if not nearest["keeps_given_flags"]:
+            kept = "the flags you gave cannot fit; the best layout"
+        lines.append(f"nearest that fits ({kept}, MFU {nearest['mfu']:.1%}): {nearest['command']}")
     else:
         lines.append(f"no layout of {p.model.name} fits {p.gpus} × {p.hardware.name}: add GPUs")
     return "\n".join(lines) + "\n"
@@ -464,24 +470,25 @@ def _inference(args: argparse.Namespace, model, hw, gpn: int, assumed: dict) -> 
     layout = resolve_layout(layout, args.gpus, gpn, model, args.seq_len)
     p = inference_plan(model, hw, layout, shape, gpn)
     defaults.say_assumed(assumed)
-    if not p.fits and not args.json:
-        print(_serving_does_not_fit(p, args, gpn))
-    print(json.dumps(p.to_json()) if args.json else view.inference_text(p))
+    nearest = None if p.fits else _serving_nearest_fit(p, args, gpn)
+    if args.json:
+        print(json.dumps(p.to_json() | {"nearest_fit": nearest}))
+        return 0
+    if not p.fits:
+        print(_serving_does_not_fit(p, nearest, args.objective))
+    print(view.inference_text(p))
     return 0
 
 
-def _serving_does_not_fit(p, args: argparse.Namespace, gpn: int) -> str:  # noqa: ANN001 - InferencePlan
-    """The first lines of a serving plan that does not fit, as a training plan's: by how much, and the
-    nearest serving layout that fits (the typed tp/pp/cp/ep kept where possible, else the best)."""
+def _serving_nearest_fit(p, args: argparse.Namespace, gpn: int) -> dict | None:  # noqa: ANN001 - InferencePlan
+    """The nearest serving layout that fits, as a training plan's: the typed tp/pp/cp/ep kept where
+    possible, else the best; None where none fits. `command` plans it again."""
     from fivefold.errors import FivefoldError
     from fivefold.plan.inference import search_serving
-    from fivefold.plan.result import capacity, fit_words
 
-    margin = capacity(p.hardware) - p.total
-    lines = [f"this layout {fit_words(margin)} per GPU: the figures below cannot be served as they are"]
     typed = {k: getattr(args, k, None) for k in ("tp", "pp", "cp", "ep")}
     typed = {k: v for k, v in typed.items() if v is not None}
-    found, kept = None, "keeping the flags you gave"
+    found, kept = None, True
     if typed:
         try:
             found = search_serving(
@@ -491,19 +498,36 @@ def _serving_does_not_fit(p, args: argparse.Namespace, gpn: int) -> str:  # noqa
             found = None
     if found is None or not found.plans:
         found = search_serving(p.model, p.hardware, p.layout.world, p.shape, gpn, args.objective, 1)
-        kept = "the flags you gave cannot fit; the best layout" if typed else "the best layout"
-    if found.plans:
-        best = found.plans[0].layout
-        flags = " ".join(
-            f"--{a} {getattr(best, a)}" for a in ("tp", "pp", "cp", "ep") if getattr(best, a) > 1
-        )
-        lines.append(
-            f"nearest that fits ({kept}, {args.objective}): fivefold plan --model {args.model} --hardware "
-            f"{args.hardware} --gpus {p.layout.world} --mode inference --context {p.shape.context} "
-            f"--prompt {p.shape.prompt} --batch {p.shape.batch} {flags}".rstrip()
-        )
-    else:
+        kept = False
+    if not found.plans:
+        return None
+    best = found.plans[0]
+    flags = " ".join(
+        f"--{a} {getattr(best.layout, a)}" for a in ("tp", "pp", "cp", "ep") if getattr(best.layout, a) > 1
+    )
+    command = (
+        f"fivefold plan --model {args.model} --hardware {args.hardware} --gpus {p.layout.world} "
+        f"--mode inference --context {p.shape.context} --prompt {p.shape.prompt} --batch {p.shape.batch} "
+        f"{flags}".rstrip()
+    )
+    return {"keeps_given_flags": kept, "typed": bool(typed), "command": command, "plan": best.to_json()}
+
+
+def _serving_does_not_fit(p, nearest: dict | None, objective: str) -> str:  # noqa: ANN001 - InferencePlan
+    """The first lines of a serving plan that does not fit: by how much, and the nearest that does."""
+    from fivefold.plan.result import capacity, fit_words
+
+    margin = capacity(p.hardware) - p.total
+    lines = [f"this layout {fit_words(margin)} per GPU: the figures below cannot be served as they are"]
+    if nearest is None:
         lines.append(
             f"no serving layout of {p.model.name} fits {p.layout.world} × {p.hardware.name}: add GPUs"
         )
+    else:
+        kept = (
+            "keeping the flags you gave"
+            if nearest["keeps_given_flags"]
+            else ("the flags you gave cannot fit; the best layout" if nearest["typed"] else "the best layout")
+        )
+        lines.append(f"nearest that fits ({kept}, {objective}): {nearest['command']}")
     return "\n".join(lines) + "\n"

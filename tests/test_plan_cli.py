@@ -43,6 +43,8 @@ def test_json_contract(capsys) -> None:
     for key in ("params", "grads", "optimizer", "activations", "buffers", "total"):
         assert isinstance(data["memory"][key], int)
     m = data["memory"]
+    # a pipeline holds gradients beside activations: the total is every part
+    assert m["grads_apart"] is False
     assert m["total"] == pytest.approx(
         sum(m[k] for k in ("params", "grads", "optimizer", "activations", "buffers")), abs=8
     )

@@ -36,10 +36,11 @@ def count_words(n: float) -> str:
     return str(int(n))
 
 
-def memory_chart(parts: dict[str, float], cap: float) -> list[str]:
-    """One bar per part, scaled to the GPU's capacity, then the stacked total against it."""
-    scale = max(cap, sum(parts.values()))
-    total = sum(parts.values())
+def memory_chart(parts: dict[str, float], cap: float, apart: str | None = None) -> list[str]:
+    """One bar per part, scaled to the GPU's capacity, then the stacked total against it; a part
+    `apart` (never alive at the peak beside the others) has its own bar but no share of the total."""
+    total = sum(v for k, v in parts.items() if k != apart)
+    scale = max(cap, total)
     size, unit = byte_unit(total)
     lines = []
     stacked = ""
@@ -48,7 +49,8 @@ def memory_chart(parts: dict[str, float], cap: float) -> list[str]:
             continue
         n = round(BAR_WIDTH * parts[name] / scale)
         lines.append(f"  {name:<12}{parts[name] / size:8.2f} {unit:<2}  {ch * n}")
-        stacked += ch * n
+        if name != apart:
+            stacked += ch * n
     cap_mark = round(BAR_WIDTH * cap / scale)
     bar = stacked.ljust(BAR_WIDTH)
     bar = bar[:cap_mark] + "|" + bar[cap_mark:]
@@ -98,8 +100,14 @@ def plan_text(p: Plan) -> str:
             "buffers": m.buffers,
         },
         capacity(p.hardware),
+        m.apart,
     )
-    out += _buffer_parts(m.detail, m.params + m.grads + m.optimizer + m.activations + m.buffers)
+    out += _buffer_parts(m.detail, m.total)
+    if m.apart:
+        out.append(
+            f"  ({m.apart} left out of the total: one micro-batch a step, whose backward frees the "
+            "activations as it builds the gradients)"
+        )
     # a merged axis (fsdp_cp) or a long op name widens its column rather than running into the next
     axis_w = max([5] + [len(c.axis) + 1 for c in p.comm])
     op_w = max([16] + [len(c.op) + 1 for c in p.comm])

@@ -38,6 +38,7 @@ from fivefold.plan.compute import (
     Rates,
     accumulate_pass_time,
     head_time,
+    host_threads_of,
     layer_time,
     on_this_host,
     optimizer_time,
@@ -615,7 +616,8 @@ def _plan(
     causal_flops = facts.causal_flops
     gpus = layout.world
     tokens_per_s = shape.global_batch * shape.seq_len / step
-    peak = hw.peak_tflops * 1e12
+    # a CPU rank's peak is its threads' cores (`host_threads_of`): its MFU stays a share of what it has
+    peak = hw.peak_tflops * 1e12 * host_threads_of(hw)
     tflops = mflops * tokens_per_s / gpus
     htflops = hflops * tokens_per_s / gpus
     order = ("tp", "cp", "ep", "pp", "fsdp", "fsdp_cp", "dp", "dp_fsdp_cp")

@@ -36,7 +36,9 @@ class MfuMeter:
 
     def __init__(self, spec: ModelSpec, seq_len: int, world: int, device: torch.device) -> None:
         self.hardware = hardware_preset_for(device)
-        self.peak_flops = load_hardware(self.hardware).peak_tflops * 1e12
+        # a CPU rank computes on its threads' cores: its peak is theirs (as the planner counts it)
+        cores = torch.get_num_threads() if device.type == "cpu" else 1
+        self.peak_flops = load_hardware(self.hardware).peak_tflops * 1e12 * cores
         self.flops_per_token = model_flops_per_token(spec, seq_len)
         self.world = world
 

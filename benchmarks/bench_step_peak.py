@@ -12,8 +12,9 @@ no gradients (`zero_grad(set_to_none=True)`); the peak beyond that start is set 
   micro-batch a step),
 
 for micro-batches of 1 and 4 sequences: the first holds more gradients than activations, the second
-more activations than gradients.
-Run: .venv/bin/python benchmarks/bench_step_peak.py [--seq-len 256] [--batches 1 4]
+more activations than gradients. `--fsdp` runs it on 2 ranks (gloo, torchrun) sharded by fivefold's
+own FSDP2 units at zero 3, rank 0's peak beside its stage's plan.
+Run: .venv/bin/python benchmarks/bench_step_peak.py [--seq-len 256] [--batches 1 4] [--fsdp]
 """
 
 from __future__ import annotations
@@ -54,7 +55,18 @@ def measure(model_toml: str, batch: int, seq_len: int) -> dict[str, float]:
     torch.manual_seed(0)
     spec = load_model(model_toml)
     model = materialize(build_model(spec), "cpu", seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    sharded = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if sharded:  # fivefold's own FSDP2 units over every rank, zero 3
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from fivefold.config import TrainSpec
+        from fivefold.parallel.data import apply_fsdp
+
+        dist.init_process_group("gloo")
+        apply_fsdp(model, init_device_mesh("cpu", (dist.get_world_size(),)), 3, TrainSpec())
+    # fused where every parameter is one kind of tensor, as the runtime steps them (`optimizer_kernels`)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=not sharded)
     tokens = torch.randint(0, spec.vocab, (batch, seq_len + 1))
 
     def forward_backward() -> None:
@@ -77,18 +89,26 @@ def measure(model_toml: str, batch: int, seq_len: int) -> dict[str, float]:
     forward_backward()
     running[0] = False
     sampler.join()
+    if sharded:
+        dist.destroy_process_group()
     return {"start": start, "beyond_start": peak[0] - start}
 
 
-def planned(model_toml: str, batch: int, seq_len: int) -> dict[str, float]:
+def planned(model_toml: str, batch: int, seq_len: int, ranks: int) -> dict[str, float]:
     from fivefold.config import Layout, load_hardware, load_model
     from fivefold.plan import TrainShape, plan
 
-    # in fp32, on the block fivefold's model code builds
+    # in fp32, on the block fivefold's model code builds, each rank one micro-batch of `batch`
     shape = TrainShape(
-        seq_len=seq_len, global_batch=batch, micro_batch=batch, act_bytes=4, param_bytes=4, block="llama"
+        seq_len=seq_len,
+        global_batch=batch * ranks,
+        micro_batch=batch,
+        act_bytes=4,
+        param_bytes=4,
+        block="llama",
     )
-    m = plan(load_model(model_toml), load_hardware("cpu"), Layout().resolve(1), shape).memory
+    layout = Layout(fsdp=ranks, zero=3 if ranks > 1 else 0).resolve(ranks)
+    m = plan(load_model(model_toml), load_hardware("cpu"), layout, shape).memory
     return {
         "grads": m.grads,
         "activations": m.activations,
@@ -103,11 +123,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--fsdp", action="store_true", help="2 ranks sharded by FSDP2 (zero 3)")
     parser.add_argument("--child", nargs=3, metavar=("TOML", "BATCH", "SEQ"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         toml, batch, seq = args.child
-        print(json.dumps(measure(toml, int(batch), int(seq))))
+        got = measure(toml, int(batch), int(seq))
+        if os.environ.get("RANK", "0") == "0":
+            print(json.dumps(got))
         return
     if not Path("/proc/self/statm").exists():
         print("needs /proc (Linux) to read the resident size; nothing measured")
@@ -119,11 +142,14 @@ def main() -> None:
         print(f"load average {os.getloadavg()[0]:.2f}; sequences of {args.seq_len} tokens; MB = 1e6 bytes")
         heads = ("grads", "acts", "buffers", "measured", "apart", "both")
         print(f"{'batch':>5} " + " ".join(f"{h:>8}" for h in heads))
+        ranks = 2 if args.fsdp else 1
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"] if args.fsdp else []
         for batch in args.batches:
-            run = [sys.executable, __file__, "--child", toml, str(batch), str(args.seq_len)]
+            run = [*(launch or [sys.executable]), __file__, "--child", toml, str(batch), str(args.seq_len)]
             done = subprocess.run(run, capture_output=True, text=True, env=env, check=True)
-            got = json.loads(done.stdout.strip().splitlines()[-1])
-            plan = planned(toml, batch, args.seq_len)
+            # rank 0's line (torchrun may add lines of its own)
+            got = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("{")))
+            plan = planned(toml, batch, args.seq_len, ranks)
             mb = 1e6
             print(
                 f"{batch:>5} {plan['grads'] / mb:>8.1f} {plan['activations'] / mb:>8.1f} "

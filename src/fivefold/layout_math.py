@@ -370,7 +370,7 @@ def local_param_counts(spec: ModelSpec, tp: int, ep: int) -> LocalCounts:
         shapes = chunk_param_shapes(spec)
 
         def local(name: str) -> int:
-            return numel(tp_local_shape(name, shapes[name], spec, tp)) // (ep if is_expert(name) else 1)
+            return numel(rank_local_shape(name, shapes[name], spec, tp, ep))
 
         layers = [
             (sum(local(n) for n in names if not is_expert(n)), sum(local(n) for n in names if is_expert(n)))
@@ -400,6 +400,13 @@ def tp_local_shape(name: str, shape: tuple[int, ...], spec: ModelSpec, tp: int) 
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         return (shape[0], shape[1] // tp)
     return (shape[0] // tp, *shape[1:])  # q/k/v, gate/up, vocabulary rows of embedding and head
+
+
+def rank_local_shape(name: str, shape: tuple[int, ...], spec: ModelSpec, tp: int, ep: int) -> tuple[int, ...]:
+    """What a tp rank of an ep group stores of a parameter before any data sharding: `tp_local_shape`'s
+    cut, and a routed expert tensor's experts (dim 0) split over ep."""
+    local = tp_local_shape(name, shape, spec, tp)
+    return (local[0] // ep, *local[1:]) if ep > 1 and is_expert(name) else local
 
 
 def numel(shape: tuple[int, ...]) -> int:

@@ -16,7 +16,7 @@ from fivefold.layout_math import (
     is_expert,
     names_by_layer,
     numel,
-    tp_local_shape,
+    rank_local_shape,
 )
 from fivefold.plan.dataparallel import units
 from fivefold.plan.runshape import Chunk, RunShape
@@ -34,9 +34,8 @@ def local_shapes(run: RunShape, chunk: Chunk, coords: dict[str, int]) -> dict[st
         names += [n for i in chunk.layers for n in by_layer[i] if is_expert(n)]
     out = {}
     for name in names:
-        local = tp_local_shape(name, shapes[name], spec, lay.tp)
+        local = rank_local_shape(name, shapes[name], spec, lay.tp, lay.ep)
         if lay.ep > 1 and is_expert(name):
-            local = (local[0] // lay.ep, *local[1:])
             expert_fsdp = lay.fsdp * lay.cp // lay.ep
             if lay.fsdp > 1 and expert_fsdp > 1:  # FSDP over expert_fsdp (parallel.expert.shard_experts)
                 index = coords["fsdp_cp"] // lay.ep  # the expert_fsdp coordinate (mesh.py)

@@ -553,3 +553,25 @@ def test_mesh_groups_and_inference_rows_are_reachable_by_keyboard(lab_page) -> N
     rows[-1].focus()
     lab_page.keyboard.press("Enter")
     assert lab_page.inner_text("#inferenceMemory code") != shown
+
+
+def test_a_step_of_one_micro_batch_leaves_its_gradients_out_of_the_bar(browser, tmp_path_factory) -> None:
+    """One micro-batch a step on FSDP: the plan's peak holds the larger of grads and activations
+    (`memory.grads_apart`); the page draws the parts the peak holds, names the other, and its total
+    is the plan's."""
+    tmp = tmp_path_factory.mktemp("apart")
+    model, hw = load_model("llama3-8b"), load_hardware("h100-80gb")
+    layout = resolve_layout(Layout(fsdp=8, zero=3), 8)
+    html = build_page(model, hw, 8, TrainShape(seq_len=4096, global_batch=8), layout, top=1, lab=False)
+    page = _open(browser, html, tmp / "page.html", "search")
+    page.select_option("#layoutSelect", "0")
+    want = assert_result_matches_plan(page, "#searchResult")
+    memory = want["memory"]
+    assert memory["grads_apart"] and memory["activations"] > memory["grads"]
+    drawn = page.eval_on_selector_all(
+        "#searchResult [data-role=memory] rect[data-part]", "rs => rs.map(r => r.dataset.part)"
+    )
+    assert "grads" not in drawn and "activations" in drawn, drawn
+    assert "grads (not at the peak)" in page.inner_text("#searchResult [data-role=memory] .legend")
+    assert page.errors == [], page.errors
+    page.close()

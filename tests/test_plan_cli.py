@@ -229,6 +229,16 @@ def test_model_and_hardware_toml_files(capsys, tmp_path) -> None:
     assert main(args) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["block"] == "gpt" and 1.6e9 < data["params"] < 1.8e9  # Megatron's "1.7B"
+    # fivefold's own runtime would build SwiGLU blocks of this file: the plan says so, where the
+    # block was guessed and the runtime is fivefold's, and nowhere else
+    said = "fivefold train builds SwiGLU blocks of it"
+    assert any(said in note for note in data["notes"])
+    for other in (["--block", "gpt"], ["--trainer", "megatron"]):
+        assert main([*args, *other]) == 0
+        assert not any(said in note for note in json.loads(capsys.readouterr().out)["notes"])
+    assert main([*args, "--block", "llama"]) == 0
+    llama = json.loads(capsys.readouterr().out)
+    assert llama["block"] == "llama" and llama["params"] > 1.3 * data["params"]
     assert main([*args[:-1], "--tp", "16"]) == 2
     assert "valid tp" in capsys.readouterr().err  # 24 heads do not split 16 ways
 

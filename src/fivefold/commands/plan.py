@@ -312,13 +312,6 @@ def run(args: argparse.Namespace) -> int:
         p.notes.append(hint)
     if args.trainer != "fivefold":
         p.notes.append(f"planned with the facts of {TRAINER_FLAGS[args.trainer]} (--trainer {args.trainer})")
-    elif p.arch.name == "gpt" and args.block == "auto" and model.mlp == "swiglu":
-        # `auto` reads a multi-head, 4·hidden model as GPT's (the published runs of that shape are);
-        # fivefold's own model code builds a SwiGLU block of it, with half as many MLP weights again
-        p.notes.append(
-            "planned as a GPT block (a multi-head model with a 4·hidden MLP: two GeLU matrices); "
-            "fivefold train builds SwiGLU blocks of it (three matrices): --block llama plans what it runs"
-        )
     defaults.say_assumed(assumed)
     nearest = None
     if p.margin_bytes < 0:

@@ -157,6 +157,9 @@ def assert_result_matches_plan(page, root: str) -> dict:
     assert kpi("memory_total") == fbytes(want["memory"]["total"])
     for part in ("params", "grads", "optimizer", "activations", "buffers"):
         assert page.inner_text(f'{root} [data-mem="{part}"]') == fbytes(want["memory"][part])
+    # every note the page shows is one the plan prints (which adds the command's own about flags)
+    shown = page.eval_on_selector_all(f"{root} [data-role=notes] li", "ls => ls.map(l => l.textContent)")
+    assert all(n.removeprefix("note: ") in want["notes"] for n in shown), (shown, want["notes"])
     rows = page.eval_on_selector_all(
         f"{root} table[data-role=comm] tr", "rs => rs.slice(1).map(r => [...r.cells].map(c => c.textContent))"
     )
@@ -558,10 +561,10 @@ def test_mesh_groups_and_inference_rows_are_reachable_by_keyboard(lab_page) -> N
 def test_a_step_of_one_micro_batch_leaves_its_gradients_out_of_the_bar(browser, tmp_path_factory) -> None:
     """One micro-batch a step on FSDP: the plan's peak holds the larger of grads and activations
     (`memory.grads_apart`); the page draws the parts the peak holds, names the other, and its total
-    is the plan's."""
+    is the plan's. The plan's notes are shown beside it."""
     tmp = tmp_path_factory.mktemp("apart")
     model, hw = load_model("llama3-8b"), load_hardware("h100-80gb")
-    layout = resolve_layout(Layout(fsdp=8, zero=3), 8)
+    layout = resolve_layout(Layout(fsdp=8, zero=3, recompute="selective"), 8)
     html = build_page(model, hw, 8, TrainShape(seq_len=4096, global_batch=8), layout, top=1, lab=False)
     page = _open(browser, html, tmp / "page.html", "search")
     page.select_option("#layoutSelect", "0")
@@ -573,5 +576,8 @@ def test_a_step_of_one_micro_batch_leaves_its_gradients_out_of_the_bar(browser, 
     )
     assert "grads" not in drawn and "activations" in drawn, drawn
     assert "grads (not at the peak)" in page.inner_text("#searchResult [data-role=memory] .legend")
+    # and the plan's caveats are on the page: here, what selective recompute frees of eager blocks
+    notes = page.inner_text("#searchResult [data-role=notes]")
+    assert "note: " in notes and "--recompute full" in notes, notes
     assert page.errors == [], page.errors
     page.close()

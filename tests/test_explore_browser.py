@@ -565,7 +565,7 @@ def test_a_step_of_one_micro_batch_leaves_its_gradients_out_of_the_bar(browser, 
     tmp = tmp_path_factory.mktemp("apart")
     model, hw = load_model("llama3-8b"), load_hardware("h100-80gb")
     layout = resolve_layout(Layout(fsdp=8, zero=3, recompute="selective"), 8)
-    html = build_page(model, hw, 8, TrainShape(seq_len=4096, global_batch=8), layout, top=1, lab=False)
+    html = build_page(model, hw, 8, TrainShape(seq_len=4096, global_batch=8), layout, top=1)
     page = _open(browser, html, tmp / "page.html", "search")
     page.select_option("#layoutSelect", "0")
     want = assert_result_matches_plan(page, "#searchResult")
@@ -579,5 +579,12 @@ def test_a_step_of_one_micro_batch_leaves_its_gradients_out_of_the_bar(browser, 
     # and the plan's caveats are on the page: here, what selective recompute frees of eager blocks
     notes = page.inner_text("#searchResult [data-role=notes]")
     assert "note: " in notes and "--recompute full" in notes, notes
+    # the lab's compact entry of the same layout draws the same bar
+    page.click("#toLab")
+    assert assert_result_matches_plan(page, "#labResult")["memory"]["grads_apart"]
+    drawn = page.eval_on_selector_all(
+        "#labResult [data-role=memory] rect[data-part]", "rs => rs.map(r => r.dataset.part)"
+    )
+    assert "grads" not in drawn and "activations" in drawn, drawn
     assert page.errors == [], page.errors
     page.close()

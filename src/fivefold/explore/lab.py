@@ -23,7 +23,8 @@ MICRO_BATCHES = (1, 2, 4, 8)
 # search picks it (`--recompute full --recompute-layers N`), offered where selective does not fit
 FEWEST = "full-fewest"
 FACTORS = ("dp", "fsdp", "tp", "pp", "cp", "ep")
-MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers", "total")
+# (grads_apart, 0 or 1: the peak holds the larger of grads and activations, `Memory.grads_apart`)
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers", "total", "grads_apart")
 SHOWN = 4  # significant digits on the page
 ENTRY_FIELDS = (
     "fits",

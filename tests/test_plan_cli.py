@@ -1103,7 +1103,11 @@ def test_a_cpu_run_is_planned_with_the_threads_it_ran_with(capsys, tmp_path, mon
     cal = tmp_path / "cal.toml"
     assert main(["plan", "--calibrate", str(tmp_path / "t2"), "--out", str(cal)]) == 0
     assert "threads_per_rank = 0" in cal.read_text()
-    capsys.readouterr()
+    # one thread count fits one rate per core: the calibration says other counts are extrapolated
+    assert "every run here ran 2 thread(s) a rank" in capsys.readouterr().err
+    both = [str(tmp_path / "t1"), str(tmp_path / "t2")]
+    assert main(["plan", "--calibrate", *both, "--out", str(tmp_path / "both.toml")]) == 0
+    assert "thread(s) a rank" not in capsys.readouterr().err
     argv = ["plan", "--validate", str(tmp_path / "t1"), str(tmp_path / "t2"), "--hardware", str(cal)]
     assert main([*argv, "--json"]) == 0
     runs = {r["run"]: r["predicted"] for r in json.loads(capsys.readouterr().out)["as_shipped"]["runs"]}

@@ -220,6 +220,16 @@ def _calibrate(args: argparse.Namespace) -> int:
             " other layouts on this machine",
             file=sys.stderr,
         )
+    threads = {c.inputs.hw.threads_per_rank for c in cases}
+    if not hw.comm_overlap and len(threads) == 1:  # a CPU: the rate per core is fitted at one count
+        (count,) = threads
+        print(
+            f"note: every run here ran {count:g} thread(s) a rank; a plan of another thread count scales "
+            "the fitted rate by its cores, which a CPU's small ops do not reach (on a 2-core machine, "
+            "`small` ran 1.56x faster on 2 threads, not the 1.87x planned). Calibrate on runs with the "
+            "thread count you will plan",
+            file=sys.stderr,
+        )
     dispatch = _dispatch_share(cases, hw)
     if dispatch > 0.5:
         print(

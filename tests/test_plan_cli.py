@@ -239,6 +239,16 @@ def test_model_and_hardware_toml_files(capsys, tmp_path) -> None:
     assert main([*args, "--block", "llama"]) == 0
     llama = json.loads(capsys.readouterr().out)
     assert llama["block"] == "llama" and llama["params"] > 1.3 * data["params"]
+    # a serving plan and its search take --block too (they dropped it without a word)
+    serving = ["plan", "--model", str(model), "--hardware", str(hw), "--gpus", "8", "--mode", "inference"]
+    weights = {}
+    for block in ("gpt", "llama"):
+        assert main([*serving, "--tp", "1", "--block", block, "--json"]) == 0
+        weights[block] = json.loads(capsys.readouterr().out)["memory"]["params"]
+        assert main([*serving, "--search", "--top", "1", "--block", block, "--json"]) == 0
+        best = json.loads(capsys.readouterr().out)["plans"][0]
+        assert best["memory"]["params"] * best["layout"]["tp"] * best["layout"]["pp"] > 0.9 * weights[block]
+    assert weights["llama"] > 1.3 * weights["gpt"]
     assert main([*args[:-1], "--tp", "16"]) == 2
     assert "valid tp" in capsys.readouterr().err  # 24 heads do not split 16 ways
 

@@ -460,7 +460,7 @@ def _inference(args: argparse.Namespace, model, hw, gpn: int, assumed: dict) -> 
 
         pins = {k: getattr(args, k, None) for k in ("tp", "pp", "cp", "ep")}
         check_pins(pins, args.gpus)
-        result = search_serving(model, hw, args.gpus, shape, gpn, args.objective, args.top, pins)
+        result = search_serving(model, hw, args.gpus, shape, gpn, args.objective, args.top, pins, args.block)
         defaults.say_assumed(assumed)
         _print_search(result, args.json, view.serving_search_text, objective=result.objective)
         return 0
@@ -468,7 +468,7 @@ def _inference(args: argparse.Namespace, model, hw, gpn: int, assumed: dict) -> 
     if args.fsdp is None:  # serving replicas sit on the fsdp axis so that ep can fold onto them
         layout.fsdp, layout.dp = (layout.dp if args.dp is not None else -1), 1
     layout = resolve_layout(layout, args.gpus, gpn, model, args.seq_len)
-    p = inference_plan(model, hw, layout, shape, gpn)
+    p = inference_plan(model, hw, layout, shape, gpn, args.block)
     defaults.say_assumed(assumed)
     nearest = None if p.fits else _serving_nearest_fit(p, args, gpn)
     if args.json:
@@ -492,12 +492,14 @@ def _serving_nearest_fit(p, args: argparse.Namespace, gpn: int) -> dict | None: 
     if typed:
         try:
             found = search_serving(
-                p.model, p.hardware, p.layout.world, p.shape, gpn, args.objective, 1, typed
+                p.model, p.hardware, p.layout.world, p.shape, gpn, args.objective, 1, typed, args.block
             )
         except FivefoldError:  # a typed degree no serving layout has: fall back to the free search
             found = None
     if found is None or not found.plans:
-        found = search_serving(p.model, p.hardware, p.layout.world, p.shape, gpn, args.objective, 1)
+        found = search_serving(
+            p.model, p.hardware, p.layout.world, p.shape, gpn, args.objective, 1, None, args.block
+        )
         kept = False
     if not found.plans:
         return None

@@ -428,6 +428,7 @@ def search_serving(
     objective: str = "latency",
     top: int = 5,
     pins: dict[str, int | None] | None = None,
+    block: str = "auto",
 ) -> ServingSearch:
     """Rank the serving layouts that fit by `objective`: latency (decode time per token, then time to
     first token) or throughput (decoded tokens/s over all replicas). Layouts that do not fit are
@@ -451,7 +452,7 @@ def search_serving(
         if any(getattr(lay, k) != v for k, v in pins.items()):
             continue
         try:
-            p = inference_plan(model, hw, lay, shape, gpn)
+            p = inference_plan(model, hw, lay, shape, gpn, block)
         except FivefoldError:
             continue
         considered += 1
@@ -466,16 +467,18 @@ def search_serving(
         fitting[:top] if top > 0 else fitting,  # 0: every layout that fits
         considered,
         len(fitting),
-        _recipe(model, hw, gpus, shape, gpn),
+        _recipe(model, hw, gpus, shape, gpn, block),
     )
 
 
-def _recipe(model: ModelSpec, hw: HardwareSpec, gpus: int, shape: InferenceShape, gpn: int) -> list[str]:
+def _recipe(
+    model: ModelSpec, hw: HardwareSpec, gpus: int, shape: InferenceShape, gpn: int, block: str = "auto"
+) -> list[str]:
     """The serving recipe's reasoning for this model: the smallest model-parallel group that fits."""
     cap = capacity(hw)
     steps = []
     whole = Layout().resolve(1)
-    one = inference_plan(model, hw, whole, shape, gpn)
+    one = inference_plan(model, hw, whole, shape, gpn, block)
     need = one.weights + one.kv_cache + one.activations
     if one.fits:
         steps.append(
@@ -487,7 +490,7 @@ def _recipe(model: ModelSpec, hw: HardwareSpec, gpus: int, shape: InferenceShape
         group = None
         for tp in _pow2_up_to(min(gpus, gpn)):
             try:
-                if inference_plan(model, hw, Layout(tp=tp).resolve(tp), shape, gpn).fits:
+                if inference_plan(model, hw, Layout(tp=tp).resolve(tp), shape, gpn, block).fits:
                     group = ("tp", tp)
                     break
             except FivefoldError:

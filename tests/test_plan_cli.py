@@ -1177,3 +1177,17 @@ def test_a_serving_plan_says_which_training_flags_it_ignores(capsys) -> None:
     err = capsys.readouterr().err
     for flag in ("--zero", "--compile", "--recompute", "--micro-batch"):
         assert f"note: {flag} is a flag of a training plan" in err, flag
+    # flags whose defaults are values or that serving has no use for are named as well, and --dtype,
+    # which serving's weights and KV cache do follow, changes the plan instead
+    training = ["--trainer", "megatron", "--sp", "--cp-impl", "ulysses", "--attention", "flash3"]
+    assert main([*argv, *training]) == 0
+    err = capsys.readouterr().err
+    for flag in ("--trainer", "--sp", "--cp-impl", "--attention"):
+        assert f"note: {flag} is a flag of a training plan" in err, flag
+    weights = {}
+    for dtype in ("bf16", "fp32"):
+        assert main([*argv, "--dtype", dtype, "--json"]) == 0
+        out = capsys.readouterr()
+        assert "note:" not in out.err
+        weights[dtype] = json.loads(out.out)["memory"]["params"]
+    assert weights["fp32"] == 2 * weights["bf16"]

@@ -429,6 +429,9 @@ TRAINING_ONLY = (
     "no_overlap_grad_reduce",
     "fp8",
     "compile",
+    "sp",  # generate's tp all-reduces whole activations; its cp gathers partial attention outputs
+    "cp_impl",
+    "attention",  # a serving plan's attention is the decode kernel's, read off the KV cache
 )
 
 
@@ -440,6 +443,7 @@ def _inference(args: argparse.Namespace, model, hw, gpn: int, assumed: dict) -> 
     from fivefold.mesh import resolve_layout
     from fivefold.plan import text as view
     from fivefold.plan.inference import InferenceShape, inference_plan
+    from fivefold.plan.runshape import DTYPE_BYTES
 
     context = args.context or args.seq_len
     if not context:  # as training's --seq-len: the model's positions, at most the default, said so
@@ -451,10 +455,15 @@ def _inference(args: argparse.Namespace, model, hw, gpn: int, assumed: dict) -> 
             f"--prompt {prompt} with --context {context} generates no token: the context holds the prompt "
             f"and the generated tokens; valid prompt: 1..{context - 1}"
         )
-    shape = InferenceShape(batch=args.batch, context=context, prompt=prompt).validate()
+    # weights and KV cache in --dtype where it is given (generate's own default: the weights' dtype)
+    size = DTYPE_BYTES[args.dtype] if args.dtype else None
+    width = {"weight_bytes": size, "kv_bytes": size} if size else {}
+    shape = InferenceShape(batch=args.batch, context=context, prompt=prompt, **width).validate()
     # flags of the training plan: serving has no optimizer, backward or micro-batches, which whoever
     # typed them did not expect (the training plan says the same of the serving flags)
     _say_ignored(args, TRAINING_ONLY, "a training plan", "this serving plan")
+    if args.trainer != "fivefold":  # (its default is a value, not None)
+        _say_ignored(args, ("trainer",), "a training plan", "this serving plan")
     if args.search:
         from fivefold.plan.inference import search_serving
 

@@ -79,6 +79,18 @@ def one_world_group(layout: Layout, ranks: int) -> bool:
     return ranks == layout.world
 
 
+def replica_wrapper(layout: Layout) -> str | None:
+    """What keeps a layout's data-parallel replicas in step in fivefold's runtime: "fsdp" (FSDP2 or
+    HSDP over fsdp×cp), "replicate" (torch's FSDP2-based `replicate`, for tensor-parallel weights),
+    "ddp" (torch DDP, which a pipeline's stages replace with their own average), or None (one
+    replica). One rule for the runtime (`parallel.precision`) and the planner."""
+    if layout.fsdp > 1:
+        return "fsdp"
+    if layout.dp * layout.cp == 1:
+        return None
+    return "replicate" if layout.tp > 1 else "ddp"
+
+
 def replica_axis(layout: Layout, dims: tuple[str, ...]) -> str | None:
     """The ledger's name for a flattened group over `dims`: the one split axis, or the flat name."""
     names = {("dp", "fsdp"): "batch", ("fsdp", "cp"): "fsdp_cp", ("dp", "fsdp", "cp"): "dp_fsdp_cp"}

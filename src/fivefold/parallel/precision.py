@@ -20,17 +20,18 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fivefold.config import Layout
+from fivefold.layout_math import replica_wrapper
 
 Mode = Literal["fp32", "fsdp", "autocast"]
 
 
 def uses_fsdp(layout: Layout) -> bool:
-    return layout.fsdp > 1
+    return replica_wrapper(layout) == "fsdp"
 
 
 def uses_replicate(layout: Layout) -> bool:
     """Replicas of tensor-parallel weights: torch's FSDP2-based `replicate` rather than DDP."""
-    return layout.fsdp == 1 and layout.tp > 1 and layout.dp * layout.cp > 1
+    return replica_wrapper(layout) == "replicate"
 
 
 def precision_mode(dtype: str, layout: Layout) -> Mode:

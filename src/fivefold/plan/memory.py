@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 
 from fivefold.config import Layout, ModelSpec, recomputed_blocks
-from fivefold.layout_math import local_param_counts, rank_stages, spec_key, stage_split
+from fivefold.layout_math import local_param_counts, rank_stages, replica_wrapper, spec_key, stage_split
 from fivefold.plan.activations import block_saved, ends_saved, loss_saved
 from fivefold.plan.pipeline import in_flight
 from fivefold.plan.runshape import Chunk, RunShape
@@ -613,5 +613,5 @@ def grads_apart(layout: Layout, shape: TrainShape, microbatches: int) -> bool:
     and on the CPU a 67M-parameter step's peak beyond its weights and moments is its activations (4
     sequences) or its gradients (1 sequence), not their sum. Published trainers keep persistent
     gradient buffers (Megatron's, DeepSpeed's): there the two add."""
-    ddp = layout.fsdp == 1 and layout.tp == 1 and layout.dp * layout.cp > 1
+    ddp = replica_wrapper(layout) == "ddp"
     return shape.fp32_weights and microbatches == 1 and layout.pp == 1 and not ddp

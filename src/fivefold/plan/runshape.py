@@ -11,7 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from fivefold.config import Layout, ModelSpec, recomputed_blocks
-from fivefold.layout_math import rank_stages, stage_split
+from fivefold.layout_math import rank_stages, replica_wrapper, stage_split
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
@@ -49,9 +49,7 @@ class RunShape:
     def autocast(self) -> bool:
         """bf16 by autocast over fp32 weights; FSDP and `replicate` (tp with replicas) cast the
         weights themselves (their mixed-precision policy)."""
-        lay = self.layout
-        replicate = lay.fsdp == 1 and lay.tp > 1 and lay.dp * lay.cp > 1
-        return self.dtype == "bf16" and lay.fsdp == 1 and not replicate
+        return self.dtype == "bf16" and replica_wrapper(self.layout) not in ("fsdp", "replicate")
 
     @property
     def stream_bytes(self) -> int:

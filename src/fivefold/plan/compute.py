@@ -13,10 +13,10 @@ kernels reach ATTENTION_RATIO of the matmul efficiency.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fivefold.config import HardwareSpec, Layout, ModelSpec
-from fivefold.config.hardware import DEFAULT_ATTENTION_FIXED_KEYS, DEFAULT_GEMM_HALF_DIM
+from fivefold.config.hardware import DEFAULT_ATTENTION_FIXED_KEYS, DEFAULT_GEMM_HALF_DIM, host_threads
 from fivefold.plan.spec import Arch, kv_heads_local
 
 DEFAULT_MATMUL_EFFICIENCY = 0.75  # large bf16 GEMM, fraction of the dense peak
@@ -63,10 +63,6 @@ def on_this_host(hw: HardwareSpec, world: int, gpus_per_node: int) -> HardwareSp
     where `hw` is a CPU device that does not say (`threads_per_rank` 0)."""
     if hw.comm_overlap or hw.threads_per_rank > 0:
         return hw
-    from dataclasses import replace
-
-    from fivefold.config.hardware import host_threads
-
     return replace(hw, threads_per_rank=float(host_threads(min(world, gpus_per_node))))
 
 

@@ -1191,3 +1191,16 @@ def test_a_serving_plan_says_which_training_flags_it_ignores(capsys) -> None:
         assert "note:" not in out.err
         weights[dtype] = json.loads(out.out)["memory"]["params"]
     assert weights["fp32"] == 2 * weights["bf16"]
+
+
+def test_the_nearest_fit_of_a_named_trainer_is_one_it_runs(capsys) -> None:
+    """Where the typed flags cannot fit, the free search's nearest layout stays among what `--trainer`
+    runs (nanotron: no ZB-V, ZeRO-1 at most), as the pinned search already did."""
+    argv = ["plan", "--model", "llama3-70b", "--gpus", "64", "--tp", "1", "--pp", "1", "--dp", "64"]
+    argv += ["--zero", "0", "--seq-len", "4096", "--global-batch", "64", "--trainer", "nanotron", "--json"]
+    assert main(argv) == 0
+    nearest = json.loads(capsys.readouterr().out)["nearest_fit"]
+    assert nearest is not None and not nearest["keeps_given_flags"]
+    layout = nearest["plan"]["layout"]
+    assert layout["pp_schedule"] in ("1f1b", "gpipe") and layout["zero"] <= 1, layout
+    assert "--trainer nanotron" in nearest["command"]

@@ -316,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
     nearest = None
     if p.margin_bytes < 0:
         pinned = search(model, hw, args.gpus, shape, gpn, top=1, pins=_given_pins(args), trainer=trainer)
-        nearest = _nearest_fit(p, args, pinned)
+        nearest = _nearest_fit(p, args, pinned, trainer)
     if args.json:
         # a program reads the way out of a layout that does not fit as a person reads it in the text
         print(json.dumps(p.to_json() | {"nearest_fit": nearest}))
@@ -371,14 +371,16 @@ def _shape_flags(args: argparse.Namespace) -> str:
     return out + (" --no-overlap-grad-reduce" if getattr(args, "no_overlap_grad_reduce", False) else "")
 
 
-def _nearest_fit(p, args: argparse.Namespace, pinned) -> dict | None:  # noqa: ANN001 - Plan, SearchResult
+def _nearest_fit(p, args: argparse.Namespace, pinned, trainer: dict | None) -> dict | None:  # noqa: ANN001
     """The nearest layout that fits a plan that does not: the pinned search's best (the typed flags
-    kept), else the free search's; None where no layout fits. `command` plans it again."""
+    kept), else the free search's, among what `trainer` runs (as the pinned one); None where no
+    layout fits. `command` plans it again."""
     from fivefold.plan.search import plan_flags, search
 
     found, kept = pinned, True
     if not found.plans:
-        found, kept = search(p.model, p.hardware, p.gpus, p.shape, p.gpus_per_node, top=1), False
+        found = search(p.model, p.hardware, p.gpus, p.shape, p.gpus_per_node, top=1, trainer=trainer)
+        kept = False
     if not found.plans:
         return None
     best = found.plans[0]

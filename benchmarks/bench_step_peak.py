@@ -126,6 +126,8 @@ def main() -> None:
     parser.add_argument("--fsdp", action="store_true", help="2 ranks sharded by FSDP2 (zero 3)")
     parser.add_argument("--child", nargs=3, metavar=("TOML", "BATCH", "SEQ"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not 1 <= args.seq_len <= 1024 or min(args.batches) < 1:  # exit 2, one line
+        parser.error("--seq-len must be 1..1024 (the model's positions) and each --batches value at least 1")
     if args.child:
         toml, batch, seq = args.child
         got = measure(toml, int(batch), int(seq))

@@ -391,6 +391,18 @@ def test_inference_view_is_the_planners(lab_page) -> None:
     assert cells == [
         [str(r["stage"]), r["axis"], r["op"], str(r["count"]), fbytes(r["bytes"])] for r in shown
     ]
+    # each row's notes are its serving plan's (a pipeline's one batch in flight, KV heads held whole)
+    noted = 0
+    for i in range(len(rows)):
+        lab_page.click(f"#inferenceTable tr[data-row='{i}']")
+        said = plan_json(lab_page.inner_text("#inferenceMemory code"))["notes"]
+        shown_notes = lab_page.eval_on_selector_all(
+            "#inferenceMemory [data-role=notes] li", "ls => ls.map(l => l.textContent)"
+        )
+        assert shown_notes == [f"note: {n}" for n in said]
+        noted += bool(said)
+    assert noted, "some serving layout of 16 GPUs has a caveat to show"
+    lab_page.click("#inferenceTable tr[data-row='0']")  # the page is shared: leave the first row picked
 
 
 @pytest.fixture(scope="module")

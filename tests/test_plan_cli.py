@@ -242,9 +242,16 @@ def test_model_and_hardware_toml_files(capsys, tmp_path) -> None:
     # a serving plan and its search take --block too (they dropped it without a word)
     serving = ["plan", "--model", str(model), "--hardware", str(hw), "--gpus", "8", "--mode", "inference"]
     weights = {}
+    assert main([*serving, "--tp", "1", "--json"]) == 0  # a serving plan names the block it guessed
+    assert any(
+        "fivefold generate builds SwiGLU blocks of it" in n
+        for n in json.loads(capsys.readouterr().out)["notes"]
+    )
     for block in ("gpt", "llama"):
         assert main([*serving, "--tp", "1", "--block", block, "--json"]) == 0
-        weights[block] = json.loads(capsys.readouterr().out)["memory"]["params"]
+        served = json.loads(capsys.readouterr().out)
+        weights[block] = served["memory"]["params"]
+        assert not any("SwiGLU" in note for note in served["notes"])  # asked for, not guessed
         assert main([*serving, "--search", "--top", "1", "--block", block, "--json"]) == 0
         best = json.loads(capsys.readouterr().out)["plans"][0]
         assert best["memory"]["params"] * best["layout"]["tp"] * best["layout"]["pp"] > 0.9 * weights[block]
@@ -1204,3 +1211,33 @@ def test_the_nearest_fit_of_a_named_trainer_is_one_it_runs(capsys) -> None:
     layout = nearest["plan"]["layout"]
     assert layout["pp_schedule"] in ("1f1b", "gpipe") and layout["zero"] <= 1, layout
     assert "--trainer nanotron" in nearest["command"]
+
+
+def test_a_serving_plan_notes_what_its_figures_assume(capsys) -> None:
+    """A serving plan says what its numbers do not show, in the text and in --json, as a training
+    plan does: an uneven layer split, KV heads held whole past tp = kv_heads, one batch in a pipeline."""
+    argv = [
+        "plan",
+        "--model",
+        "llama3-70b",
+        "--hardware",
+        "h100-80gb",
+        "--mode",
+        "inference",
+        "--context",
+        "4096",
+    ]
+    assert main([*argv, "--gpus", "8", "--tp", "8", "--json"]) == 0
+    tp8 = json.loads(capsys.readouterr().out)
+    assert tp8["notes"] == []  # 8 KV heads on 8 ranks, one stage
+    assert main([*argv, "--gpus", "24", "--tp", "8", "--pp", "3", "--json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any("80 layers do not split evenly over pp 3: stages hold 26 to 27" in n for n in notes)
+    assert any("one batch passing the 3 stages" in n for n in notes)
+    assert main([*argv, "--gpus", "16", "--tp", "16", "--json"]) == 0
+    wide = json.loads(capsys.readouterr().out)
+    assert any("each head's cache is whole on 2 ranks" in n for n in wide["notes"])
+    assert wide["memory"]["kv_cache"] == tp8["memory"]["kv_cache"]  # as the note says
+    assert wide["memory"]["params"] < 0.6 * tp8["memory"]["params"]
+    assert main([*argv, "--gpus", "16", "--tp", "16"]) == 0
+    assert "note: tp 16 over 8 KV head(s)" in capsys.readouterr().out

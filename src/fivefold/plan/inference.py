@@ -13,7 +13,7 @@ Pipeline stages run one after the other for one token, so their times add.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError
@@ -21,7 +21,7 @@ from fivefold.plan.comm import collective_time, ep_link, ep_members_per_node, li
 from fivefold.plan.compute import Rates, layer_time
 from fivefold.plan.memory import chunk_layers, stage_counts, stage_names, stage_params
 from fivefold.plan.result import capacity, size_words
-from fivefold.plan.spec import Arch, kv_heads_local, resolve_arch
+from fivefold.plan.spec import GPT_GUESS_NOTE, Arch, gpt_block_guessed, kv_heads_local, resolve_arch
 
 BYTES = 2
 
@@ -59,6 +59,7 @@ class InferencePlan:
     decode_time_per_token_s: float
     decode_tokens_per_s: float
     comm: dict[str, float]
+    notes: list[str] = field(default_factory=list)  # what the figures assume, as a training plan's notes
 
     @property
     def total(self) -> float:
@@ -99,6 +100,7 @@ class InferencePlan:
             # a layout that does not fit serves nothing: no throughput is claimed for it
             "decode_tokens_per_s": self.decode_tokens_per_s if self.fits else None,
             "comm_time_s": self.comm,
+            "notes": self.notes,
             "decode_traffic": [
                 {"stage": stage, "axis": axis, "op": op, "count": count, "bytes": size}
                 for stage, rows in self.traffic().items()
@@ -342,6 +344,7 @@ def inference_plan(
         decode += t_dec
         comm["pp"] = t_dec
     replicas = layout.dp * layout.fsdp
+    fits = worst_weights + worst_kv + activations <= capacity(hw)
     return InferencePlan(
         model=model,
         hardware=hw,
@@ -351,12 +354,40 @@ def inference_plan(
         weights=worst_weights,
         kv_cache=worst_kv,
         activations=activations,
-        fits=worst_weights + worst_kv + activations <= capacity(hw),
+        fits=fits,
         prefill_time_s=prefill,
         decode_time_per_token_s=decode,
         decode_tokens_per_s=shape.batch * replicas / decode,
         comm=comm,
+        notes=serving_notes(model, arch, lay, block, fits),
     )
+
+
+def serving_notes(model: ModelSpec, arch: Arch, lay: Layout, block: str, fits: bool) -> list[str]:
+    """What a serving plan's figures assume that its numbers do not show: how the layers and KV heads
+    split, the block `auto` guessed, and how one batch crosses a pipeline."""
+    notes = []
+    if model.layers % lay.pp:
+        held = sorted({len(stage_layers(model, lay, s)) for s in range(lay.pp)})
+        notes.append(
+            f"{model.layers} layers do not split evenly over pp {lay.pp}: stages hold {held[0]} to "
+            f"{held[-1]}; memory is the fullest stage's"
+        )
+    if lay.tp > model.kv_heads:
+        copies = lay.tp // model.kv_heads
+        notes.append(
+            f"tp {lay.tp} over {model.kv_heads} KV head(s): each head's cache is whole on {copies} ranks, "
+            f"so the KV cache shrinks with tp only up to tp {model.kv_heads}"
+        )
+    if gpt_block_guessed(model, arch, block):
+        notes.append(GPT_GUESS_NOTE.format(command="generate"))
+    if lay.pp > 1 and fits:
+        notes.append(
+            f"the throughput is one batch passing the {lay.pp} stages in turn, as fivefold generate "
+            f"decodes; an engine that keeps {lay.pp} batches in flight (each stage on another) decodes "
+            f"up to {lay.pp}× the tokens/s, with {lay.pp}× the KV cache"
+        )
+    return notes
 
 
 def _layer_weights(model: ModelSpec, arch: Arch, layout: Layout, moe: bool) -> tuple[float, float, float]:

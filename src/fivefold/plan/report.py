@@ -66,9 +66,11 @@ from fivefold.plan.pipeline import bubble_time, p2p_on_critical_path
 from fivefold.plan.result import Plan, capacity
 from fivefold.plan.runshape import fsdp_sync_deferred
 from fivefold.plan.spec import (
+    GPT_GUESS_NOTE,
     Arch,
     TrainShape,
     block_modules,
+    gpt_block_guessed,
     kv_heads_local,
     matmul_params,
     resolve_arch,
@@ -638,13 +640,8 @@ def _plan(
         )
     if layout.recompute == "selective" and eager_count(model, arch, shape):
         notes += _selective_frees(model, layout, shape)
-    if shape.fp32_weights and shape.block == "auto" and arch.name == "gpt" and model.mlp == "swiglu":
-        # `auto` reads a multi-head, 4·hidden model as GPT's (the published runs of that shape are);
-        # fivefold's own model code builds a SwiGLU block of it, with half as many MLP weights again
-        notes.append(
-            "planned as a GPT block (a multi-head model with a 4·hidden MLP: two GeLU matrices); "
-            "fivefold train builds SwiGLU blocks of it (three matrices): --block llama plans what it runs"
-        )
+    if shape.fp32_weights and gpt_block_guessed(model, arch, shape.block):  # fivefold's runtime
+        notes.append(GPT_GUESS_NOTE.format(command="train"))
     dispatched = sorted({c.axis for c in comm_list if host_dispatch(hw, c.axis, c.op) > 0}, key=order.index)
     if dispatched:
         each = ", ".join(f"{a} {host_dispatch(hw, a, ALL_GATHER) * 1e3:.2f} ms" for a in dispatched)

@@ -209,6 +209,19 @@ def resolve_arch(
     return Arch("llama", gated_mlp=True, dropout=not flash, flash=flash, tied=tied, expert_tp=expert_tp)
 
 
+# said of a plan whose `auto` block read a multi-head, 4·hidden model as GPT's (the published runs of that
+# shape are), where fivefold's own model code builds a SwiGLU block of it
+GPT_GUESS_NOTE = (
+    "planned as a GPT block (a multi-head model with a 4·hidden MLP: two GeLU matrices); "
+    "fivefold {command} builds SwiGLU blocks of it (three matrices): --block llama plans what it runs"
+)
+
+
+def gpt_block_guessed(model: ModelSpec, arch: Arch, block: str) -> bool:
+    """Whether `auto` planned a GPT block for a model fivefold's runtime builds with a SwiGLU MLP."""
+    return block == "auto" and arch.name == "gpt" and model.mlp == "swiglu"
+
+
 def mlp_params(model: ModelSpec, arch: Arch) -> int:
     return (3 if arch.gated_mlp else 2) * model.hidden * model.ffn_hidden
 

@@ -180,13 +180,8 @@ def inference_text(p) -> str:
         else "  decode throughput                  — (does not fit: serves nothing)",
     ]
     out += _traffic_lines(p)
-    if lay.pp > 1 and p.fits:
-        out += [
-            "",
-            f"note: the throughput is one batch passing the {lay.pp} stages in turn, as fivefold generate "
-            f"decodes; an engine that keeps {lay.pp} batches in flight (each stage on another) decodes "
-            f"up to {lay.pp}× the tokens/s, with {lay.pp}× the KV cache",
-        ]
+    if p.notes:
+        out += ["", *(f"note: {note}" for note in p.notes)]
     return "\n".join(out)
 
 

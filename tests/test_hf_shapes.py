@@ -158,3 +158,49 @@ def test_plan_reads_the_shape_and_train_verify_generate_refuse_it_first(tmp_path
         assert main(argv) == 2, argv
         assert "builds SwiGLU blocks only" in capsys.readouterr().err
     assert not (tmp_path / "g").exists()
+
+
+def test_latent_attention_is_planned_and_train_verify_generate_refuse_it(tmp_path, capsys) -> None:
+    """The runtime builds grouped-query attention only: a model with multi-head latent attention
+    (a DeepSeek-V3 config.json, or a model file with kv_lora_rank) would train a different network."""
+    mla = tmp_path / "mla.toml"
+    mla.write_text(
+        "layers = 2\nhidden = 32\nheads = 4\nvocab = 256\nffn_hidden = 64\nkv_lora_rank = 16\n"
+        "qk_rope_head_dim = 4\nv_head_dim = 8\n"
+    )
+    v3 = tmp_path / "v3"
+    v3.mkdir()
+    (v3 / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["DeepseekV3ForCausalLM"],
+                "model_type": "deepseek_v3",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "moe_intermediate_size": 32,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "n_routed_experts": 4,
+                "num_experts_per_tok": 2,
+                "first_k_dense_replace": 1,
+                "kv_lora_rank": 16,
+                "q_lora_rank": None,
+                "qk_nope_head_dim": 16,
+                "qk_rope_head_dim": 8,
+                "v_head_dim": 16,
+                "vocab_size": 300,
+            }
+        )
+    )
+    for model in (mla, v3):
+        spec, note = load_model_shape(str(model))
+        assert spec.is_mla and "builds grouped-query attention only" in note  # planned, and said so
+        for argv in (
+            ["train", "--model", str(model), "--steps", "1", "--run-dir", str(tmp_path / "r")],
+            ["verify", "--model", str(model), "--nproc", "2", "--fsdp", "2"],
+            ["generate", "--model", str(model), "--prompt-ids", "1"],
+        ):
+            assert main(argv) == 2, argv
+            err = capsys.readouterr().err
+            assert "multi-head latent attention" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "r").exists()

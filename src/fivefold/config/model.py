@@ -30,11 +30,17 @@ MLPS = ("swiglu", "gelu")
 
 def check_buildable(spec: ModelSpec) -> None:
     """Refuse a model the runtime cannot build exactly (it plans, but `train`, `verify` and `generate`
-    would run a different network): today an MLP other than SwiGLU."""
+    would run a different network): an MLP other than SwiGLU, or multi-head latent attention."""
     if spec.mlp != "swiglu":
         raise FivefoldError(
             f"model {spec.name} has a two-matrix {spec.mlp.upper()} MLP: fivefold plans it (plan, explore) "
             'but builds SwiGLU blocks only; train a model with mlp = "swiglu"'
+        )
+    if spec.is_mla:  # the blocks would be grouped-query attention, ignoring the latent sizes
+        raise FivefoldError(
+            f"model {spec.name} has multi-head latent attention (kv_lora_rank {spec.kv_lora_rank}): fivefold "
+            "plans it (plan, explore) but builds grouped-query attention only; train a model with "
+            "kv_lora_rank = 0"
         )
 
 

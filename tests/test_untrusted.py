@@ -8,6 +8,7 @@ import os
 import pickle
 import shutil
 import socket
+import warnings
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,33 @@ def test_a_crafted_or_damaged_rng_file_is_one_line(run_dir, tmp_path, capsys):
         _record_size(rng)  # the same file, as if written so: the loader itself must refuse it
         _one_line_exit_2(capsys, argv, "RNG state")
         assert not marker.exists()
+    # a bare pickle: torch warns about its protocol, which must not reach the user as more lines
+    rng.write_bytes(pickle.dumps(_RunsCommand(marker)))
+    _record_size(rng)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # as a fresh process shows it, not once per test session
+        _one_line_exit_2(capsys, argv, "RNG state")
+    assert not [w for w in caught if "pickle protocol" in str(w.message)]
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("command", ["resume", "generate"])
+def test_a_shard_that_is_not_tensors_is_named_without_torchs_advice(run_dir, tmp_path, capsys, command):
+    """A weight shard of other bytes, its size and checksum recorded as if written so: torch's refusal
+    ends in a pointer to its docs (and advises weights_only=False); the user is told what is wrong."""
+    run = tmp_path / "copy"
+    shutil.copytree(run_dir, run)
+    marker = tmp_path / "ran"
+    shard = next((run / "checkpoints" / "step_1").glob("*.distcp"))
+    crafted = pickle.dumps(_RunsCommand(marker))
+    shard.write_bytes(crafted * (shard.stat().st_size // len(crafted) + 1))
+    _record_size(shard)
+    if command == "resume":
+        argv = ["train", "--run-dir", str(run), "--resume", "--steps", "2", "--no-progress"]
+    else:
+        argv = ["generate", "--from", str(run), "--prompt", "x", "--max-new-tokens", "2"]
+    _one_line_exit_2(capsys, argv, "a shard does not read as tensors alone")
+    assert not marker.exists()
 
 
 def _record_size(file: Path) -> None:

@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fivefold.errors import FivefoldError
-from fivefold.train.safe_metadata import read_metadata, safe_load
+from fivefold.train.safe_metadata import NOT_TENSORS, read_metadata, refused_as_unsafe, safe_load
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -547,13 +547,15 @@ def _keep_kernels(optimizer: torch.optim.Optimizer, groups_before: list[dict]) -
 def _restore_rng(rng_file: Path) -> None:
     """Each rank's RNG state: tensors only (`weights_only`), checked before it is applied."""
     try:
-        rng = torch.load(rng_file, weights_only=True)
+        with warnings.catch_warnings():  # torch's warning about a crafted file's pickle protocol: noise here
+            warnings.simplefilter("ignore")
+            rng = torch.load(rng_file, weights_only=True)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     except Exception as exc:  # noqa: BLE001 - unreadable, refused or the wrong shape: all mean corrupt
         # torch's own message about a refused file advises turning the safety off: not repeated here
-        if isinstance(exc, pickle.UnpicklingError) and "Weights only load failed" in str(exc):
+        if isinstance(exc, pickle.UnpicklingError) and refused_as_unsafe(exc):
             reason = "it holds objects other than tensors, which are not loaded"
         else:
             reason = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:100]}"
@@ -576,6 +578,8 @@ def _fsync_dir(path: Path) -> None:
 
 def _first_cause(exc: BaseException) -> str:
     """A one-line reason; DCP wraps each rank's traceback, whose last line says what went wrong."""
+    if refused_as_unsafe(exc):  # torch's message ends in a pointer to its docs, not in a reason
+        return NOT_TENSORS
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     if isinstance(exc, CheckpointException) and lines:
         return lines[-1]

@@ -41,6 +41,19 @@ _DCP_MODULES = {
 }
 
 
+# what a user is told when torch's `weights_only` loader refuses a shard: torch's own message advises
+# turning that safety off and ends in a pointer to torch.load's documentation, neither of which helps
+NOT_TENSORS = (
+    "a shard does not read as tensors alone (damaged, or it holds other objects, which are not loaded)"
+)
+
+
+def refused_as_unsafe(exc: BaseException) -> bool:
+    """Whether `exc` is torch's `weights_only` loader refusing a file (also inside DCP's wrapping of
+    each rank's traceback)."""
+    return "Weights only load failed" in str(exc)
+
+
 class UnsafeMetadata(pickle.UnpicklingError):
     """The file names something a DCP index never holds."""
 
@@ -110,4 +123,6 @@ def load_weights(weights: dict[str, Any], path: str | Path) -> None:
             safe_load({"model": weights}, path)
     except (Exception, CheckpointException) as exc:  # DCP raises several kinds; all mean the same here
         detail = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
+        if refused_as_unsafe(exc):
+            detail = NOT_TENSORS
         raise FivefoldError(f"checkpoint {path} is corrupt or incomplete ({detail})") from None

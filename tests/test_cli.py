@@ -30,7 +30,10 @@ def files(tmp_path_factory) -> dict[str, str]:
     hf |= {"vocab_size": 256, "intermediate_size": 128, "rope_scaling": "yes"}
     (root / "rope_str.json").write_text(json.dumps(hf))
     (root / "no_config").mkdir()
+    (root / "occupied").mkdir()
+    (root / "occupied" / "metrics.jsonl").write_text("")
     return {
+        "occupied": str(root / "occupied"),
         "rope_str": str(root / "rope_str.json"),
         "no_config": str(root / "no_config"),
         "bad": str(root / "bad.toml"),
@@ -70,6 +73,11 @@ BAD_INPUT = [
         "no finished checkpoint",
     ),
     ("demo", ["--steps", "0"], "--steps must be positive"),
+    # the demo has no --resume: it names the command that continues a run
+    ("demo", ["--run-dir", "{occupied}"], "continue it with `fivefold train --resume --run-dir"),
+    # a file where the run directory belongs: named before any rank starts, not as mkdir's errno
+    ("demo", ["--run-dir", "{corpus}"], "exists and is not a directory"),
+    ("train", ["--model", "tiny", "--nproc", "2", "--run-dir", "{corpus}"], "exists and is not a directory"),
     ("mesh", ["--gpus", "4", "--tp", "3"], "world size"),
     ("plan", ["--model", "no-such-model", "--hardware", "h100-80gb", "--gpus", "8"], "unknown model"),
     ("plan", ["--model", "llama3-8b", "--hardware", "no-such-gpu", "--gpus", "8"], "unknown hardware"),

@@ -20,7 +20,7 @@ from fivefold.commands.train import default_run_dir, start
 from fivefold.config import Layout, RunConfig, TrainSpec, load_model
 from fivefold.errors import FivefoldError
 from fivefold.train.launch import TrainJob
-from fivefold.train.loop import train
+from fivefold.train.loop import check_run_dir, train
 
 DEMO_MODEL = "small"
 # 200 steps of 8×128 bytes take about 0.15 CPU-seconds each and end near 2 nats held-out (~60% below
@@ -62,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     if args.seed is not None:
         tspec = replace(tspec, seed=args.seed)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir("demo")
+    # the demo has no --resume: a run found there is continued by `fivefold train`
+    check_run_dir(run_dir, None, f"continue it with `fivefold train --resume --run-dir {run_dir}`")
     print(
         f"training {spec.name} ({spec.num_params() / 1e6:.2f} M parameters) for {tspec.steps} steps "
         f"on the Python standard library's sources, byte-level; run directory: {run_dir}",

@@ -246,16 +246,19 @@ RUN_FILES = (
 )
 
 
-def check_run_dir(run_dir: Path, resume: str | None) -> None:
-    """A new run goes into an empty place: never over another run or files someone else wrote."""
+def check_run_dir(
+    run_dir: Path, resume: str | None, to_continue: str = "pass --resume to continue it"
+) -> None:
+    """A new run goes into an empty place: never over another run or files someone else wrote.
+    `to_continue` says how a run found there is continued (a command without --resume says its own)."""
     run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():  # found here, not as mkdir's "File exists" in a rank
+        raise FivefoldError(f"--run-dir {run_dir} exists and is not a directory; pick another --run-dir")
     if resume is not None:
         _check_resumable(run_dir)
         return
     if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
-        raise FivefoldError(
-            f"{run_dir} already holds a run; pass --resume to continue it or pick another --run-dir"
-        )
+        raise FivefoldError(f"{run_dir} already holds a run; {to_continue} or pick another --run-dir")
     if present := [name for name in RUN_FILES if (run_dir / name).exists()]:
         raise FivefoldError(
             f"{run_dir} already has {', '.join(present)}, which a new run would overwrite; "

@@ -83,6 +83,11 @@ BAD_INPUT = [
     ("plan", ["--model", "llama3-8b", "--hardware", "no-such-gpu", "--gpus", "8"], "unknown hardware"),
     ("generate", ["--from", "{root}/no-run", "--prompt", "x"], "no-run"),
     ("generate", ["--from", "{corpus}", "--prompt", "x"], "a file, not a directory"),
+    # flags that one process or --greedy would drop without a word
+    ("generate", ["--model", "tiny", "--prompt", "x", "--comm"], "give --nproc 2 or more"),
+    ("generate", ["--model", "tiny", "--prompt", "x", "--greedy", "--temperature", "0.5"], "--temperature"),
+    ("generate", ["--model", "tiny", "--prompt", "x", "--greedy", "--top-k", "5"], "would not be used"),
+    ("generate", ["--model", "tiny", "--prompt", "x", "--ids", "--json"], "give one of them"),
     ("plan", ["--validate", "/dev/null"], "not a regular file"),
     ("plan", ["--validate", "--plot", "{corpus}/x.svg"], "code.txt is a file, not a directory"),
     (

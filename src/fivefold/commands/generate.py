@@ -55,8 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens to generate: one count, or one per prompt comma-separated (default 64)",
     )
     parser.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely (0: all)")
+    # None: not given, so that --greedy with either is told apart from the defaults (1 and 0)
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1)")
+    parser.add_argument(
+        "--top-k", type=int, default=None, help="sample among the k most likely (default 0: all)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
     parser.add_argument("--ids", action="store_true", help="print only the generated ids, comma-separated")
     parser.add_argument("--stream", action="store_true", help="print tokens as they are chosen")
@@ -96,6 +99,20 @@ def run(args: argparse.Namespace) -> int:
         raise FivefoldError(
             "--stream prints the text as it is chosen and --json one object at the end; give one of them"
         )
+    if args.ids and args.json:  # the JSON object already holds the ids; one of the two would be dropped
+        raise FivefoldError("--ids prints the ids as a line and --json as one object; give one of them")
+    # --greedy decides every token: a temperature or top-k given with it would be dropped without a word
+    sampling = (("--temperature", args.temperature), ("--top-k", args.top_k))
+    given = [flag for flag, value in sampling if value is not None]
+    if args.greedy and given:
+        raise FivefoldError(
+            f"--greedy takes the most likely token, so {' and '.join(given)} would not be used; "
+            "give --greedy, or sample with --temperature / --top-k"
+        )
+    if args.comm and args.nproc == 1:
+        raise FivefoldError("--comm reports the ranks' communication: give --nproc 2 or more and a layout")
+    args.temperature = 1.0 if args.temperature is None else args.temperature
+    args.top_k = 0 if args.top_k is None else args.top_k
     args.max_new_tokens = _parse_limits(args.max_new_tokens)
     if not (math.isfinite(args.temperature) and args.temperature >= 0) or args.top_k < 0:
         raise FivefoldError(

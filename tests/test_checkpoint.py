@@ -141,10 +141,21 @@ def test_a_full_disk_stops_the_run_with_one_line_and_frees_what_it_wrote(
         train(config(corpus, steps=6), run, resume="latest", progress=False)
     assert caught.value.exit_code == 1
     assert "step_6 could not be written" in str(caught.value) and "No space left" in str(caught.value)
+    assert "earlier checkpoints are kept" in str(caught.value)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_3"]
     monkeypatch.undo()
     resumed = train(config(corpus, steps=6), run, resume="latest", progress=False)
     assert resumed.first_step == 4
+
+
+def test_a_full_disk_at_the_first_checkpoint_does_not_say_resume(tmp_path, corpus, monkeypatch):
+    """With no earlier checkpoint there is nothing to resume: the line says to start again."""
+    full = OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(ckpt.dcp, "save", lambda state, checkpoint_id: (_ for _ in ()).throw(full))
+    with pytest.raises(ckpt.CheckpointUnwritten) as caught:
+        train(config(corpus, steps=2), tmp_path / "run", progress=False)
+    assert "no checkpoint to resume from" in str(caught.value) and "kept" not in str(caught.value)
+    assert list((tmp_path / "run" / "checkpoints").iterdir()) == []
 
 
 def test_corrupt_or_missing_checkpoints_are_clear_errors(tmp_path, corpus):

@@ -371,10 +371,13 @@ def _unwritten(final: Path, tmp: Path, rank: int, why: str) -> CheckpointUnwritt
     the previous checkpoint stays)."""
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    return CheckpointUnwritten(
-        f"checkpoint {final} could not be written ({why}); earlier checkpoints are kept "
-        "and the run stopped: free space (or fix the storage) and resume"
-    )
+    # the run's first checkpoint leaves nothing to resume from: said so, not "resume"
+    fix = "free space (or fix the storage) and"
+    if any(path != final for _, path in list_checkpoints(final.parent.parent)):
+        after = f"earlier checkpoints are kept and the run stopped: {fix} resume"
+    else:
+        after = f"the run stopped with no checkpoint to resume from: {fix} start it again"
+    return CheckpointUnwritten(f"checkpoint {final} could not be written ({why}); {after}")
 
 
 CHECKSUMS = "checksums.json"  # {file: crc32} of every file the ranks wrote

@@ -420,6 +420,24 @@ def test_a_runs_recompute_block_count_is_checked(capsys, tmp_path, layout: str, 
     assert len(err) == 1 and "bad-run" in err[0] and needle in err[0]
 
 
+@pytest.mark.parametrize(
+    "old, new, needle",
+    [  # counts past any real run overflowed the planner's floats (a traceback) or printed 300 digits
+        ("seq_len = 2048", "seq_len = 1e308", "model.seq_len must be at most 1,000,000,000, got 1e+308"),
+        ("global_batch = 8", "global_batch = 1e308", "layout.global_batch must be at most"),
+        ("global_batch = 8", "global_batch_tokens = 1e308", "layout.global_batch_tokens must be at most"),
+        ("global_batch = 8", "local_batch = 1e308", "layout.local_batch must be at most"),
+        ("heads = 32", "heads = 1" + "0" * 400, "model.heads must be at most 1,000,000,000, got a 401-digit"),
+    ],
+)
+def test_a_runs_counts_beyond_any_real_run_are_named(capsys, tmp_path, old: str, new: str, needle) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(BAD_RUN.replace("vocab = 32000", "vocab = 32000\nseq_len = 2048").replace(old, new))
+    assert main(["plan", "--validate", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run bad-run: " in err[0] and needle in err[0] and len(err[0]) < 200
+
+
 def test_contradicting_runs_are_reported_and_calibration_writes_hardware(capsys, tmp_path) -> None:
     good = BAD_RUN.replace("vocab = 32000", "vocab = 32000\nseq_len = 2048")
     runs = good + good.replace('"bad-run"', '"contradicts"').replace(

@@ -22,6 +22,7 @@ from typing import Any
 from fivefold.config import CP_IMPLS, HardwareSpec, Layout, ModelSpec, load_hardware
 from fivefold.config.files import read_settings_text
 from fivefold.config.hardware import GPU_NAME_PRESETS, preset_for_gpu_name
+from fivefold.config.run import MAX_BATCH
 from fivefold.errors import FivefoldError, reason
 from fivefold.plan.spec import TrainShape
 from fivefold.plan.trainers import (
@@ -145,6 +146,9 @@ def _need(run: dict[str, Any], table: str, key: str) -> Any:
     raise FivefoldError(f"run {run['id']}: {table}.{key} is missing (needed to plan it)")
 
 
+MAX_COUNT = MAX_BATCH  # the largest count a run may state (the CLI's ceiling on --global-batch, --seq-len)
+
+
 def _int(run: dict[str, Any], table: str, key: str, value: Any) -> int:
     try:
         out = int(value)
@@ -154,6 +158,12 @@ def _int(run: dict[str, Any], table: str, key: str, value: Any) -> int:
         raise FivefoldError(f"run {run['id']}: {table}.{key} must be an integer, got {value!r}") from None
     if out <= 0:
         raise FivefoldError(f"run {run['id']}: {table}.{key} must be positive, got {out}")
+    # no layer count, batch, sequence or world comes near this; beyond it the planner's float arithmetic
+    # overflows (1e308 tokens) and a message would print a 300-digit number
+    if out > MAX_COUNT:
+        big = isinstance(value, float) or out < 1e300  # (a float of it would overflow)
+        got = f"{float(value):.3g}" if big else f"a {len(str(out))}-digit number"
+        raise FivefoldError(f"run {run['id']}: {table}.{key} must be at most {MAX_COUNT:,}, got {got}")
     return out
 
 

@@ -131,8 +131,10 @@ def test_the_assumed_batch_and_sequence_fit_the_flags_given(capsys) -> None:
     """Left out, the global batch is a whole number of --micro-batch per data rank, and the sequence
     no longer than the model's positions: a plan never refuses what it assumed itself."""
     assert main(["plan", "--model", "tiny", "--hardware", "cpu", "--gpus", "6", "--micro-batch", "4"]) == 0
-    captured = capsys.readouterr()
-    assert "--seq-len 256" in captured.err and "must be a multiple" not in captured.err
+    captured = capsys.readouterr()  # on a CPU device train's: 128 tokens, a micro-batch a data rank
+    assert "--seq-len 128, --global-batch 24" in captured.err and "must be a multiple" not in captured.err
+    assert main(["plan", "--model", "tiny", "--gpus", "6", "--micro-batch", "4"]) == 0
+    assert "--seq-len 256" in capsys.readouterr().err  # elsewhere 4,096, or the model's positions
     assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--tp", "2", "--micro-batch", "3"]) == 0
     assert "--seq-len 4096" in capsys.readouterr().err
 
@@ -147,3 +149,37 @@ def test_plan_and_explore_name_the_train_flags_of_a_pipelines_batch_split(tmp_pa
     for argv in (["plan", *flags], ["explore", *flags, "--top", "0", "--no-lab", "--out", str(out)]):
         assert main(argv) == 0
         assert hint in capsys.readouterr().out
+
+
+def test_a_cpu_plan_left_to_its_defaults_is_of_the_run_train_makes(tmp_path, capsys, monkeypatch) -> None:
+    """On a CPU device, what plan is not told is what train is not told: the plan of the same layout
+    flags has train's sequence, step batch and pipeline split (train's micro-batch is a pipelined data
+    rank's batch, cut into 2 × pp micro-batches)."""
+    import json
+
+    import fivefold.train.launch
+
+    jobs = []
+
+    def capture(config, entry):  # where the ranks would start: keep the job they would run
+        def run(job, *_):
+            jobs.append(job)
+            raise Started
+
+        return run
+
+    monkeypatch.setattr(fivefold.train.launch, "elastic_launch", capture)
+    monkeypatch.chdir(tmp_path)
+    for i, flags in enumerate((["--fsdp", "2", "--tp", "2"], ["--pp", "2", "--dp", "2"])):
+        with pytest.raises(Started):
+            main(["train", "--model", "small", "--nproc", "4", "--steps", "1", "--run-dir", f"r{i}", *flags])
+        config = jobs[-1].config
+        data = config.layout.dp * config.layout.fsdp
+        assert main(["plan", "--model", "small", "--hardware", "cpu", "--gpus", "4", *flags, "--json"]) == 0
+        planned = json.loads(capsys.readouterr().out)
+        assert planned["seq_len"] == config.train.seq_len
+        assert planned["global_batch"] == config.train.step_batch(data)
+        pipelined = config.layout.pp > 1
+        split = config.layout.resolve(4).microbatches if pipelined else 1
+        assert planned["micro_batch"] == config.train.micro_batch // split
+        assert planned["microbatches"] == (split if pipelined else 1)

@@ -90,20 +90,29 @@ def run(args: argparse.Namespace) -> int:
         raise FivefoldError("give --gpus N (the world size)")
     check_gpus(gpus)
     if not args.seq_len and not base:
-        assumed["seq_len"] = defaults.seq_len(model.max_seq_len)
-    seq_len = args.seq_len or (base.train.seq_len if base else defaults.seq_len(model.max_seq_len))
+        assumed["seq_len"] = defaults.seq_len(model.max_seq_len, hw)
+    seq_len = args.seq_len or (base.train.seq_len if base else defaults.seq_len(model.max_seq_len, hw))
     check_seq_len(model, seq_len)  # as train checks it: the model's positions bound a sequence
-    micro = args.micro_batch or (base.train.micro_batch if base else 1)
+    resolved = resolve_layout(layout, gpus, model=model) if given else None
+    # on a CPU device what is left out is train's, as `plan` takes it: the page plans the run train makes
+    trains_here = not base and defaults.on_a_cpu(hw)
+    micro = args.micro_batch or (base.train.micro_batch if base else (defaults.micro_batch(hw) or 1))
+    if trains_here and not args.micro_batch:
+        assumed["micro_batch"] = micro
     if not args.global_batch and not base:
-        assumed["global_batch"] = defaults.global_batch(gpus, seq_len, micro)
+        data_ranks = resolved.data_parallel if resolved is not None else 0
+        assumed["global_batch"] = defaults.global_batch(gpus, seq_len, micro, hw, data_ranks)
     global_batch = args.global_batch or (
-        base.train.step_batch(layout.data_parallel) if base else defaults.global_batch(gpus, seq_len, micro)
+        base.train.step_batch(layout.data_parallel) if base else int(assumed["global_batch"])
     )
     if base and not args.micro_batch:  # the run's split, as `plan --validate RUN_DIR` reads it
         micro = run_micro_batch(layout, micro, global_batch)
+    elif trains_here and not args.micro_batch and resolved is not None:  # train's pipeline split
+        micro = run_micro_batch(resolved, micro, global_batch)
 
-    # a run is planned in its own dtype (fp32 by default), so the page's plan and ledger agree
-    width = DTYPE_BYTES[base.train.dtype] if base else DTYPE_BYTES["bf16"]
+    # a run is planned in its own dtype (fp32 by default), so the page's plan and ledger agree; a CPU
+    # device's plan in train's
+    width = DTYPE_BYTES[base.train.dtype if base else defaults.dtype(hw)]
     # and with the saved activations of its own kernels (a compiled run's fused ones)
     compiled = bool(base and base.train.compile)
     shape = TrainShape(
@@ -114,7 +123,6 @@ def run(args: argparse.Namespace) -> int:
         param_bytes=width,
         saved_as_eager=not compiled,
     ).validate()
-    resolved = resolve_layout(layout, gpus, model=model) if given else None
     out = Path(args.out)
     if out.is_dir():
         raise FivefoldError(f"--out {out} is a directory: give the path of the page to write")

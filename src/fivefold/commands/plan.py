@@ -234,14 +234,29 @@ def run(args: argparse.Namespace) -> int:
     from fivefold.plan.search import search
 
     if args.seq_len is None:
-        args.seq_len = assumed["seq_len"] = defaults.seq_len(model.max_seq_len)
+        args.seq_len = assumed["seq_len"] = defaults.seq_len(model.max_seq_len, hw)
     check_seq_len(model, args.seq_len)  # as train checks it: the model's positions bound a sequence
+    # on a CPU device, where train runs, what is left out is train's: the plan is of the run it makes
+    trains_here = defaults.on_a_cpu(hw) and args.micro_batch is None
+    layout = None
+    if not args.search:
+        layout = resolve_layout(layout_from_args(args), args.gpus, gpn, model, args.seq_len)
+        from fivefold.layout_math import stage_split
+
+        # a bad --pp-split is named before the batch's split, in the order train names them
+        stage_split(model, layout, args.seq_len)
+        if trains_here:  # (a search keeps choosing the micro-batch)
+            args.micro_batch = assumed["micro_batch"] = defaults.micro_batch(hw)
     if args.global_batch is None:
         args.global_batch = assumed["global_batch"] = defaults.global_batch(
-            args.gpus, args.seq_len, args.micro_batch or 1
+            args.gpus,
+            args.seq_len,
+            args.micro_batch or defaults.micro_batch(hw) or 1,
+            hw,
+            layout.data_parallel if layout is not None else 0,
         )
     if args.dtype is None:  # what train runs on a CPU (fp32), what GPU training runs elsewhere
-        args.dtype = "fp32" if hw.name == "cpu" else "bf16"
+        args.dtype = defaults.dtype(hw)
     if args.fp8 and args.dtype == "fp32":
         raise FivefoldError(
             "--fp8 runs the matmuls in fp8 beside 16-bit activations; use it with --dtype bf16"
@@ -290,10 +305,11 @@ def run(args: argparse.Namespace) -> int:
         defaults.say_assumed(assumed)
         _print_search(result, args.json, view.search_text, seconds=result.seconds)
         return 0
-    layout = resolve_layout(layout_from_args(args), args.gpus, gpn, model, args.seq_len)
     say_idle_flags(args, layout)
     data = layout.data_parallel
-    if args.microbatches and layout.pp > 1 and args.global_batch % data == 0:
+    # train's pipelined split: --microbatches given, or train's micro-batch taken as a data rank's batch
+    split = args.microbatches or (trains_here and "micro_batch" in assumed)
+    if split and layout.pp > 1 and args.global_batch % data == 0:
         # as train reads it: a data rank's batch for the step split into that many pipeline micro-batches;
         # --micro-batch, train's unit of accumulation, has only to divide that batch (a batch the data
         # ranks do not share evenly is refused below, as without --microbatches)

@@ -481,6 +481,24 @@ def test_throughputs_that_disagree_leave_the_run_out(capsys, tmp_path, measured:
     assert "left out" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "measured, named",
+    [  # each alone, and each far above what 8 H100s can do: once planned and scored without a word
+        ("iteration_time_s = 1e-6", "iteration_time_s"),
+        ("aggregate_pflops = 1e6", "aggregate_pflops"),
+        ('tflops_per_gpu = 5000\ntflops_basis = "hardware"', "tflops_per_gpu"),
+    ],
+)
+def test_a_step_time_or_job_rate_above_the_peak_leaves_the_run_out(capsys, tmp_path, measured, named) -> None:
+    good = BAD_RUN.replace("vocab = 32000", "vocab = 32000\nseq_len = 2048")
+    path = tmp_path / "runs.toml"
+    fast = good.replace('"bad-run"', '"fast"').replace("tokens_per_s_per_gpu = 1000", measured)
+    path.write_text(good + fast)
+    assert main(["plan", "--validate", str(path)]) == 0
+    left = [line for line in capsys.readouterr().err.splitlines() if "left out" in line]
+    assert len(left) == 1 and "run fast:" in left[0] and f"measured.{named}" in left[0] and "peak" in left[0]
+
+
 def test_a_throughput_above_the_peak_leaves_the_run_out(capsys, tmp_path) -> None:
     """30,000 tokens/s on one H100 is an 8B at over 150% MFU (a job's rate typed as one GPU's, say); an
     fp8 run is held to the fp8 tensor cores' peak, twice the 16-bit one its MFU is given against."""

@@ -365,6 +365,11 @@ def test_bad_runs_file_names_the_run_and_the_field(capsys, tmp_path) -> None:
         ("hbm_gbs = nan", "hardware.hbm_gbs must be a finite number"),
         ("inter_node_gbs_per_gpu = -1", "hardware.inter_node_gbs_per_gpu must be positive"),
         ('gpu = "Foo 9000"\npeak_bf16_tflops = 100\ngpu_memory_gb = -3', "hardware.gpu_memory_gb must be"),
+        # an fp8 row's MFU is over it (0: a ZeroDivisionError); 8.5 GPUs a node was read as 8; a table
+        # was searched for a GPU's name as its text
+        ("peak_fp8_tflops = 0", "hardware.peak_fp8_tflops must be a positive number"),
+        ("gpus_per_node = 8.5", "hardware.gpus_per_node must be a whole number, got 8.5"),
+        ('gpu = {name = "H100"}', "hardware.gpu must be a name"),
     ],
 )
 def test_a_runs_hardware_is_checked_under_the_files_own_names(capsys, tmp_path, hardware, needle) -> None:
@@ -406,6 +411,13 @@ def test_cross_validate_needs_two_sources(capsys, tmp_path) -> None:
         ('zero_stage = "one"', "zero_stage must be 0, 1, 2 or 3"),
         ("zero_stage = 4", "zero_stage must be 0, 1, 2 or 3"),
         ('cp = "two"', "layout.cp must be an integer"),
+        # read as their text or truth once: "no" as compiled, a list as 16-bit, 2.0 as stage 2
+        ('torch_compile = "no"', "layout.torch_compile must be true or false"),
+        ('async_tp = "false"', "layout.async_tp must be true or false"),
+        ('precision = ["fp8"]', "layout.precision must be a string"),
+        ('cpu_offload = ["optimizer"]', "layout.cpu_offload must be true, false or a word"),
+        ("zero_stage = 2.0", "zero_stage must be 0, 1, 2 or 3"),
+        ('attention = "magic"', "layout.attention must be one of flash, flash3, materialized"),
     ],
 )
 def test_a_runs_recompute_block_count_is_checked(capsys, tmp_path, layout: str, needle: str) -> None:

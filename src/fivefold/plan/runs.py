@@ -24,7 +24,7 @@ from fivefold.config.files import read_settings_text
 from fivefold.config.hardware import GPU_NAME_PRESETS, preset_for_gpu_name
 from fivefold.config.run import MAX_BATCH
 from fivefold.errors import FivefoldError, reason
-from fivefold.plan.spec import TrainShape
+from fivefold.plan.spec import ATTENTION, TrainShape
 from fivefold.plan.trainers import (
     FIRST_SP_YEAR,
     TRAINERS,
@@ -193,7 +193,14 @@ def hardware(run: dict[str, Any]) -> HardwareSpec:
     table = run.get("hardware", {})
     if not isinstance(table, dict):
         raise FivefoldError(f"run {run['id']}: hardware must be a table ([run.hardware]), got {table!r}")
-    gpu = str(table.get("gpu", ""))
+    gpu = table.get("gpu", "")
+    if not isinstance(gpu, str):  # a table's text would be searched for a GPU's name
+        raise FivefoldError(f'run {run["id"]}: hardware.gpu must be a name like "H100 80GB", got {gpu!r}')
+    fp8_peak = table.get("peak_fp8_tflops")
+    if fp8_peak is not None and not _positive_number(fp8_peak):  # an fp8 row's MFU is divided by it
+        raise FivefoldError(
+            f"run {run['id']}: hardware.peak_fp8_tflops must be a positive number, got {fp8_peak!r}"
+        )
     preset = preset_for_gpu_name(gpu)
     changes: dict[str, Any] = {}
     for key, field_name, kind in HARDWARE_KEYS:
@@ -201,6 +208,9 @@ def hardware(run: dict[str, Any]) -> HardwareSpec:
             value = table[key]
             if isinstance(value, bool) or not isinstance(value, (int, float, str)):
                 raise FivefoldError(f"run {run['id']}: hardware.{key} must be a number, got {value!r}")
+            # 8.5 GPUs a node would be read as 8
+            if kind is int and isinstance(value, float) and math.isfinite(value) and not value.is_integer():
+                raise FivefoldError(f"run {run['id']}: hardware.{key} must be a whole number, got {value!r}")
             try:
                 changes[field_name] = kind(value)
             except (ValueError, OverflowError):  # "fast", or inf where a count belongs
@@ -304,6 +314,30 @@ class RunInputs:
     selective: bool = True  # whether the trainer had selective recompute, if the recompute is unpublished
 
 
+# keys whose value is read as a yes or no, and keys read as words (a list or a number there would be
+# read as its text: `torch_compile = "no"` as compiled, `precision = ["fp8"]` as 16-bit)
+FLAG_KEYS = (("layout", "torch_compile"), ("layout", "async_tp"))
+WORD_KEYS = (("layout", "precision"), ("layout", "framework"), ("layout", "attention"), ("model", "arch"))
+
+
+def _check_kinds(run: dict[str, Any]) -> None:
+    """One line for a flag that is not true or false, or a word that is not a string."""
+    for table, key in FLAG_KEYS:
+        value = run.get(table, {}).get(key)
+        if value is not None and not isinstance(value, bool):
+            raise FivefoldError(f"run {run['id']}: {table}.{key} must be true or false, got {value!r}")
+    for table, key in WORD_KEYS:
+        value = run.get(table, {}).get(key)
+        if value is not None and not isinstance(value, str):
+            raise FivefoldError(f"run {run['id']}: {table}.{key} must be a string, got {value!r}")
+    for key in ("cpu_offload", "offload_optimizer"):
+        value = run.get("layout", {}).get(key)
+        if value is not None and not isinstance(value, (bool, str)):
+            raise FivefoldError(
+                f'run {run["id"]}: layout.{key} must be true, false or a word like "optimizer", got {value!r}'
+            )
+
+
 def build(run: dict[str, Any]) -> RunInputs | None:
     """The planner's inputs for a run, or None for a memory-only example without a model shape."""
     mt, lt = run.get("model", {}), run.get("layout", {})
@@ -346,9 +380,10 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     ep, cp, tp = axis("ep", 1), axis("cp", 1), axis("tp", 1)
     fsdp = axis("fsdp", 1)
     dp = axis("dp", -1 if "fsdp" not in lt else 1)
+    _check_kinds(run)
     if "zero_stage" in lt:
         zero = lt["zero_stage"]
-        if isinstance(zero, bool) or zero not in (0, 1, 2, 3):
+        if not isinstance(zero, int) or isinstance(zero, bool) or zero not in (0, 1, 2, 3):
             raise FivefoldError(f"run {rid}: layout.zero_stage must be 0, 1, 2 or 3, got {zero!r}")
     else:  # unpublished: FSDP shards everything, Megatron/NeMo use the distributed optimizer
         zero = 3 if fsdp > 1 else (1 if dp != 1 else 0)
@@ -467,6 +502,9 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     # a compiled fivefold run keeps what its fused kernels keep, not its eager code's tensors
     facts["saved_as_eager"] = facts["saved_as_eager"] and not lt.get("torch_compile", False)
     facts["tp_overlap"] = bool(lt.get("async_tp", facts["tp_overlap"]))
+    if "attention" in lt and lt["attention"] not in ATTENTION:
+        valid = ", ".join(ATTENTION)
+        raise FivefoldError(f"run {rid}: layout.attention must be one of {valid}, got {lt['attention']!r}")
     shape = TrainShape(
         block="llama" if gated else ("gpt" if plain else "auto"),
         seq_len=seq,

@@ -4,6 +4,8 @@ verify stop where a rank would start; nothing is launched."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from fivefold.cli import main
@@ -183,3 +185,41 @@ def test_a_cpu_plan_left_to_its_defaults_is_of_the_run_train_makes(tmp_path, cap
         split = config.layout.resolve(4).microbatches if pipelined else 1
         assert planned["micro_batch"] == config.train.micro_batch // split
         assert planned["microbatches"] == (split if pipelined else 1)
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--sp"], "note: --sp shards the activations tensor parallelism replicates; tp is 1 here"),
+        (
+            ["--tp", "2", "--pp-schedule", "gpipe"],
+            "note: --pp-schedule orders a pipeline's micro-batches; pp is 1",
+        ),
+        (["--tp", "2", "--zero", "3"], "note: --zero shards the optimizer state"),
+    ],
+)
+def test_a_flag_with_nothing_to_act_on_is_named_by_every_command(flags, said, tmp_path, capsys, monkeypatch):
+    """A refining flag for an axis of size 1 (sp without tp, a schedule without pp, ZeRO without data
+    ranks) leaves the layout valid but does nothing: plan, explore, train and verify each say so once."""
+    import fivefold.parallel.spawn
+    import fivefold.train.launch
+
+    monkeypatch.setattr(fivefold.train.launch, "elastic_launch", _started)
+    monkeypatch.setattr(fivefold.parallel.spawn, "spawn_ranks", _started)
+    monkeypatch.chdir(tmp_path)
+    argvs = (
+        ["plan", *COMMON, "--hardware", "cpu", "--gpus", "2", *flags],
+        ["explore", *COMMON, "--hardware", "cpu", "--gpus", "2", "--top", "0", "--no-lab", "--out", "p.html"]
+        + flags,
+        ["train", *COMMON, "--nproc", "2", "--steps", "1", "--run-dir", "run", *flags],
+        ["verify", *COMMON, "--nproc", "2", "--steps", "1", *flags],
+    )
+    for argv in argvs:
+        with contextlib.suppress(Started):  # train accepted its flags where its ranks would start
+            assert main(argv) == 0
+        err = capsys.readouterr().err
+        assert err.count(said) == 1, (argv[0], err)
+    # the same flags where their axis is there: no note
+    for argv in (["plan", *COMMON, "--hardware", "cpu", "--gpus", "4", "--tp", "2", "--pp", "2", "--sp"],):
+        assert main(argv) == 0
+        assert "no effect" not in capsys.readouterr().err

@@ -307,13 +307,27 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_on_interrupt=args.checkpoint_on_interrupt,
     )
     if int(os.environ.get("RANK", "0")) == 0:
-        say_idle_flags(args, cfg.layout)
+        say_idle_flags(args, _known_layout(cfg.layout, _world(args.nproc)))
     return start(job, 1 if _launched() else args.nproc)
+
+
+def _world(nproc: int) -> int:
+    """The ranks of this run: torchrun's world, or the `--nproc` local ranks train starts."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if _launched() else nproc
+
+
+def _known_layout(layout: Layout, world: int) -> Layout:
+    """`layout` with dp filled from `world` where it can be (what the notes on idle flags read); as it
+    is where it cannot, which the preflight then names."""
+    try:
+        return layout.resolve(world)
+    except FivefoldError:
+        return layout
 
 
 def start(job: TrainJob, nproc: int) -> int:
     """Train `job` here (one process, or one rank under torchrun) or on `nproc` local ranks."""
-    world = int(os.environ.get("WORLD_SIZE", "1")) if _launched() else nproc
+    world = _world(nproc)
     # an impossible layout, missing data or an occupied run directory: reported before any rank starts
     preflight(job.config, job.run_dir, job.resume, world)
     if job.config.train.compile:  # axes torch cannot compile with, refused before any rank starts

@@ -117,8 +117,8 @@ def run(args: argparse.Namespace) -> int:
         raise FivefoldError(f"--steps must be positive, got {args.steps}")
     base = layout_from_args(args)
     base.check_experts(spec)
-    say_idle_flags(args, base)
     layout = base.resolve(args.nproc)
+    say_idle_flags(args, layout)  # resolved: dp filled, so an idle --zero is known
     train = TrainSpec(
         seed=args.seed,
         seq_len=args.seq_len,

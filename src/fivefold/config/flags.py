@@ -134,3 +134,10 @@ def say_idle_flags(args: argparse.Namespace, layout: Layout) -> None:
             continue
         note = f"note: {what}; {axis} is 1 here, so it has no effect (add --{axis} 2 or more)"
         print(note, file=sys.stderr)
+    # ZeRO refines the data ranks (dp, which may be left to fill the world: said only once known)
+    if getattr(args, "zero", None) and layout.dp > 0 and layout.dp * layout.fsdp * layout.cp == 1:
+        print(
+            "note: --zero shards the optimizer state (and gradients, weights) over the data-parallel ranks; "
+            "dp×fsdp is 1 here, so it has no effect (add --fsdp 2 or more)",
+            file=sys.stderr,
+        )

@@ -385,6 +385,33 @@ def test_a_runs_hardware_is_checked_under_the_files_own_names(capsys, tmp_path, 
     assert len(err) == 1 and "run bad-run: " in err[0] and needle in err[0]
 
 
+@pytest.mark.parametrize(
+    "old, new, needle",
+    [  # `true` and 1.0 equal 1 in Python; a newline or an escape in an id forged or garbled table lines
+        ("[[run]]", "version = true\n[[run]]", "version True; this fivefold reads version 1"),
+        ("[[run]]", "version = 1.0\n[[run]]", "version 1.0; this fivefold reads version 1"),
+        ('id = "bad-run"', 'id = "bad\\nrun"', "run bad\\nrun: id has a control character"),
+        ('id = "bad-run"', 'id = "bad\\u001b[2Jrun"', "id has a control character"),
+        ("a made-up source", "a made-up\\tsource", "source has a control character"),
+        ('id = "bad-run"', f'id = "{"x" * 10_000}"', "id is 10,000 characters; at most 200"),
+    ],
+)
+def test_a_runs_files_header_and_ids_are_checked(capsys, tmp_path, old: str, new: str, needle: str) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(BAD_RUN.replace("vocab = 32000", "vocab = 32000\nseq_len = 2048").replace(old, new, 1))
+    assert main(["plan", "--validate", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0] and len(err[0]) < 300
+
+
+def test_a_link_loop_is_named_as_one(capsys, tmp_path) -> None:
+    loop = tmp_path / "loop.toml"
+    loop.symlink_to(loop)
+    assert main(["plan", "--validate", str(loop)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "leading back to itself" in err[0]
+
+
 def test_cross_validate_needs_two_sources(capsys, tmp_path) -> None:
     # leaving the one source out leaves nothing to fit on (a median of no runs, once a traceback)
     runs = tmp_path / "runs.toml"

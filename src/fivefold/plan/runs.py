@@ -67,6 +67,15 @@ def builtin_paths() -> list[Path]:
 RUNS_FORMAT, RUNS_VERSION = "fivefold-reference-runs", 1  # the `format` and `version` a runs file may state
 
 
+MAX_ID = 200  # characters in a run's id (a directory's name is at most 255 bytes)
+
+
+def _shown(text: str) -> str:
+    """A run's id as an error may print it: escapes visible, at most 60 characters."""
+    shown = ascii(text)[1:-1] if not text.isprintable() else text
+    return shown if len(shown) <= 60 else shown[:50] + f"... ({len(text):,} characters)"
+
+
 def load_runs(*paths: str | Path) -> list[dict[str, Any]]:
     """Every `[[run]]` of the files, each tagged with `_file`; one line on a malformed file."""
     runs: list[dict[str, Any]] = []
@@ -74,6 +83,8 @@ def load_runs(*paths: str | Path) -> list[dict[str, Any]]:
         p = Path(path)
         if not p.is_file():
             what = "not a regular file" if p.exists() else "not found"
+            if not p.exists() and p.is_symlink():  # dangling, or a loop of links
+                what = "a symbolic link to nothing readable (missing, or leading back to itself)"
             raise FivefoldError(f"runs file {p}: {what}")
         text = read_settings_text(p, "runs file")  # bounded: not a settings file beyond 16 MB
         try:
@@ -84,7 +95,8 @@ def load_runs(*paths: str | Path) -> list[dict[str, Any]]:
         # be planned from fields that mean something else
         if data.get("format", RUNS_FORMAT) != RUNS_FORMAT:
             raise FivefoldError(f"runs file {p}: format {data['format']!r} is not {RUNS_FORMAT!r}")
-        if data.get("version", RUNS_VERSION) != RUNS_VERSION:
+        version = data.get("version", RUNS_VERSION)  # `true` and 1.0 equal 1 in Python, not in TOML
+        if type(version) is not int or version != RUNS_VERSION:
             raise FivefoldError(
                 f"runs file {p}: version {data['version']!r}; this fivefold reads version {RUNS_VERSION}"
             )
@@ -93,13 +105,25 @@ def load_runs(*paths: str | Path) -> list[dict[str, Any]]:
         for i, run in enumerate(data["run"]):
             if not isinstance(run, dict):
                 raise FivefoldError(f"runs file {p}: run #{i + 1} is not a table ([[run]]), got {run!r}")
-            name = run.get("id", f"#{i + 1}")
+            name = _shown(run["id"]) if isinstance(run.get("id"), str) else run.get("id", f"#{i + 1}")
             for key in ("id", "source", "model", "layout", "measured"):
                 if key not in run:
                     raise FivefoldError(f"runs file {p}: run {name} has no {key!r}")
             for key in ("id", "source"):
                 if not isinstance(run[key], str) or not run[key].strip():
                     raise FivefoldError(f"runs file {p}: run {name}: {key} must be a non-empty string")
+                # both are printed in tables and errors: a newline or an escape sequence would forge or
+                # garble a line of them, 10 kB of id would push every column off the screen
+                if not run[key].isprintable():
+                    raise FivefoldError(
+                        f"runs file {p}: run {_shown(run['id'])}: {key} has a control character "
+                        "(a newline, tab or escape); ids and sources are one line of text"
+                    )
+            if len(run["id"]) > MAX_ID:
+                raise FivefoldError(
+                    f"runs file {p}: run {_shown(run['id'])}: id is {len(run['id']):,} characters; "
+                    f"at most {MAX_ID}"
+                )
             for key in ("model", "layout", "measured", "hardware"):
                 if key in run and not isinstance(run[key], dict):
                     raise FivefoldError(f"runs file {p}: run {name}: {key} must be a table ([run.{key}])")

@@ -404,6 +404,18 @@ def test_a_runs_files_header_and_ids_are_checked(capsys, tmp_path, old: str, new
     assert len(err) == 1 and needle in err[0] and len(err[0]) < 300
 
 
+@pytest.mark.parametrize(
+    "key", ["experts_per_token = 2", "expert_ffn_hidden = 1024", "shared_experts = 1", "moe_topk = 2"]
+)
+def test_a_mixture_of_experts_without_its_expert_count_is_named(capsys, tmp_path, key: str) -> None:
+    # planned as the dense model in silence before
+    bad = tmp_path / "bad.toml"
+    bad.write_text(BAD_RUN.replace("vocab = 32000", f"vocab = 32000\nseq_len = 2048\n{key}"))
+    assert main(["plan", "--validate", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run bad-run: " in err[0] and "model.experts (how many) is not given" in err[0]
+
+
 def test_a_link_loop_is_named_as_one(capsys, tmp_path) -> None:
     loop = tmp_path / "loop.toml"
     loop.symlink_to(loop)

@@ -59,6 +59,9 @@ SHAPE_KEYS = (
 )
 
 
+MOE_KEYS = ("experts_per_token", "expert_ffn_hidden", "shared_experts", "moe_layers")  # beside `experts`
+
+
 def builtin_paths() -> list[Path]:
     base = resources.files("fivefold") / "presets" / "runs"
     return [Path(str(base / name)) for name in BUILTIN]
@@ -375,6 +378,13 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         shape_vals.setdefault("expert_ffn_hidden", mt.get("ffn_hidden"))
     for key in ("layers", "hidden", "heads"):
         _need(run, "model", key)
+    # the keys of a mixture of experts without its expert count: a dense model would be planned in silence
+    half = [k for k in MOE_KEYS if shape_vals.get(k)] + (["moe_topk"] if mt.get("moe_topk") else [])
+    half = half if not shape_vals.get("experts") else []
+    if half:
+        raise FivefoldError(
+            f"run {rid}: model.{half[0]} describes experts, but model.experts (how many) is not given"
+        )
     if "vocab" not in shape_vals:
         shape_vals["vocab"] = FILL["vocab"]  # the head is a few % of a large model's FLOPs
     if "ffn_hidden" not in shape_vals:

@@ -500,6 +500,8 @@ def test_contradicting_runs_are_reported_and_calibration_writes_hardware(capsys,
     assert main(["plan", "--calibrate", str(path), "--out", str(out_file)]) == 0
     captured = capsys.readouterr()
     assert "contradicts" in captured.err and "tokens_per_s_total" in captured.err
+    # 1,000 tokens/s/GPU of a 7B model is slower than any H100 knob allows: written, and said so
+    assert "still miss these runs by" in captured.err
     code = main([*BASE[:3], "--hardware", str(out_file), *BASE[5:], "--tp", "8", "--json"])
     assert code == 0
     data = json.loads(capsys.readouterr().out)
@@ -1328,3 +1330,31 @@ def test_a_serving_plan_notes_what_its_figures_assume(capsys) -> None:
     assert wide["memory"]["params"] < 0.6 * tp8["memory"]["params"]
     assert main([*argv, "--gpus", "16", "--tp", "16"]) == 0
     assert "note: tp 16 over 8 KV head(s)" in capsys.readouterr().out
+
+
+def test_a_calibration_no_knob_can_reach_is_refused(capsys, tmp_path) -> None:
+    """Steps of a million seconds: the fit runs every knob to the end of its range and still misses by
+    orders of magnitude. The calibration names the run and writes nothing, where it wrote a file of
+    knobs at their floors and exited 0; a run with its threads unrecorded gets no '0 thread(s)' note."""
+    from fivefold.config import Layout, RunConfig, TrainSpec, load_model
+
+    run = tmp_path / "run-slow"
+    run.mkdir()
+    cfg = RunConfig(
+        model=load_model("small"),
+        train=TrainSpec(seq_len=256, micro_batch=8, global_batch=16),
+        layout=Layout(dp=2, zero=0).resolve(2),
+    )
+    (run / "config.toml").write_text(cfg.to_toml())
+    steps = [{"step": i, "loss": 5.0, "step_time_s": t} for i, t in enumerate((9e6, 2e6, 1.9e6, 2e6), 1)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    out_file = tmp_path / "cpu-here.toml"
+    assert main(["plan", "--calibrate", str(run), "--out", str(out_file)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no knobs within their physical ranges" in err[0] and "run-slow" in err[0]
+    assert not out_file.exists()
+    (run / "run.json").write_text("not json")  # the run's facts (its threads) unreadable
+    steps = [{"step": i, "loss": 5.0, "step_time_s": t} for i, t in enumerate((9.0, 2.1, 1.9, 2.0), 1)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    assert main(["plan", "--calibrate", str(run), "--out", str(out_file)]) == 0
+    assert "0 thread(s)" not in capsys.readouterr().err

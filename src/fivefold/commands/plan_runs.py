@@ -186,6 +186,15 @@ def _dispatch_share(cases: list, hw) -> float:  # noqa: ANN001 - validation case
     return 1 - without / total if total else 0.0
 
 
+# a fit that still misses the runs by more than CALIBRATION_MISS on average (tenfold) explains none of
+# them: the knobs ran to the ends of their physical ranges (a step time of 1e6 s, a model shape not the
+# run's), and a hardware file of such knobs would plan nothing right. Past CALIBRATION_WARN the file is
+# written, and said to plan these runs that far off: a slow real cluster (a congested network, a
+# starved input pipeline) is slower than the device's ranges allow, for reasons no knob here holds
+CALIBRATION_MISS = 10.0
+CALIBRATION_WARN = 0.5
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -207,6 +216,20 @@ def _calibrate(args: argparse.Namespace) -> int:
     hw = knobs.apply(cases[0].inputs.hw)
     result = V.in_sample(cases, knobs)
     s = result.summary()
+    if s["mean"] > CALIBRATION_MISS:
+        worst = max(result.predictions, key=lambda p: abs(p.error))
+        raise FivefoldError(
+            f"--calibrate: no knobs within their physical ranges come near these runs (mean |error| "
+            f"{s['mean']:.0%} at the fit); run {worst.run} states {worst.metric} {worst.published:.4g}, the "
+            f"fitted device plans {worst.predicted:.4g}: check its step time and model shape. Nothing written"
+        )
+    if s["mean"] > CALIBRATION_WARN:
+        print(
+            f"note: the fitted knobs reach the ends of their physical ranges and still miss these runs by "
+            f"{s['mean']:.0%} on average: the runs are slower than this device explains (its network, host "
+            "or input pipeline), and the file plans them that far off",
+            file=sys.stderr,
+        )
     # the file names the device; the threads are each run's own, not the device's
     data = {k: v for k, v in to_dict(dataclasses.replace(hw, threads_per_rank=0.0)).items() if k != "name"}
     text = (
@@ -221,7 +244,8 @@ def _calibrate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     threads = {c.inputs.hw.threads_per_rank for c in cases}
-    if not hw.comm_overlap and len(threads) == 1:  # a CPU: the rate per core is fitted at one count
+    # a CPU: the rate per core is fitted at one count (0: the runs did not record theirs)
+    if not hw.comm_overlap and len(threads) == 1 and min(threads) > 0:
         (count,) = threads
         print(
             f"note: every run here ran {count:g} thread(s) a rank; a plan of another thread count scales "

@@ -158,6 +158,9 @@ def test_resolved_config_round_trips(tmp_path):
         ('[layout]\nsp = "no way"\n', "sp must be bool"),
         ("[model]\nlayers = 2\nhidden = 64\nheads = 4\nvocab = 256\nnorm_eps = nan\n", "norm_eps must be"),
         ("[model]\nlayers = 2\nhidden = 64\nheads = 4\nvocab = 256\nexperts = -2\n", "experts must be 0"),
+        # latent attention's sizes come together: half given, a plan had read an output projection of 0
+        ("[model]\nlayers = 2\nhidden = 64\nheads = 4\nvocab = 256\nkv_lora_rank = 32\n", "needs v_head_dim"),
+        ("[model]\nlayers = 2\nhidden = 64\nheads = 4\nvocab = 256\nv_head_dim = 16\n", "give kv_lora_rank"),
     ],
 )
 def test_invalid_run_configs_name_the_constraint(tmp_path, toml, message):

@@ -162,6 +162,20 @@ class ModelSpec:
                 raise FivefoldError(f"model {self.name}: moe_layers must be in 0..{self.layers}")
             if self.router_score not in ("softmax", "sigmoid"):
                 raise FivefoldError(f"model {self.name}: router_score must be softmax or sigmoid")
+        # latent attention's sizes come together: its values' width is the output projection's input,
+        # and without kv_lora_rank the other two would be read as nothing, without a word
+        latent = {k: getattr(self, k) for k in ("qk_rope_head_dim", "v_head_dim") if getattr(self, k)}
+        if self.is_mla and self.v_head_dim <= 0:
+            raise FivefoldError(
+                f"model {self.name}: kv_lora_rank {self.kv_lora_rank} (latent attention) needs v_head_dim, "
+                "the width of each head's values (DeepSeek-V2/V3: 128)"
+            )
+        if latent and not self.is_mla:
+            given = ", ".join(latent)
+            raise FivefoldError(
+                f"model {self.name}: {given} size latent attention, which kv_lora_rank turns on; give "
+                f"kv_lora_rank (DeepSeek-V3: 512), or leave {given} out"
+            )
         return self
 
     # ---- derived

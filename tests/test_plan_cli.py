@@ -1008,7 +1008,8 @@ def test_trainer_flag_plans_with_that_trainers_facts(capsys) -> None:
     for trainer in ("fivefold", "torchtitan", "megatron"):
         assert main(["plan", *layout, "--trainer", trainer, "--json"]) == 0
         step[trainer] = json.loads(capsys.readouterr().out)["step_time_s"]
-    assert step["megatron"] < step["fivefold"] < step["torchtitan"]  # Megatron hides tp; titan is eager
+    # Megatron hides tp behind its fused kernels; fivefold and torchtitan both run eager DTensor code
+    assert step["megatron"] < step["fivefold"] <= step["torchtitan"]
     assert main(["plan", *layout, "--trainer", "megatron", "--attention", "flash", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step_time_s"] > step["megatron"]
     with pytest.raises(SystemExit) as refused:  # argparse's one line, naming the choices

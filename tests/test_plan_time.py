@@ -90,7 +90,7 @@ def test_schedule_rankings() -> None:
 def test_selective_beats_full_recompute() -> None:
     model = gpt(48, 6144, 64)
     # Korthikanti's runs are Megatron's: sequence parallelism gathers the matmul inputs again backward
-    shape = TrainShape(seq_len=2048, global_batch=4, micro_batch=4, tp_regather=True)
+    shape = TrainShape(seq_len=2048, global_batch=4, micro_batch=4, tp_regather=True, fused=True)
     full = plan(model, A100, Layout(tp=8, recompute="full").resolve(8), shape)
     sel = plan(model, A100, Layout(tp=8, sp=True, recompute="selective").resolve(8), shape)
     none = plan(model, A100, Layout(tp=8, sp=True, recompute="none").resolve(8), shape)

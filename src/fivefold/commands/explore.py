@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     # a run is planned in its own dtype (fp32 by default), so the page's plan and ledger agree; a CPU
     # device's plan in train's
     width = DTYPE_BYTES[base.train.dtype if base else defaults.dtype(hw)]
-    # and with the saved activations of its own kernels (a compiled run's fused ones)
+    # and with its own kernels: eager ones, or a compiled run's fused ones (what they stream and keep)
     compiled = bool(base and base.train.compile)
     shape = TrainShape(
         seq_len=seq_len,
@@ -121,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         micro_batch=micro,
         act_bytes=width,
         param_bytes=width,
+        fused=compiled,
         saved_as_eager=not compiled,
     ).validate()
     out = Path(args.out)

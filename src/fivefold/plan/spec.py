@@ -38,7 +38,9 @@ class TrainShape:
     # micro-pipelined TP fuses a scatter only with the one matmul feeding it, and the backward's take the
     # sum of several (q, k, v; w1, w3), so only its gathers of the output gradient are hidden there
     tp_overlap_backward_scatters: bool = True
-    fused: bool = True  # fused elementwise kernels (Megatron/TE, torch.compile); False: eager PyTorch
+    # fused elementwise kernels (Megatron/TE, torch.compile); False: eager PyTorch, fivefold's runtime
+    # without --compile (each norm, activation and rotary op its own kernel)
+    fused: bool = False
     # saved activations as fivefold's eager model code keeps them (each norm's fp32 input and
     # reciprocal RMS, SwiGLU's activated gate, rotary q and k; `fivefold.plan.activations`), the
     # runtime without --compile; False: what fused kernels keep (Korthikanti et al.; published trainers)

@@ -98,6 +98,7 @@ TRAINERS = {
     },
     # fivefold's own run directories (`framework = "fivefold"`): DTensor's sequence parallelism
     "fivefold": {
+        "fused": False,  # eager model code (a run's torch_compile says otherwise)
         "pp_scatter": False,
         "tp_regather": False,
         "tp_backward_overlap": False,

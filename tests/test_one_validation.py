@@ -157,9 +157,12 @@ def test_a_cpu_plan_left_to_its_defaults_is_of_the_run_train_makes(tmp_path, cap
     """On a CPU device, what plan is not told is what train is not told: the plan of the same layout
     flags has train's sequence, step batch and pipeline split (train's micro-batch is a pipelined data
     rank's batch, cut into 2 × pp micro-batches)."""
+    import dataclasses
     import json
 
     import fivefold.train.launch
+    from fivefold.plan import validation as V
+    from fivefold.plan.runs import run_from_dir
 
     jobs = []
 
@@ -185,6 +188,19 @@ def test_a_cpu_plan_left_to_its_defaults_is_of_the_run_train_makes(tmp_path, cap
         split = config.layout.resolve(4).microbatches if pipelined else 1
         assert planned["micro_batch"] == config.train.micro_batch // split
         assert planned["microbatches"] == (split if pipelined else 1)
+        # and the same step as the plan `--validate` makes of the run directory train writes
+        run = tmp_path / f"run{i}"
+        run.mkdir()
+        # as the ranks write it: the layout resolved (dp filled, the pipeline's micro-batch count)
+        written = dataclasses.replace(config, layout=config.layout.resolve(4))
+        (run / "config.toml").write_text(written.to_toml())
+        (run / "metrics.jsonl").write_text(
+            '{"step": 1, "step_time_s": 1.0}\n{"step": 2, "step_time_s": 1.0}\n'
+        )
+        (run / "run.json").write_text(json.dumps({"world": 4, "mfu_peak_from": "cpu", "threads_per_rank": 1}))
+        (case,) = V.cases([run_from_dir(run)])
+        read_back = V._plan_case(case, case.inputs.hw)
+        assert planned["step_time_s"] == pytest.approx(read_back.step_time_s, rel=1e-9)
 
 
 @pytest.mark.parametrize(

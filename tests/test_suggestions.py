@@ -84,3 +84,35 @@ def test_zero1_on_sharded_ranks_is_answered_by_relabelling_them(capsys):
     assert main([*base, "--fsdp", "8", "--zero", "1"]) == 2
     first = SUGGESTED.search(capsys.readouterr().err.strip()).group(1).split(" | ")[0]
     assert first == "--dp 8 --tp 8"
+
+
+@pytest.mark.parametrize(
+    ("flag", "typed", "meant"),
+    [
+        ("--model", "llama3-8B", ["llama3-8b"]),
+        ("--model", "meta-llama/Llama-3-8B", ["llama3-8b"]),
+        ("--model", "mixtral", ["mixtral-8x7b"]),
+        ("--hardware", "H100", ["h100-80gb", "h100-nvl", "h100-pcie"]),
+        ("--hardware", "A100-80GB", ["a100-80gb"]),
+        ("--hardware", "tpuv4", ["tpu-v4"]),
+        ("--hardware", "rtx4090", []),
+    ],
+)
+def test_a_mistyped_preset_name_is_answered_with_the_ones_it_meant(flag, typed, meant, capsys):
+    """A preset named as people write it (another case, separators, an owner prefix, a family) gets
+    one line naming the presets it most likely meant, and a name like none of them gets none."""
+    argv = ["plan", "--model", "tiny", "--hardware", "cpu", "--gpus", "1"]
+    argv[argv.index(flag) + 1] = typed
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    if meant:
+        assert f"(did you mean {', '.join(meant)}?)" in err
+        for name in meant:  # each suggestion is a name the same flag takes
+            argv[argv.index(flag) + 1] = name
+            assert main([*argv, "--json"]) == 0
+            capsys.readouterr()
+    else:
+        assert "did you mean" not in err
+    if "/" in typed:  # a hub id: nothing is fetched at run time
+        assert "nothing is downloaded" in err

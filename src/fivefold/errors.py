@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import errno
 import os
+import re
 from collections.abc import Iterable
 
 
@@ -39,6 +41,35 @@ def suggest(values: Iterable[object], limit: int = 8) -> str:
     more = len(items) - limit
     shown = ", ".join(items[:limit])
     return shown + (f", … ({more} more)" if more > 0 else "")
+
+
+def _folded(name: str) -> str:
+    """A name as people vary it: no owner prefix ("meta-llama/"), case or separators."""
+    return re.sub(r"[^a-z0-9]", "", name.rsplit("/", 1)[-1].lower())
+
+
+def closest(name: str, choices: Iterable[str], limit: int = 3) -> list[str]:
+    """The choices `name` most likely meant: the same once case and separators are set aside, those it
+    begins ("H100" -> h100-80gb, h100-nvl, ...), else the nearest spellings; [] when none is close."""
+    options = list(choices)
+    folded = {c: _folded(c) for c in options}
+    want = _folded(name)
+    if not want:
+        return []
+    same = [c for c in options if folded[c] == want]
+    if same:
+        return same[:limit]
+    begun = [c for c in options if folded[c].startswith(want)]
+    if begun:
+        return begun[:limit]
+    near = difflib.get_close_matches(want, list(folded.values()), n=limit, cutoff=0.75)
+    return [c for c in options if folded[c] in near][:limit]
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """ " (did you mean a, b?)" for an error message, or "" where no choice is close."""
+    near = closest(name, choices)
+    return f" (did you mean {', '.join(near)}?)" if near else ""
 
 
 def divisors(n: int) -> list[int]:

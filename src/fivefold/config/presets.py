@@ -12,7 +12,7 @@ from fivefold.config.files import _from_dict, read_settings_text, read_toml
 from fivefold.config.hardware import HardwareSpec
 from fivefold.config.hf import NotBuilt, model_spec_from_hf, model_spec_from_hf_shape
 from fivefold.config.model import ModelSpec, check_buildable
-from fivefold.errors import FivefoldError, reason, suggest
+from fivefold.errors import FivefoldError, did_you_mean, reason, suggest
 
 
 def _preset_dir(kind: str) -> Any:
@@ -45,9 +45,15 @@ def load_model(name_or_path: str) -> ModelSpec:
             raise FivefoldError(f"model file {path}: model must be a [model] table, got {data!r}")
         data.setdefault("name", path.stem)
         return _from_dict(ModelSpec, data, f"model file {path}").validate()
+    # an HF hub id ("meta-llama/Llama-3-8B"): nothing is downloaded, the checkpoint must be here
+    hub = (
+        " (nothing is downloaded: give a checkpoint directory or its config.json)"
+        if "/" in name_or_path
+        else ""
+    )
     raise FivefoldError(
-        f"unknown model {name_or_path!r}: not a preset, a .toml, a config.json or an HF directory; "
-        f"presets: {suggest(preset_names('models'), 20)}"
+        f"unknown model {name_or_path!r}{did_you_mean(name_or_path, preset_names('models'))}: not a preset, "
+        f"a .toml, a config.json or an HF directory{hub}; presets: {suggest(preset_names('models'), 20)}"
     )
 
 
@@ -104,5 +110,6 @@ def load_hardware(name_or_path: str) -> HardwareSpec:
         data.setdefault("name", path.stem)
         return _from_dict(HardwareSpec, data, f"hardware file {path}").validate()
     raise FivefoldError(
-        f"unknown hardware {name_or_path!r}; presets: {suggest(preset_names('hardware'))} (or a .toml file)"
+        f"unknown hardware {name_or_path!r}{did_you_mean(name_or_path, preset_names('hardware'))}; presets: "
+        f"{suggest(preset_names('hardware'), 30)} (or a .toml file)"
     )

@@ -423,11 +423,13 @@ def _print_table(
 
 def _print_rows(table: list[Row]) -> None:
     width = max(len(r.name) for r in table)
-    print(f"  {'judgment':<9} {'row':<{width}}  {'measured':>24}  {'planned':>24}  {'rel diff':>9}  result")
+    # a numerics row is judged against the single process, the others against the plan
+    print(f"  {'judgment':<9} {'row':<{width}}  {'measured':>24}  {'expected':>24}  {'rel diff':>9}  result")
     for r in table:
         result = "-" if r.ok is None else ("PASS" if r.ok else "FAIL")
         values = f"{r.measured:>24}  {r.planned:>24}  {r.diff:>9.2e}"
         print(f"  {r.judgment:<9} {r.name:<{width}}  {values}  {result}")
+    print("  (expected: the single process's for numerics rows, the plan's for comm, memory and plan rows)")
 
 
 # --------------------------------------------------------------------------------------------

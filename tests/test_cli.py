@@ -327,3 +327,16 @@ def test_an_empty_value_is_refused_not_read_as_the_default(argv, capsys):
     assert stopped.value.code == 2
     flag = argv[argv.index("") - 1]
     assert capsys.readouterr().err.startswith(f"fivefold {argv[0]}: error: {flag} is empty")
+
+
+def test_presets_say_which_models_train_builds(capsys) -> None:
+    """The preset list tells a planned-only model (latent attention) from one train builds, and its
+    word is what train does with it."""
+    assert main(["presets", "--json"]) == 0
+    models = json.loads(capsys.readouterr().out)["models"]
+    assert models["deepseek-v3"]["trainable"] is False and models["tiny-moe"]["trainable"] is True
+    assert main(["presets"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("deepseek-v3"))
+    assert line.endswith("plan only")
+    assert main(["train", "--model", "deepseek-v3", "--steps", "1"]) == 2
+    assert "latent attention" in capsys.readouterr().err

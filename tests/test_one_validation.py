@@ -183,6 +183,7 @@ def test_a_cpu_plan_left_to_its_defaults_is_of_the_run_train_makes(tmp_path, cap
         assert main(["plan", "--model", "small", "--hardware", "cpu", "--gpus", "4", *flags, "--json"]) == 0
         planned = json.loads(capsys.readouterr().out)
         assert planned["seq_len"] == config.train.seq_len
+        assert planned["dtype"] == config.train.dtype and planned["kernels"] == "eager"  # not compiled
         assert planned["global_batch"] == config.train.step_batch(data)
         pipelined = config.layout.pp > 1
         split = config.layout.resolve(4).microbatches if pipelined else 1

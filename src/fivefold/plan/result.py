@@ -104,6 +104,10 @@ class Plan:
             "global_batch": self.shape.global_batch,
             "micro_batch": self.shape.micro_batch,
             "microbatches": self.microbatches,
+            # what the figures assume of the compute (the defaults differ by device and trainer)
+            "dtype": "fp32" if self.shape.act_bytes == 4 else "bf16",
+            "fp8": self.shape.fp8,  # fp8 linears beside 16-bit activations
+            "kernels": "fused" if self.shape.fused else "eager",
             "memory": self.memory.to_json(),
             "memory_capacity": int(capacity(self.hardware)),
             "fits": self.fits,

@@ -87,7 +87,9 @@ def plan_text(p: Plan) -> str:
         f"schedule {lay.pp_schedule} (v={lay.virtual_stages})",
         f"batch: {p.shape.global_batch} sequences × {p.shape.seq_len} tokens, "
         f"micro-batch {p.shape.micro_batch}, "
-        f"{p.microbatches} micro-batch{'es' if p.microbatches != 1 else ''} per step",
+        f"{p.microbatches} micro-batch{'es' if p.microbatches != 1 else ''} per step; "
+        f"{'fp32' if p.shape.act_bytes == 4 else 'bf16'}{' with fp8 linears' if p.shape.fp8 else ''}, "
+        f"{'fused' if p.shape.fused else 'eager'} kernels",
         "",
         f"memory per GPU (worst rank: {m.stage} stage) — {fit_words(p.margin_bytes)}",
     ]

@@ -1359,3 +1359,18 @@ def test_a_calibration_no_knob_can_reach_is_refused(capsys, tmp_path) -> None:
     (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
     assert main(["plan", "--calibrate", str(run), "--out", str(out_file)]) == 0
     assert "0 thread(s)" not in capsys.readouterr().err
+
+
+def test_a_serving_plan_holds_weights_as_generate_does(capsys) -> None:
+    """Left out, the weights and KV cache are what `fivefold generate` holds a fivefold model in on a
+    CPU device (fp32, the weights' own) and bf16 on GPUs; the JSON and the text say which."""
+    argv = ["plan", "--model", "small", "--gpus", "2", "--tp", "2", "--mode", "inference"]
+    widths = {}
+    for hw in ("cpu", "h100-80gb"):
+        assert main([*argv, "--hardware", hw, "--json"]) == 0
+        served = json.loads(capsys.readouterr().out)
+        widths[hw] = (served["dtype"], served["memory"]["params"])
+        assert main([*argv, "--hardware", hw]) == 0
+        assert f"weights and KV cache in {served['dtype']}" in capsys.readouterr().out.splitlines()[0]
+    assert widths["cpu"][0] == "fp32" and widths["h100-80gb"][0] == "bf16"
+    assert widths["cpu"][1] == 2 * widths["h100-80gb"][1]

@@ -473,10 +473,12 @@ def _inference(args: argparse.Namespace, model, hw, gpn: int, assumed: dict) -> 
             f"--prompt {prompt} with --context {context} generates no token: the context holds the prompt "
             f"and the generated tokens; valid prompt: 1..{context - 1}"
         )
-    # weights and KV cache in --dtype where it is given (generate's own default: the weights' dtype)
-    size = DTYPE_BYTES[args.dtype] if args.dtype else None
-    width = {"weight_bytes": size, "kv_bytes": size} if size else {}
-    shape = InferenceShape(batch=args.batch, context=context, prompt=prompt, **width).validate()
+    # weights and KV cache in --dtype; left out, what generate holds a fivefold model in on a CPU
+    # device (fp32, the weights' own), bf16 elsewhere
+    size = DTYPE_BYTES[args.dtype or defaults.dtype(hw)]
+    shape = InferenceShape(
+        batch=args.batch, context=context, prompt=prompt, weight_bytes=size, kv_bytes=size
+    ).validate()
     # flags of the training plan: serving has no optimizer, backward or micro-batches, which whoever
     # typed them did not expect (the training plan says the same of the serving flags)
     _say_ignored(args, TRAINING_ONLY, "a training plan", "this serving plan")

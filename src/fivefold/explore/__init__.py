@@ -51,13 +51,18 @@ def layout_entry(label: str, result: Plan) -> dict[str, Any]:
     return entry
 
 
-def _inference_rows(model: ModelSpec, hw: HardwareSpec, gpus: int, gpn: int, context: int) -> list[dict]:
-    """Serving layouts (tp inside a node × pp, the rest replicas) planned by `plan --mode inference`."""
+def _inference_rows(
+    model: ModelSpec, hw: HardwareSpec, gpus: int, gpn: int, context: int, width: int = 2
+) -> list[dict]:
+    """Serving layouts (tp inside a node × pp, the rest replicas) planned by `plan --mode inference`,
+    weights and KV cache `width` bytes an element (the page's training dtype; the command says it)."""
     from fivefold.mesh import resolve_layout
     from fivefold.plan.inference import InferenceShape, inference_plan
 
     rows = []
-    shape = InferenceShape(batch=8, context=context, prompt=context // 2)  # as `plan --mode inference`
+    # as `plan --mode inference` plans it
+    shape = InferenceShape(batch=8, context=context, prompt=context // 2, weight_bytes=width, kv_bytes=width)
+    dtype = "fp32" if width == 4 else "bf16"
     for tp in (1, 2, 4, 8, 16):
         for pp in (1, 2, 4, 8, 16):
             if tp > gpn or gpus % (tp * pp) or model.heads % tp:
@@ -67,7 +72,10 @@ def _inference_rows(model: ModelSpec, hw: HardwareSpec, gpus: int, gpn: int, con
                 p = inference_plan(model, hw, lay, shape, gpn).to_json()
             except FivefoldError:
                 continue
-            p["flags"] = f"--mode inference --tp {tp} --pp {pp} --batch {shape.batch} --context {context}"
+            p["flags"] = (
+                f"--mode inference --tp {tp} --pp {pp} --batch {shape.batch} --context {context} "
+                f"--dtype {dtype}"
+            )
             rows.append(p)
     return rows
 
@@ -137,7 +145,7 @@ def build_page(
         "explanation": explanation,
         "labs": labs,
         "strategies": strategy_cards(model, hw, shape.seq_len, gpn),
-        "inference": _inference_rows(model, hw, gpus, gpn, shape.seq_len),
+        "inference": _inference_rows(model, hw, gpus, gpn, shape.seq_len, shape.param_bytes),
         "run": run,
     }
     template = (resources.files("fivefold.explore") / "page.html").read_text()

@@ -83,6 +83,8 @@ class InferencePlan:
             "batch": self.shape.batch,
             "context": self.shape.context,
             "prompt": self.shape.prompt,
+            # the width the weights and the KV cache are held in (generate's: the weights' own)
+            "dtype": "fp32" if self.shape.weight_bytes == 4 else "bf16",
             "memory": {
                 "params": int(self.weights),
                 "kv_cache": int(self.kv_cache),

@@ -165,7 +165,7 @@ def inference_text(p) -> str:
         f"{p.model.name} serving on {lay.world} × {p.hardware.name}: "
         f"tp {lay.tp} · pp {lay.pp} · cp {lay.cp} · "
         f"ep {lay.ep} · {p.replicas} replica(s); batch {p.shape.batch}, context {p.shape.context}, "
-        f"prompt {p.shape.prompt}",
+        f"prompt {p.shape.prompt}; weights and KV cache in {'fp32' if p.shape.weight_bytes == 4 else 'bf16'}",
         "",
         f"memory per GPU — {fit_words(capacity(p.hardware) - p.total)}",
     ]

@@ -58,11 +58,12 @@ def _inference_rows(
     weights and KV cache `width` bytes an element (the page's training dtype; the command says it)."""
     from fivefold.mesh import resolve_layout
     from fivefold.plan.inference import InferenceShape, inference_plan
+    from fivefold.plan.runshape import dtype_name
 
     rows = []
     # as `plan --mode inference` plans it
     shape = InferenceShape(batch=8, context=context, prompt=context // 2, weight_bytes=width, kv_bytes=width)
-    dtype = "fp32" if width == 4 else "bf16"
+    dtype = dtype_name(width)
     for tp in (1, 2, 4, 8, 16):
         for pp in (1, 2, 4, 8, 16):
             if tp > gpn or gpus % (tp * pp) or model.heads % tp:

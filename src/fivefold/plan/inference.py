@@ -21,6 +21,7 @@ from fivefold.plan.comm import collective_time, ep_link, ep_members_per_node, li
 from fivefold.plan.compute import Rates, layer_time
 from fivefold.plan.memory import chunk_layers, stage_counts, stage_names, stage_params
 from fivefold.plan.result import capacity, size_words
+from fivefold.plan.runshape import dtype_name
 from fivefold.plan.spec import GPT_GUESS_NOTE, Arch, gpt_block_guessed, kv_heads_local, resolve_arch
 
 BYTES = 2
@@ -84,7 +85,7 @@ class InferencePlan:
             "context": self.shape.context,
             "prompt": self.shape.prompt,
             # the width the weights and the KV cache are held in (generate's: the weights' own)
-            "dtype": "fp32" if self.shape.weight_bytes == 4 else "bf16",
+            "dtype": dtype_name(self.shape.weight_bytes),
             "memory": {
                 "params": int(self.weights),
                 "kv_cache": int(self.kv_cache),

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.plan.comm import Collective
 from fivefold.plan.memory import Memory
+from fivefold.plan.runshape import dtype_name
 from fivefold.plan.spec import Arch, TrainShape
 
 MEMORY_RESERVE = 0.04  # share of HBM kept by the CUDA context, NCCL buffers and fragmentation
@@ -105,7 +106,7 @@ class Plan:
             "micro_batch": self.shape.micro_batch,
             "microbatches": self.microbatches,
             # what the figures assume of the compute (the defaults differ by device and trainer)
-            "dtype": "fp32" if self.shape.act_bytes == 4 else "bf16",
+            "dtype": dtype_name(self.shape.act_bytes),
             "fp8": self.shape.fp8,  # fp8 linears beside 16-bit activations
             "kernels": "fused" if self.shape.fused else "eager",
             "memory": self.memory.to_json(),

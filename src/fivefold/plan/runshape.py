@@ -16,6 +16,11 @@ from fivefold.layout_math import rank_stages, replica_wrapper, stage_split
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
+def dtype_name(width: int) -> str:
+    """The `--dtype` of `width`-byte compute elements (DTYPE_BYTES read backwards; 16 bits: bf16)."""
+    return "fp32" if width == DTYPE_BYTES["fp32"] else "bf16"
+
+
 def fsdp_sync_deferred(layout: Layout) -> bool:
     """Whether FSDP's gradients sync once a step instead of every micro-batch: torch's pipeline stage
     defers the sync to its last backward. The ledger (`RunShape.fsdp_syncs`) and the time model

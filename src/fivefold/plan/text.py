@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fivefold.plan.result import MFU_BAND, Plan, capacity, fit_words, size_words
+from fivefold.plan.runshape import dtype_name
 
 BAR_WIDTH = 48
 PARTS = (("params", "█"), ("grads", "▓"), ("optimizer", "▒"), ("activations", "░"), ("buffers", "·"))
@@ -88,7 +89,7 @@ def plan_text(p: Plan) -> str:
         f"batch: {p.shape.global_batch} sequences × {p.shape.seq_len} tokens, "
         f"micro-batch {p.shape.micro_batch}, "
         f"{p.microbatches} micro-batch{'es' if p.microbatches != 1 else ''} per step; "
-        f"{'fp32' if p.shape.act_bytes == 4 else 'bf16'}{' with fp8 linears' if p.shape.fp8 else ''}, "
+        f"{dtype_name(p.shape.act_bytes)}{' with fp8 linears' if p.shape.fp8 else ''}, "
         f"{'fused' if p.shape.fused else 'eager'} kernels",
         "",
         f"memory per GPU (worst rank: {m.stage} stage) — {fit_words(p.margin_bytes)}",
@@ -165,7 +166,7 @@ def inference_text(p) -> str:
         f"{p.model.name} serving on {lay.world} × {p.hardware.name}: "
         f"tp {lay.tp} · pp {lay.pp} · cp {lay.cp} · "
         f"ep {lay.ep} · {p.replicas} replica(s); batch {p.shape.batch}, context {p.shape.context}, "
-        f"prompt {p.shape.prompt}; weights and KV cache in {'fp32' if p.shape.weight_bytes == 4 else 'bf16'}",
+        f"prompt {p.shape.prompt}; weights and KV cache in {dtype_name(p.shape.weight_bytes)}",
         "",
         f"memory per GPU — {fit_words(capacity(p.hardware) - p.total)}",
     ]

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -619,10 +620,10 @@ def test_a_pipelined_run_directory_is_planned_with_its_own_batch_split(tmp_path)
     assert (plan.shape.micro_batch, plan.microbatches, plan.shape.global_batch) == (2, 4, 8)
 
 
-def test_calibrate_reads_run_directories(capsys, tmp_path) -> None:
+def _small_dp2_run(run: Path) -> Path:
+    """A run directory of `small` on 2 data-parallel ranks (config.toml only; its steps to be written)."""
     from fivefold.config import Layout, RunConfig, TrainSpec, load_model
 
-    run = tmp_path / "run-dp2"
     run.mkdir()
     cfg = RunConfig(
         model=load_model("small"),
@@ -630,6 +631,17 @@ def test_calibrate_reads_run_directories(capsys, tmp_path) -> None:
         layout=Layout(dp=2, zero=0).resolve(2),
     )
     (run / "config.toml").write_text(cfg.to_toml())
+    return run
+
+
+def _write_steps(run: Path, times: tuple[float, ...]) -> None:
+    """metrics.jsonl of steps 1, 2, ... taking `times` seconds each."""
+    steps = [{"step": i, "loss": 5.0, "step_time_s": t} for i, t in enumerate(times, 1)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+
+
+def test_calibrate_reads_run_directories(capsys, tmp_path) -> None:
+    run = _small_dp2_run(tmp_path / "run-dp2")
     assert main(["plan", "--calibrate", str(run)]) == 2  # no metrics.jsonl yet
     err = capsys.readouterr().err
     assert "run-dp2" in err and "metrics.jsonl" in err
@@ -640,8 +652,7 @@ def test_calibrate_reads_run_directories(capsys, tmp_path) -> None:
         (run / "metrics.jsonl").write_text(bad + "\n")
         assert main(["plan", "--calibrate", str(run)]) == 2  # one line, no traceback
         assert said in capsys.readouterr().err
-    steps = [{"step": i, "loss": 5.0, "step_time_s": t} for i, t in enumerate((9.0, 2.1, 1.9, 2.0), 1)]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    _write_steps(run, (9.0, 2.1, 1.9, 2.0))
     out_file = tmp_path / "cpu-here.toml"
     assert main(["plan", "--calibrate", str(run), "--out", str(tmp_path)]) == 2  # a directory: one line
     assert "cannot write there" in capsys.readouterr().err
@@ -1337,26 +1348,15 @@ def test_a_calibration_no_knob_can_reach_is_refused(capsys, tmp_path) -> None:
     """Steps of a million seconds: the fit runs every knob to the end of its range and still misses by
     orders of magnitude. The calibration names the run and writes nothing, where it wrote a file of
     knobs at their floors and exited 0; a run with its threads unrecorded gets no '0 thread(s)' note."""
-    from fivefold.config import Layout, RunConfig, TrainSpec, load_model
-
-    run = tmp_path / "run-slow"
-    run.mkdir()
-    cfg = RunConfig(
-        model=load_model("small"),
-        train=TrainSpec(seq_len=256, micro_batch=8, global_batch=16),
-        layout=Layout(dp=2, zero=0).resolve(2),
-    )
-    (run / "config.toml").write_text(cfg.to_toml())
-    steps = [{"step": i, "loss": 5.0, "step_time_s": t} for i, t in enumerate((9e6, 2e6, 1.9e6, 2e6), 1)]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    run = _small_dp2_run(tmp_path / "run-slow")
+    _write_steps(run, (9e6, 2e6, 1.9e6, 2e6))
     out_file = tmp_path / "cpu-here.toml"
     assert main(["plan", "--calibrate", str(run), "--out", str(out_file)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no knobs within their physical ranges" in err[0] and "run-slow" in err[0]
     assert not out_file.exists()
     (run / "run.json").write_text("not json")  # the run's facts (its threads) unreadable
-    steps = [{"step": i, "loss": 5.0, "step_time_s": t} for i, t in enumerate((9.0, 2.1, 1.9, 2.0), 1)]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    _write_steps(run, (9.0, 2.1, 1.9, 2.0))
     assert main(["plan", "--calibrate", str(run), "--out", str(out_file)]) == 0
     assert "0 thread(s)" not in capsys.readouterr().err
 

@@ -58,10 +58,7 @@ def test_a_crafted_checkpoint_index_does_not_run(run_dir, tmp_path, capsys, comm
     shutil.copytree(run_dir, run)
     marker = tmp_path / "ran"
     (run / "checkpoints" / "step_1" / ".metadata").write_bytes(pickle.dumps(_RunsCommand(marker)))
-    if command == "resume":
-        argv = ["train", "--run-dir", str(run), "--resume", "--steps", "2", "--no-progress"]
-    else:
-        argv = ["generate", "--from", str(run), "--prompt", "x", "--max-new-tokens", "2"]
+    argv = _reading(command, run)
     _one_line_exit_2(capsys, argv, "refused")
     assert not marker.exists()
 
@@ -150,12 +147,16 @@ def test_a_shard_that_is_not_tensors_is_named_without_torchs_advice(run_dir, tmp
     crafted = pickle.dumps(_RunsCommand(marker))
     shard.write_bytes(crafted * (shard.stat().st_size // len(crafted) + 1))
     _record_size(shard)
-    if command == "resume":
-        argv = ["train", "--run-dir", str(run), "--resume", "--steps", "2", "--no-progress"]
-    else:
-        argv = ["generate", "--from", str(run), "--prompt", "x", "--max-new-tokens", "2"]
+    argv = _reading(command, run)
     _one_line_exit_2(capsys, argv, "a shard does not read as tensors alone")
     assert not marker.exists()
+
+
+def _reading(command: str, run: Path) -> list[str]:
+    """The command line that reads `run`'s checkpoint: a resumed train, or generate from it."""
+    if command == "resume":
+        return ["train", "--run-dir", str(run), "--resume", "--steps", "2", "--no-progress"]
+    return ["generate", "--from", str(run), "--prompt", "x", "--max-new-tokens", "2"]
 
 
 def _record_size(file: Path) -> None:

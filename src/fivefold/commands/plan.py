@@ -228,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
     # flags of the serving plan: a training plan has nothing to do with them, which whoever typed them
     # did not expect
     _say_ignored(args, ("batch", "context", "prompt", "objective"), "--mode inference", "this training plan")
+    from fivefold.layout_math import stage_split
     from fivefold.plan import TrainShape, plan
     from fivefold.plan import text as view
     from fivefold.plan.runshape import DTYPE_BYTES
@@ -241,8 +242,6 @@ def run(args: argparse.Namespace) -> int:
     layout = None
     if not args.search:
         layout = resolve_layout(layout_from_args(args), args.gpus, gpn, model, args.seq_len)
-        from fivefold.layout_math import stage_split
-
         # a bad --pp-split is named before the batch's split, in the order train names them
         stage_split(model, layout, args.seq_len)
         if trains_here:  # (a search keeps choosing the micro-batch)

@@ -869,6 +869,7 @@ def test_a_runs_files_schedule_name_is_read_as_the_planner_names_it(stated: str,
         ("NeMo 24.07 recipes", "", "NVIDIA/NeMo"),
         ("Nemotron report 2024", "", "Nemotron"),  # not the framework's word
         ("Dubey et al. 2024", "", "Dubey"),  # no trainer named: no trainer facts
+        ("Le Scao et al. 2022, the 176B model", "", "Le Scao"),  # the first author whole
         ("anything", "fivefold", "fivefold"),
     ],
 )

@@ -150,8 +150,13 @@ def published_year(run: dict[str, Any]) -> int | None:
 
 
 def source_of(run: dict[str, Any]) -> str:
-    """The publisher a run comes from: a repository (owner/name) or a paper's first author."""
-    return str(run["source"]).split()[0].rstrip(",")
+    """The publisher a run comes from: a repository (owner/name) or a paper's first author, whole
+    where the source cites a paper by it ("Le Scao et al. 2022" is Le Scao's, not Le's)."""
+    text = str(run["source"]).strip()
+    cited = re.match(r"([^,;()]+?)\s+et al\b", text)
+    if cited:
+        return cited.group(1).strip()
+    return text.split()[0].rstrip(",") if text else ""
 
 
 def trainer_name(run: dict[str, Any]) -> str:

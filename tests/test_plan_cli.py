@@ -442,7 +442,8 @@ def test_cross_validate_needs_two_sources(capsys, tmp_path) -> None:
         ('recompute = "full"\nrecompute_layers = true', "recompute_layers must be an integer"),
         ('recompute = "full"\nrecompute_layers = 2.5', "recompute_layers must be an integer"),
         ('recompute = "selective"\nrecompute_layers = 2', 'needs recompute = "full"'),
-        ('cp_impl = "zigzag"', "cp_impl must be one of ring, allgather, ulysses"),
+        ('cp_impl = "tree"', "cp_impl must name one of ring, allgather, ulysses"),
+        ("cp_impl = 2", "cp_impl must name one of ring, allgather, ulysses"),
         ('pipeline_schedule = "zigzag"', "names no schedule fivefold knows"),
         ("pipeline_schedule = 3", "pipeline_schedule must be a name"),
         ('recompute = "sometimes"', "recompute must be one of none, selective, full, custom"),
@@ -576,6 +577,41 @@ def test_no_bundled_run_contradicts_itself() -> None:
     from fivefold.plan.runs import builtin_paths, contradictions, load_runs
 
     assert [r["id"] for r in load_runs(*builtin_paths()) if contradictions(r)] == []
+
+
+@pytest.mark.parametrize(
+    "words, impl",
+    [
+        ("all-gather based", "allgather"),
+        ("All_Gather", "allgather"),
+        ("DeepSpeed-Ulysses (all-to-all)", "ulysses"),
+        ("a2a", "ulysses"),
+        ("p2p", "ring"),
+        ("zigzag ring attention", "ring"),
+        ("Ring", "ring"),
+    ],
+)
+def test_a_runs_cp_core_is_read_in_its_sources_words(words: str, impl: str) -> None:
+    """Sources name the context-parallel core in their own words; each reads as the core it names."""
+    from fivefold.plan import validation as V
+
+    run = {
+        "id": "cp-words",
+        "source": "a 2024 report",
+        "kind": "measured",
+        "hardware": {"gpu": "H100 80GB", "gpus_per_node": 8},
+        "model": {
+            "layers": 32,
+            "hidden": 4096,
+            "heads": 32,
+            "kv_heads": 8,
+            "vocab": 128256,
+            "seq_len": 65536,
+        },
+        "layout": {"gpus": 8, "tp": 1, "pp": 1, "cp": 2, "dp": 4, "global_batch": 8, "cp_impl": words},
+        "measured": {"tokens_per_s_per_gpu": 2000},
+    }
+    assert V.cases([run])[0].inputs.layout.cp_impl == impl
 
 
 def test_a_run_directory_is_planned_with_its_own_cp_core(tmp_path) -> None:

@@ -331,6 +331,29 @@ def _schedule(value: Any, pp: int, v: int) -> str:
     return "gpipe" if any(w in s for w in ("gpipe", "afab", "allforwardallbackward", "fthenb")) else "1f1b"
 
 
+# a run's context-parallel attention in its source's words: the all-gather of keys and values (Llama 3's
+# "all-gather based"), heads exchanged all-to-all (DeepSpeed-Ulysses), or blocks passed round a ring
+# (ring attention, Megatron's and torchtitan's p2p; zigzag is a ring's causal balancing), tested in that order
+CP_IMPL_WORDS = (
+    (("allgather",), "allgather"),
+    (("ulysses", "alltoall", "a2a"), "ulysses"),
+    (("ring", "p2p", "zigzag"), "ring"),
+)
+
+
+def _cp_impl(value: Any) -> str:
+    if value is None:
+        return "ring"  # published runs: ring unless stated
+    s = "".join(ch for ch in str(value).lower() if ch.isalnum()) if isinstance(value, str) else ""
+    found = next((impl for words, impl in CP_IMPL_WORDS if any(w in s for w in words)), None)
+    if found is None:
+        raise FivefoldError(
+            f"must name one of {', '.join(CP_IMPLS)} (all-gather, all-to-all, p2p and zigzag read too), "
+            f"got {value!r}"
+        )
+    return found
+
+
 @dataclass
 class RunInputs:
     model: ModelSpec
@@ -475,10 +498,10 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         rc_layers = _int(run, "layout", "recompute_layers", rc_layers)
     if rc_layers and rc != "full":
         raise FivefoldError(f'run {rid}: layout.recompute_layers = {rc_layers} needs recompute = "full"')
-    cp_impl = str(lt.get("cp_impl", "ring")).lower()  # published runs: ring unless stated
-    if cp_impl not in CP_IMPLS:
-        valid = ", ".join(CP_IMPLS)
-        raise FivefoldError(f"run {rid}: layout.cp_impl must be one of {valid}, got {cp_impl!r}")
+    try:
+        cp_impl = _cp_impl(lt.get("cp_impl"))
+    except FivefoldError as exc:
+        raise FivefoldError(f"run {rid}: layout.cp_impl {exc}") from None
     layout = Layout(
         dp=dp,
         fsdp=fsdp,

@@ -244,8 +244,11 @@ def test_training_loop_end_to_end_and_report(two_ranks, train_dir, capsys):
         (r["axis"], r["op"]): (r["count"], r["bytes"]) for r in planned_step(train_dir / "config.toml")
     }
     assert measured == planned and planned[("pp", "all_reduce")][0] == 2
-    assert main(["report", str(train_dir)]) == 0
-    assert "measured idle fraction" in capsys.readouterr().out
+    # the trace numbers its steps as metrics.jsonl and the checkpoints do (1..3), so --step 3 is the last
+    assert {e["args"]["step"] for e in events if e["args"]["kind"] == "step"} == {1, 2, 3}
+    assert main(["report", str(train_dir), "--step", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "measured idle fraction" in out and "pipeline step 3" in out
     svg = (train_dir / "report.svg").read_text()
     assert svg.count("rank 1 (pp 1)") == 2  # measured, and replayed from the action table
     assert "predicted from the schedule" in svg

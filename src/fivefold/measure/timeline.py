@@ -38,8 +38,12 @@ class Timeline:
         self.keep_steps = keep_steps
         self.steps: list[list[dict[str, Any]]] = []
         self._current: list[dict[str, Any]] | None = None
-        self._step_index = -1
+        self._step_index = 0  # the optimizer step being recorded, numbered from 1 as train numbers them
         self._work_info: dict[int, tuple[str, int, list[int]]] = {}
+
+    def resume_after(self, step: int) -> None:
+        """A run resumed from the checkpoint of `step`: the next step recorded is step + 1."""
+        self._step_index = step
 
     # ---- recording
     def _record(self, kind: str, start: float, end: float, **args: Any) -> None:

@@ -476,6 +476,8 @@ def _train(
         start = state["step"]
         if start >= tspec.steps:
             log(f"checkpoint is at step {start}, at or past --steps {tspec.steps}: nothing to train")
+        if (timeline := getattr(runner, "timeline", None)) is not None:
+            timeline.resume_after(start)  # its steps numbered as metrics.jsonl numbers them
 
     ledger = _make_ledger(mesh)
     mfu = MfuMeter(spec, tspec.seq_len, world, device)

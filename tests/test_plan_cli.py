@@ -814,6 +814,35 @@ def test_calibrate_separates_compute_from_collective_latency(capsys, tmp_path) -
         assert json.loads(capsys.readouterr().out)["step_time_s"] == pytest.approx(step, rel=0.05)
 
 
+def test_a_calibration_of_one_machines_runs_keeps_its_ranks_on_one_node(capsys, tmp_path) -> None:
+    """Run directories of one machine, the one-rank run first: the file keeps every rank on one node
+    (the CPU preset's 8), so it plans the 2-rank run as the fit did, not across a node boundary."""
+    import tomllib
+
+    from fivefold.config import Layout, RunConfig, TrainSpec, load_hardware, load_model
+
+    dirs = []
+    for name, lay, step in (("one", Layout(), 3.0), ("dp2", Layout(dp=2, zero=0), 2.0)):
+        run = tmp_path / name
+        run.mkdir()
+        cfg = RunConfig(
+            model=load_model("small"),
+            train=TrainSpec(seq_len=256, micro_batch=4, global_batch=8 * lay.resolve(lay.world).world),
+            layout=lay.resolve(lay.world),
+        )
+        (run / "config.toml").write_text(cfg.to_toml())
+        steps = [{"step": i, "step_time_s": t} for i, t in enumerate((9.0, step, step), 1)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+        dirs.append(str(run))
+    out_file = tmp_path / "cpu-here.toml"
+    assert main(["plan", "--calibrate", *dirs, "--out", str(out_file), "--json"]) == 0
+    fitted = {r["run"]: r["error"] for r in json.loads(capsys.readouterr().out)["runs"]}
+    assert tomllib.loads(out_file.read_text())["gpus_per_node"] == load_hardware("cpu").gpus_per_node
+    assert main(["plan", "--validate", *dirs, "--hardware", str(out_file), "--json"]) == 0
+    again = {r["run"]: r["error"] for r in json.loads(capsys.readouterr().out)["as_shipped"]["runs"]}
+    assert again == pytest.approx(fitted, abs=0.01)
+
+
 def _serving(capsys, model: str, gpus: int, *extra: str) -> tuple[int, dict | str, str]:
     argv = ["plan", "--model", model, "--hardware", "h100-80gb", "--gpus", str(gpus), "--mode", "inference"]
     code = main([*argv, *extra])

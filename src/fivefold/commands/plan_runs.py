@@ -195,6 +195,23 @@ CALIBRATION_MISS = 10.0
 CALIBRATION_WARN = 0.5
 
 
+def _node_size(cases: list) -> int:
+    """GPUs per node of the device a calibration writes. Each run of a machine's run directories
+    states its own world as its node (all its ranks on one host), so the first run's would make a
+    later, wider run on that machine cross nodes: take the widest, and on a CPU device no fewer than
+    its preset's ranks a node (published runs of one cluster all state its node)."""
+    from fivefold.config import load_hardware
+
+    widest = max(c.inputs.hw.gpus_per_node for c in cases)
+    hw = cases[0].inputs.hw
+    if hw.comm_overlap:
+        return widest
+    try:
+        return max(widest, load_hardware(hw.name).gpus_per_node)
+    except FivefoldError:  # a calibrated file's device, named by no preset
+        return widest
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -213,7 +230,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         )
     # a calibration starts from, and is pulled toward, the device's own figures (`V.anchored`)
     knobs = V.fit(cases, start=V.anchored(cases[0].inputs.hw))
-    hw = knobs.apply(cases[0].inputs.hw)
+    hw = dataclasses.replace(knobs.apply(cases[0].inputs.hw), gpus_per_node=_node_size(cases))
     result = V.in_sample(cases, knobs)
     s = result.summary()
     if s["mean"] > CALIBRATION_MISS:

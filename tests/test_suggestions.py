@@ -55,6 +55,7 @@ def test_a_plan_that_does_not_fit_says_so_first_and_its_suggestion_fits(capsys):
     assert main(["plan", "--model", "llama3-70b", "--gpus", "64", "--tp", "8"]) == 0
     captured = capsys.readouterr()
     assert captured.err.startswith("assuming --hardware h100-80gb, --seq-len 4096, --global-batch")
+    assert "(give them to plan your own)" in captured.err
     first, second = captured.out.splitlines()[:2]
     assert re.match(r"this layout does not fit by \d+ GB per GPU", first)
     command = second.split(": fivefold ", 1)[1].split()

@@ -53,4 +53,5 @@ def say_assumed(assumed: dict[str, object]) -> None:
     """One line on stderr (stdout stays clean for --json) naming each value that was assumed."""
     if assumed:
         flags = ", ".join(f"--{name.replace('_', '-')} {value}" for name, value in assumed.items())
-        print(f"assuming {flags} (give them to plan your own)", file=sys.stderr)
+        them = "them" if len(assumed) > 1 else "it"
+        print(f"assuming {flags} (give {them} to plan your own)", file=sys.stderr)

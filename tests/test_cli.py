@@ -146,6 +146,19 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 @pytest.mark.slow
+def test_the_readmes_fsdp_by_tp_run_prints_no_warning(files, tmp_path):
+    """`train --nproc 4 --fsdp 2 --tp 2` (the README's): torch's FSDP2 warned four times that the
+    embedding returned a view, which in-place ops would break; the model adds out of place."""
+    flags = ["--model", "tiny", "--steps", "1", "--seq-len", "32", "--data", files["corpus"], "--no-progress"]
+    run = tmp_path / "run"
+    proc = _fivefold(
+        "train", *flags, "--nproc", "4", "--fsdp", "2", "--tp", "2", "--run-dir", str(run), cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_nproc_2_starts_agrees_on_a_layout_and_exits_cleanly(files, tmp_path):
     common = [
         "--model",

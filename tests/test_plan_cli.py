@@ -1439,3 +1439,69 @@ def test_a_serving_plan_holds_weights_as_generate_does(capsys) -> None:
         assert f"weights and KV cache in {served['dtype']}" in capsys.readouterr().out.splitlines()[0]
     assert widths["cpu"][0] == "fp32" and widths["h100-80gb"][0] == "bf16"
     assert widths["cpu"][1] == 2 * widths["h100-80gb"][1]
+
+
+@pytest.mark.parametrize(
+    ("definition", "causal"),
+    [
+        ("MFU, no causal halving", False),
+        ("non-causal", False),
+        ("MFU, non causal", False),
+        ("noncausal (full s^2)", False),
+        ("attention counted without causal masking", False),
+        ("attention not halved for causality", False),
+        ("model FLOPs with causal attention", True),
+        ("causal half counted; no recompute", True),
+        ("MFU as plotted", False),
+    ],
+)
+def test_a_flop_count_is_causal_only_where_its_definition_says_so(definition: str, causal: bool) -> None:
+    from fivefold.plan.runs import counts_causal_half
+
+    assert counts_causal_half({"flops_definition": definition}) is causal
+
+
+def test_a_runs_facts_are_read_in_its_sources_words(capsys, tmp_path) -> None:
+    """Words a user's own runs file says its facts in: each read as what it says, and what it denies
+    ("no fp8", "non-interleaved") not read as what it names."""
+    from fivefold.plan import validation as V
+    from fivefold.plan.runs import load_runs, published_year
+
+    def case(layout: str = "", hardware: str = "", measured: str = "", source: str = "a made-up source"):
+        run = (
+            BAD_RUN.replace("vocab = 32000", "vocab = 32000\nseq_len = 2048")
+            .replace("tp = 1\npp = 1", f"tp = 1\npp = 2\n{layout}")
+            .replace(
+                'gpu = "H100 80GB"', f'gpu = "H100 80GB"\n{hardware}' if "gpu =" not in hardware else hardware
+            )
+            .replace("tokens_per_s_per_gpu = 1000", measured or "tokens_per_s_per_gpu = 1000")
+            .replace("a made-up source", source)
+        )
+        path = tmp_path / "runs.toml"
+        path.write_text(run)
+        return V.cases(load_runs(path))[0]
+
+    assert case('precision = "bf16, no fp8"').inputs.shape.fp8 is False
+    assert case('precision = "fp8 (Transformer Engine)"').inputs.shape.fp8 is True
+    assert case('pipeline_schedule = "non-interleaved 1F1B"').inputs.layout.pp_schedule == "1f1b"
+    assert case('pipeline_schedule = "Interleaved 1F1B"').inputs.layout.pp_schedule == "interleaved-1f1b"
+    assert case('recompute = "activation checkpointing"').inputs.layout.recompute == "full"
+    assert case('recompute = "no activation checkpointing"').inputs.layout.recompute == "none"
+    assert case(hardware='gpu = "A100 (40 GiB)"').inputs.hw.gpu_memory_gb == 40
+    hardware = case(measured='tflops_per_gpu = 150\ntflops_basis = "Hardware FLOPs (incl. recompute)"')
+    assert hardware.target.metric == "TFLOP/s (hardware)"
+    assert published_year({"source": "https://arxiv.org/abs/2211.05100"}) == 2022
+    assert published_year({"source": "Dubey et al., arXiv:2407.21783"}) == 2024
+    # a run whose axes do not make its GPUs is left out, cp unstated; a rate no run reaches likewise
+    path = tmp_path / "two.toml"
+    other = BAD_RUN.replace("vocab = 32000", "vocab = 32000\nseq_len = 2048")
+    wrong = other.replace('id = "bad-run"', 'id = "wrong-world"').replace("tp = 1", "dp = 4\ntp = 4")
+    idle = other.replace('id = "bad-run"', 'id = "idle"').replace(
+        "tokens_per_s_per_gpu = 1000", "mfu = 1e-300"
+    )
+    path.write_text(other + wrong + idle)
+    assert main(["plan", "--validate", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "run wrong-world: left out, its facts contradict: dp×fsdp×tp×pp×cp = 16 but gpus = 8" in err
+    assert "run idle: left out" in err and "a unit slip?" in err
+    assert "bad-run" in out and "e+" not in out

@@ -137,6 +137,13 @@ def load_runs(*paths: str | Path) -> list[dict[str, Any]]:
                 )
             if any(r["id"] == run["id"] for r in runs):
                 raise FivefoldError(f"runs file {p}: run id {run['id']!r} is given twice; ids must be unique")
+            basis = run["measured"].get("tflops_basis")
+            if isinstance(
+                basis, str
+            ):  # "Hardware", "model FLOPs", "hardware (incl. recompute)": its first word
+                word = basis.strip().lower().split(" ")[0].strip(",;:()")
+                if word in ("model", "hardware"):
+                    run = {**run, "measured": {**run["measured"], "tflops_basis": word}}
             runs.append({**run, "kind": kind, "_file": str(p)})
     return runs
 
@@ -145,8 +152,33 @@ def published_year(run: dict[str, Any]) -> int | None:
     """The year a run was published, read from its `source` ("Korthikanti et al. 2022",
     "README @50a4b5fa (2021-04-08)", "2022-07-26-deepspeed-azure.md", "llama3_h100_202412_..."): the
     latest plausible year named, or None where it names none."""
-    years = [int(y) for y in re.findall(r"(?<!\d)(20[12]\d)(?:\d\d)?(?!\d)", str(run.get("source", "")))]
+    source = str(run.get("source", ""))
+    years = [int(y) for y in re.findall(r"(?<!\d)(20[12]\d)(?:\d\d)?(?!\d)", source)]
+    # an arXiv id (2211.05100, arxiv.org/abs/2407.21783) begins with its year and month
+    years += [
+        2000 + int(y) for y in re.findall(r"arxiv[.:/a-z]*?(\d\d)(?:0[1-9]|1[0-2])\.\d{4,5}", source.lower())
+    ]
     return max(years) if years else None
+
+
+# a FLOP count's word against the causal half, up to three words before "causal": "no causal halving",
+# "non-causal", "without causal masking", "not halved for causality"
+NOT_CAUSAL = re.compile(r"\bnon-?causal|\b(?:non|no|not|without)\b(?:[\s_-]+[a-z]+){0,3}?[\s_-]+causal")
+
+
+def counts_causal_half(run: dict[str, Any]) -> bool:
+    """Whether the source counts attention's FLOPs for the causal half of the scores only: its
+    flops_definition speaks of the causal mask and does not say it is not taken."""
+    definition = str(run.get("flops_definition", "")).lower()
+    return "causal" in definition and not NOT_CAUSAL.search(definition)
+
+
+def states_fp8(precision: str) -> bool:
+    """Whether a run's precision says its linears ran in fp8 ("fp8 (TE hybrid)", "bf16 + float8
+    linears"), and not that they did not ("bf16, no fp8", "without fp8")."""
+    low = precision.lower()
+    named = re.search(r"fp8|float8", low)
+    return bool(named) and not re.search(r"\b(?:no|not|without|non)\b[\s_-]*(?:fp8|float8)", low)
 
 
 def source_of(run: dict[str, Any]) -> str:
@@ -250,7 +282,7 @@ def hardware(run: dict[str, Any]) -> HardwareSpec:
                     f"run {run['id']}: hardware.{key} must be a number, got {value!r}"
                 ) from None
     if "gpu_memory_gb" not in changes and preset is not None:
-        sized = re.search(r"(\d+)\s*GB", gpu.upper())  # "V100 16GB", "A100-SXM4-40GB", "H100 96GB"
+        sized = re.search(r"(\d+)\s*GI?B", gpu.upper())  # "V100 16GB", "A100-SXM4-40GB", "A100 (40 GiB)"
         if sized and 8 <= int(sized.group(1)) <= 512:  # one device's memory, not a node's
             changes["gpu_memory_gb"] = float(sized.group(1))
     if preset is None:
@@ -309,6 +341,9 @@ CHUNKED_WORDS = ("interleav", "vpp", "virtual", "bfs", "breadthfirst")
 # a run's recompute: Megatron's three policies, or MaxText's named ("custom") ones between them
 RECOMPUTE_WORDS = ("none", "selective", "full", "custom")
 RECOMPUTE_YES_NO = {"true": "full", "yes": "full", "on": "full", "false": "none", "no": "none", "off": "none"}
+# the technique's own names, said without a policy, checkpoint every block ("activation checkpointing",
+# "gradient checkpointing", "remat"); a policy or a no before them is read first
+RECOMPUTE_YES_NO |= {"activation": "full", "checkpointing": "full", "gradient": "full", "remat": "full"}
 
 
 def _schedule(value: Any, pp: int, v: int) -> str:
@@ -324,7 +359,8 @@ def _schedule(value: Any, pp: int, v: int) -> str:
         return "dualpipev"
     if "zbv" in s or "zerobubblev" in s:  # two chunks a rank in a V, whatever v the run states
         return "zbv"
-    if pp > 1 and (v > 1 or any(word in s for word in CHUNKED_WORDS)):
+    denied = re.search(r"(?:non|no|not|without)(?:interleav|virtual|vpp)", s)  # "non-interleaved 1F1B"
+    if pp > 1 and (v > 1 or (any(word in s for word in CHUNKED_WORDS) and not denied)):
         return "interleaved-1f1b" if "zero" not in s and "zb" not in s else "zero-bubble"
     if "zero" in s or s.startswith("zb"):
         return "zero-bubble"
@@ -573,7 +609,7 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         global_batch=batch,
         micro_batch=mb,
         attention=str(lt.get("attention", attention)),
-        fp8="fp8" in precision or "float8" in precision,
+        fp8=states_fp8(precision),
         # an fp32 run (fivefold's default on a CPU) computes, gathers and sends 4-byte elements;
         # mixed precision ("bf16", "amp_fp8", ...) 16-bit ones
         act_bytes=STATE_DTYPE_BYTES.get(precision, 2),
@@ -766,11 +802,10 @@ def contradictions(run: dict[str, Any]) -> list[str]:
             f"global_batch × seq_len / iteration_time_s = {batch * seq / step:.4g} tokens/s but "
             f"tokens_per_s_total = {total:.4g}"
         )
-    axes = [lt.get(a) for a in ("dp", "fsdp", "tp", "pp", "cp")]
-    if gpus and all(isinstance(a, int) and a > 0 for a in axes[:1] + axes[2:]):
-        world = 1
-        for a in axes:
-            world *= a if isinstance(a, int) and a > 0 else 1
+    # with dp stated nothing is left to fill the world: an axis left out is 1 (cp and fsdp mostly are)
+    axes = [lt.get(a, 1) for a in ("dp", "fsdp", "tp", "pp", "cp")]
+    if gpus and "dp" in lt and all(isinstance(a, int) and a > 0 for a in axes):
+        world = math.prod(axes)
         if world != gpus:
             out.append(f"dp×fsdp×tp×pp×cp = {world} but gpus = {gpus}")
     tp, cp = _count(run, "layout", "tp") or 1, _count(run, "layout", "cp") or 1
@@ -802,6 +837,9 @@ def contradictions(run: dict[str, Any]) -> list[str]:
 # an MFU by up to ~40% between sources, a unit slip (percent for a fraction, per job for per GPU) by 8×+
 UTILISATION_SPREAD = 2.0
 FP8_PEAK_RATIO = 2.0  # an fp8 tensor core's dense peak over its 16-bit one (Hopper, Ada, Blackwell)
+# the least MFU a published training run is taken to state: the bundled runs' lowest is 5%; below 0.2%
+# a rate is a unit slip (per job for per GPU, a percent divided twice) or a typo, not a measurement
+MIN_UTILISATION = 0.002
 
 
 def _utilisation_mismatch(run: dict[str, Any], meas: dict[str, Any]) -> list[str]:
@@ -852,6 +890,14 @@ def _utilisation_mismatch(run: dict[str, Any], meas: dict[str, Any]) -> list[str
         else f"measured.{name} is beyond any rate a {peak * ceiling:g} TFLOP/s peak allows"
         for name, (lo, _) in capped.items()
         if lo > ceiling and name != "mfu"  # an MFU over 1 is refused where it is read, as a fraction
+    ]
+    # and the most FLOPs it can stand for still a sliver of a GPU's peak: no published run ran that idle
+    # (a CPU run directory's tiny model may: its steps are the host's per-op work, which calibration fits)
+    out += [
+        f"measured.{name} means an MFU of at most {hi:.3g}, below the {MIN_UTILISATION:.1%} any published "
+        "run reaches (a unit slip?)"
+        for name, (_, hi) in capped.items()
+        if hi < MIN_UTILISATION and inputs.hw.comm_overlap
     ]
     names = list(ranges)
     for i, a in enumerate(names):

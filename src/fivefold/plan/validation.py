@@ -31,6 +31,7 @@ from fivefold.plan.runs import (
     RunInputs,
     Throughput,
     build,
+    counts_causal_half,
     family,
     optimizer_bytes,
     source_of,
@@ -280,9 +281,7 @@ def predict(case: Case, knobs: Knobs = Knobs()) -> Prediction:
     hw = knobs.apply(case.inputs.hw)
     p = _plan_case(case, hw)
     metric = case.target.metric
-    definition = str(case.run.get("flops_definition", "")).lower()
-    causal = "causal" in definition and "non-causal" not in definition and "no causal" not in definition
-    mfu = p.mfu_causal if causal else p.mfu
+    mfu = p.mfu_causal if counts_causal_half(case.run) else p.mfu
     if metric == "tokens/s/GPU":
         value = p.tokens_per_s / p.gpus
     elif metric == "step time s":
@@ -341,6 +340,13 @@ def filled(inp: RunInputs) -> str:
 
 # --------------------------------------------------------------------------------------------
 # fitting and cross-validation
+
+
+def percent(x: float, width: int, sign: str = "") -> str:
+    """`x` as a percentage right-aligned in `width`: one decimal, or three digits in powers of ten
+    where it would not fit a column (a rate a unit slip put 10^300 times off)."""
+    text = f"{x:{sign}.1%}" if abs(x) < 100 else f"{100 * x:{sign}.2e}%"
+    return f"{text:>{width}}"
 
 
 def loss(preds: list[Prediction]) -> float:
@@ -592,7 +598,7 @@ def per_run_table(v: Validation) -> str:
         fits = f"{p.margin_gb:+.0f} GB" if p.fits else f"NO ({p.margin_gb:+.0f} GB)"
         lines.append(  # errors spaced so that 1000 % still parts from its neighbour
             f"{p.run:<{w}}{p.metric:<19}{p.published:>11.4g}{p.predicted:>11.4g}"
-            f" {p.error:>+8.1%} {v.constant_errors[p.run]:>+8.1%}  {fits:<15}{p.filled}"
+            f" {percent(p.error, 8, '+')} {percent(v.constant_errors[p.run], 8, '+')}  {fits:<15}{p.filled}"
         )
     return "\n".join(lines)
 
@@ -606,14 +612,14 @@ def source_table(v: Validation, title: str) -> str:
     for source, preds in v.by_source().items():
         s = v.summary(preds)
         lines.append(
-            f"{source:<{w}}{s['runs']:>5}{s['mean']:>8.1%}{s['worst']:>8.1%}"
-            f"{s['constant_mean']:>12.1%}{s['constant_worst']:>13.1%}{s['not_fitting']:>8}"
+            f"{source:<{w}}{s['runs']:>5}{percent(s['mean'], 8)}{percent(s['worst'], 8)}"
+            f"{percent(s['constant_mean'], 12)}{percent(s['constant_worst'], 13)}{s['not_fitting']:>8}"
         )
     for name, preds in (("all", v.predictions), ("all without `uncertain`", v.certain())):
         s = v.summary(preds)
         lines.append(
-            f"{name:<{w}}{s['runs']:>5}{s['mean']:>8.1%}{s['worst']:>8.1%}"
-            f"{s['constant_mean']:>12.1%}{s['constant_worst']:>13.1%}{s['not_fitting']:>8}"
+            f"{name:<{w}}{s['runs']:>5}{percent(s['mean'], 8)}{percent(s['worst'], 8)}"
+            f"{percent(s['constant_mean'], 12)}{percent(s['constant_worst'], 13)}{s['not_fitting']:>8}"
         )
     return "\n".join(lines)
 
@@ -668,9 +674,7 @@ def compare(run: dict[str, Any]) -> tuple[Plan | None, list[Comparison]]:
         return None, out
     model, hw, layout, shape = inputs.model, inputs.hw, inputs.layout, inputs.shape
     p = plan(model, hw, layout, shape)
-    definition = str(run.get("flops_definition", "")).lower()
-    causal = "causal" in definition and "non-causal" not in definition and "no causal" not in definition
-    mfu = p.mfu_causal if causal else p.mfu
+    mfu = p.mfu_causal if counts_causal_half(run) else p.mfu
     if "iteration_time_s" in meas:
         out.append(Comparison(rid, "step time s", meas["iteration_time_s"], p.step_time_s))
     if "tokens_per_s" in meas:
@@ -730,5 +734,7 @@ def validate(path: str | Path, skipped: list[str] | None = None) -> list[Compari
 def table(rows: list[Comparison]) -> str:
     lines = [f"{'run':<44}{'metric':<20}{'published':>11}{'predicted':>11}{'error':>9}"]
     for r in rows:
-        lines.append(f"{r.run:<44}{r.metric:<20}{r.published:>11.4g}{r.predicted:>11.4g}{r.error:>+9.1%}")
+        lines.append(
+            f"{r.run:<44}{r.metric:<20}{r.published:>11.4g}{r.predicted:>11.4g}{percent(r.error, 9, '+')}"
+        )
     return "\n".join(lines)

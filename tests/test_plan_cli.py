@@ -1505,3 +1505,15 @@ def test_a_runs_facts_are_read_in_its_sources_words(capsys, tmp_path) -> None:
     assert "run wrong-world: left out, its facts contradict: dp×fsdp×tp×pp×cp = 16 but gpus = 8" in err
     assert "run idle: left out" in err and "a unit slip?" in err
     assert "bad-run" in out and "e+" not in out
+
+
+def test_validate_on_another_gpu_names_the_runs_it_moves(capsys, tmp_path) -> None:
+    """--hardware plans every run on one device: a run stating another GPU is named, not moved quietly."""
+    path = tmp_path / "runs.toml"
+    path.write_text(BAD_RUN.replace("vocab = 32000", "vocab = 32000\nseq_len = 2048"))
+    assert main(["plan", "--validate", str(path), "--hardware", "a100-80gb"]) == 0
+    err = capsys.readouterr().err
+    assert "note: --hardware a100-80gb (312 TFLOP/s, 80 GB) plans every run on it" in err
+    assert "1 state another GPU: bad-run (h100-80gb)" in err
+    assert main(["plan", "--validate", str(path), "--hardware", "h100-80gb"]) == 0
+    assert "another GPU" not in capsys.readouterr().err

@@ -97,7 +97,9 @@ def run_runs(args: argparse.Namespace) -> int:
         if given is not None:  # e.g. the file `--calibrate` wrote: does it predict the other runs?
             from fivefold.config import load_hardware
 
-            cases = V.on_hardware(cases, load_hardware(given))
+            hw = load_hardware(given)
+            _say_other_gpus(cases, hw, given)
+            cases = V.on_hardware(cases, hw)
             title = f"on --hardware {given} (the constant is the bundled runs' median MFU)"
         shipped = V.as_shipped(cases, _runs([])[0])
         _plot(args, shipped, f"{paths[0] if len(paths) == 1 else 'your runs'}: {title.split(' (')[0]}")
@@ -193,6 +195,25 @@ def _dispatch_share(cases: list, hw) -> float:  # noqa: ANN001 - validation case
 # starved input pipeline) is slower than the device's ranges allow, for reasons no knob here holds
 CALIBRATION_MISS = 10.0
 CALIBRATION_WARN = 0.5
+
+
+def _say_other_gpus(cases: list, hw, given: str) -> None:
+    """--hardware plans every run on one device: name the runs that state another (a calibration of
+    one GPU read against runs of another plans them that far off, without a word otherwise)."""
+    other = [
+        c
+        for c in cases
+        if abs(c.inputs.hw.peak_tflops / hw.peak_tflops - 1) > 0.01
+        or abs(c.inputs.hw.gpu_memory_gb - hw.gpu_memory_gb) > 0.5
+    ]
+    if other:
+        named = ", ".join(f"{c.id} ({c.inputs.hw.name})" for c in other[:5])
+        more = f" and {len(other) - 5} more" if len(other) > 5 else ""
+        print(
+            f"note: --hardware {given} ({hw.peak_tflops:g} TFLOP/s, {hw.gpu_memory_gb:g} GB) plans every run "
+            f"on it; {len(other)} state another GPU: {named}{more}",
+            file=sys.stderr,
+        )
 
 
 def _node_size(cases: list) -> int:

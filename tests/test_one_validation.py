@@ -213,6 +213,10 @@ def test_a_cpu_plan_left_to_its_defaults_is_of_the_run_train_makes(tmp_path, cap
             "note: --pp-schedule orders a pipeline's micro-batches; pp is 1",
         ),
         (["--tp", "2", "--zero", "3"], "note: --zero shards the optimizer state"),
+        (
+            ["--tp", "2", "--microbatches", "2"],
+            "note: --microbatches splits a pipeline's batch into micro-batches",
+        ),
     ],
 )
 def test_a_flag_with_nothing_to_act_on_is_named_by_every_command(flags, said, tmp_path, capsys, monkeypatch):

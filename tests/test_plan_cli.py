@@ -125,7 +125,10 @@ def test_a_pipelines_batch_split_reads_as_train_reads_it(capsys) -> None:
     # without a pipeline --microbatches does nothing, in train as here
     flat = ["plan", "--model", "tiny", "--hardware", "cpu", "--gpus", "2", "--seq-len", "32"]
     assert main([*flat, "--micro-batch", "2", "--global-batch", "32", "--microbatches", "6"]) == 0
-    assert "with --pp 1 it does nothing" in capsys.readouterr().out
+    assert (
+        "note: --microbatches splits a pipeline's batch into micro-batches; pp is 1 here"
+        in capsys.readouterr().err
+    )
 
 
 def test_a_merged_axis_keeps_the_communication_table_in_columns(capsys) -> None:

@@ -25,7 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 4096)")
     parser.add_argument("--global-batch", type=int, default=None, help="sequences per step")
-    parser.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default 1)")
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="sequences per micro-batch (default 1; on a CPU device train's 8)",
+    )
     parser.add_argument("--run", default=None, help="a run directory: its config, loss, ledger and timeline")
     parser.add_argument("--top", type=int, default=5, help="also show the search's best N layouts (0: none)")
     parser.add_argument("--out", default="explore.html", help="where to write the page")

@@ -99,6 +99,10 @@ def run(args: argparse.Namespace) -> int:
         raise FivefoldError(
             "--stream prints the text as it is chosen and --json one object at the end; give one of them"
         )
+    if args.ids and args.stream:  # the stream is text: the ids asked for would not be printed
+        raise FivefoldError(
+            "--stream prints the text as it is chosen and --ids the ids at the end; give one of them"
+        )
     if args.ids and args.json:  # the JSON object already holds the ids; one of the two would be dropped
         raise FivefoldError("--ids prints the ids as a line and --json as one object; give one of them")
     # --greedy decides every token: a temperature or top-k given with it would be dropped without a word

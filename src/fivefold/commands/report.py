@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         what = "is a file, not a run directory" if run_dir.exists() else "not found"
-        raise FivefoldError(f"run directory {run_dir}: {what}; give the --run-dir of a train or verify run")
+        raise FivefoldError(f"run directory {run_dir}: {what}; give the --run-dir of a train run")
     written = ("metrics.jsonl", "ledger.json", "trace.json", "config.toml")
     if not any((run_dir / name).is_file() for name in written):
         raise FivefoldError(
@@ -229,8 +229,10 @@ def summary(
             window = next(e for e in mine if e["args"]["kind"] == "step")
             busy = sum(e["dur"] for e in mine if e["args"]["kind"] in COLORS and len(e["args"]["kind"]) == 1)
             lines.append(f"    rank {rank}: busy {busy / 1e3:8.2f} ms of {window['dur'] / 1e3:8.2f} ms")
-    else:
+    elif (run_dir / "trace.json").exists():
         lines.append("  no pipeline timeline in trace.json (pp = 1?)")
+    else:  # written when a run ends: one stopped early has none
+        lines.append("  no trace.json: the run did not finish (train writes it, with the ledger, at the end)")
     return "\n".join(lines)
 
 

@@ -351,8 +351,8 @@ def _communication(layout: Layout, per_rank: list[dict], plans: list[Any]) -> li
             Row(
                 "comm",
                 name,
-                f"{got0[0]} calls, {got0[1]:,} B",
-                f"{want0[0]} calls, {want0[1]:,} B",
+                f"{got0[0]} call{'s' * (got0[0] != 1)}, {got0[1]:,} B",
+                f"{want0[0]} call{'s' * (want0[0] != 1)}, {want0[1]:,} B",
                 worst,
                 off is None,
             )

@@ -121,6 +121,7 @@ _REFINES = (
     ("sp", "tp", "--sp shards the activations tensor parallelism replicates"),
     ("cp_impl", "cp", "--cp-impl picks how context-parallel ranks share K and V"),
     ("pp_schedule", "pp", "--pp-schedule orders a pipeline's micro-batches"),
+    ("microbatches", "pp", "--microbatches splits a pipeline's batch into micro-batches"),
 )
 
 

@@ -253,7 +253,7 @@ class Layout:
         if self.ep > 1 and not model.is_moe:
             raise FivefoldError(
                 f"--ep {self.ep} needs a mixture-of-experts model; {model.name} is dense (leave out --ep, "
-                "or pick a model with experts: tiny-moe, mixtral-8x7b, qwen3-30b-a3b, deepseek-v3)"
+                "or pick a model with experts: tiny-moe, mixtral-8x7b, qwen3-30b-a3b; deepseek-v3 plans only)"
             )
 
     def check_model(self, model: ModelSpec, seq_len: int | None = None, even_sp: bool = True) -> None:

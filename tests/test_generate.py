@@ -199,3 +199,12 @@ def test_a_checkpoint_in_the_earlier_qk_layout_is_refused(tmp_path, capsys) -> N
     assert main(["generate", "--from", str(tmp_path), "--prompt", "a", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert "earlier fivefold" in err and "Traceback" not in err
+
+
+def test_a_comm_table_of_replicas_alone_says_they_do_not_talk() -> None:
+    """generate --dp 2 --comm: replicas never talk, and a header over no rows read as a lost ledger."""
+    from fivefold.commands.generate import comm_table
+
+    assert comm_table([{"rank": 0, "prefill": [], "per_token": []}]).startswith("no communication")
+    row = {"axis": "tp", "op": "all_reduce", "count": 2, "bytes": 64}
+    assert "all_reduce" in comm_table([{"rank": 0, "prefill": [row], "planned_prefill": [row]}])

@@ -244,3 +244,21 @@ def test_a_flag_with_nothing_to_act_on_is_named_by_every_command(flags, said, tm
     for argv in (["plan", *COMMON, "--hardware", "cpu", "--gpus", "4", "--tp", "2", "--pp", "2", "--sp"],):
         assert main(argv) == 0
         assert "no effect" not in capsys.readouterr().err
+
+
+def test_train_names_a_micro_batch_its_pipeline_does_not_take(tmp_path, capsys, monkeypatch) -> None:
+    """pp 2 × dp 2 with --global-batch 16: each data rank's 8 sequences run as --microbatches 2 of 4,
+    whatever --micro-batch says; a --micro-batch of 2 is named, with the count that would make it so."""
+    import fivefold.train.launch
+
+    monkeypatch.setattr(fivefold.train.launch, "elastic_launch", _started)
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "--model", "tiny", "--seq-len", "32", "--nproc", "4", "--pp", "2", "--dp", "2"]
+    argv += ["--global-batch", "16", "--microbatches", "2", "--steps", "1"]
+    for micro, said in (("2", True), ("4", False)):
+        with contextlib.suppress(Started):
+            main([*argv, "--micro-batch", micro, "--run-dir", f"r{micro}"])
+        err = capsys.readouterr().err
+        note = "note: with pp 2, a data rank's 8 sequences run as --microbatches 2 of 4; --micro-batch 2"
+        assert (note in err) is said, err
+        assert ("give --microbatches 4 for micro-batches of 2" in err) is said

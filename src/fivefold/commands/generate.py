@@ -322,6 +322,8 @@ def comm_table(ledger: list[dict]) -> str:
                 f"{p.get('bytes', 0):>9,.0f} {pp.get('bytes', 0):>9,.0f}  {t.get('count', 0):>9g} "
                 f"{t.get('bytes', 0):>9,.0f} {tp.get('bytes', 0):>9,.0f}"
             )
+    if len(lines) == 1:  # replicas alone: a header over nothing would read as a lost ledger
+        return "no communication: each replica generates its own prompts, and the plan sends nothing either"
     return "\n".join(lines)
 
 

@@ -363,8 +363,9 @@ def _svg_loss(metrics: list[dict], x0: float, y0: float, w: float, h: float) -> 
         f'<text x="{x0}" y="{y0}" font-size="13" font-weight="bold">loss</text>',
         f'<line x1="{left}" y1="{bottom}" x2="{x0 + w}" y2="{bottom}" stroke="#888"/>',
         f'<line x1="{left}" y1="{y0 + 10}" x2="{left}" y2="{bottom}" stroke="#888"/>',
-        f'<text x="{x0}" y="{y0 + 18}">{hi:.3f}</text>',
-        f'<text x="{x0}" y="{bottom}">{lo:.3f}</text>',
+        # each value's label on the level the curve reaches it at (4 px lower: a text's baseline)
+        f'<text x="{x0}" y="{px(s0, hi)[1] + 4:.1f}">{hi:.3f}</text>',
+        f'<text x="{x0}" y="{px(s0, lo)[1] + 4:.1f}">{lo:.3f}</text>',
         f'<text x="{left}" y="{bottom + 14}">step {s0}</text>',
         f'<text x="{x0 + w - 60}" y="{bottom + 14}">step {s1}</text>',
     ]

@@ -307,8 +307,31 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_on_interrupt=args.checkpoint_on_interrupt,
     )
     if int(os.environ.get("RANK", "0")) == 0:
-        say_idle_flags(args, _known_layout(cfg.layout, _world(args.nproc)))
+        known = _known_layout(cfg.layout, _world(args.nproc))
+        say_idle_flags(args, known)
+        _say_pipeline_micro_batch(args, cfg, known)
     return start(job, 1 if _launched() else args.nproc)
+
+
+def _say_pipeline_micro_batch(args: argparse.Namespace, cfg: RunConfig, layout: Layout) -> None:
+    """With a pipeline and a given --global-batch, each micro-batch is a data rank's batch over
+    --microbatches: a --micro-batch of another size only has to divide that batch, and whoever typed it
+    expected it to be the micro-batch."""
+    if layout.pp == 1 or args.micro_batch is None or not args.global_batch or layout.dp <= 0:
+        return
+    data = layout.dp * layout.fsdp
+    local = args.global_batch // data
+    if args.global_batch % data or not layout.microbatches or local % layout.microbatches:
+        return  # the preflight names the split that does not divide
+    pipelined = local // layout.microbatches
+    if pipelined != args.micro_batch:
+        way = f": give --microbatches {local // args.micro_batch} for micro-batches of {args.micro_batch}"
+        print(
+            f"note: with pp {layout.pp}, a data rank's {local} sequences run as --microbatches "
+            f"{layout.microbatches} of {pipelined}; --micro-batch {args.micro_batch} does not size them "
+            f"(it only has to divide the {local})" + (way if local % args.micro_batch == 0 else ""),
+            file=sys.stderr,
+        )
 
 
 def _world(nproc: int) -> int:

@@ -233,6 +233,7 @@ def test_training_loop_end_to_end_and_report(two_ranks, train_dir, capsys):
         kinds = {e["args"]["kind"] for e in events if e["pid"] == rank}
         assert {"F", "B", "idle", "step"} <= kinds
     ledger = json.loads((train_dir / "ledger.json").read_text())
+    assert [s["step"] for s in ledger["per_step"]] == [1, 2, 3]  # numbered as metrics.jsonl numbers them
     assert any(r["axis"] == "pp" and r["op"] == "send" for r in ledger["summary"])
     # the summary is the steady step (the first exchanges shapes), and it is the step the planner
     # plans for the run's config.toml, tied embeddings' gradient sum included: the explorer shows both

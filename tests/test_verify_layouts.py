@@ -276,9 +276,9 @@ def test_report_table(capsys) -> None:
         # two steps of DDP: the first all-reduces every gradient in one bucket (a model of more than
         # 1 MiB of gradients then measured 2 calls where the rebuilt buckets make 3) and the second
         # rebuilds them: neither is judged, and the run says so
-        (["--dp", "2", "--steps", "2"], "step 1 measured", "rebuilds its gradient buckets"),
+        (["--dp", "2", "--steps", "2"], "step 2 measured", "rebuilds its gradient buckets"),
         # one step of a pipeline: its shape exchange is shown, not judged, and the run says so
-        (["--pp", "2", "--steps", "1"], "step 0 measured", "exchange their tensor shapes"),
+        (["--pp", "2", "--steps", "1"], "step 1 measured", "exchange their tensor shapes"),
     ],
 )
 def test_verify_never_judges_torchs_one_time_collectives(capsys, flags, measured, warmup) -> None:

@@ -83,7 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
     parser.add_argument("--grad-clip", type=float, default=0.3, help="global-norm clip (0: off)")
     parser.add_argument(
-        "--ledger-step", type=int, default=-1, help="step that is measured (default: the last)"
+        "--ledger-step",
+        type=int,
+        default=None,
+        help="step that is measured, 1 to --steps as train numbers them (default: the last past warm-up)",
     )
     parser.add_argument("--json", action="store_true", help="print the judgment as JSON")
     add_layout_arguments(parser)
@@ -149,17 +152,17 @@ def run(args: argparse.Namespace) -> int:
 
     check_model_state_fits(spec, train, args.nproc)  # out of memory in the ranks is no message
     check_batch_fits(spec, train, layout, args.nproc)
-    if args.ledger_step < -1:
+    # steps are numbered from 1 here as train numbers them; inside, `ledger_step` counts from 0
+    if args.ledger_step is not None and not 1 <= args.ledger_step <= args.steps:
         raise FivefoldError(
-            f"--ledger-step must be a step index >= 0 (or -1: the last), got {args.ledger_step}"
+            f"--ledger-step must be a step from 1 to --steps {args.steps}, got {args.ledger_step}"
         )
     from fivefold.train.loop import LEDGER_WARMUP_STEPS, warmup_collectives
 
-    if args.ledger_step >= args.steps:
-        raise FivefoldError(f"--ledger-step must be below --steps {args.steps}, got {args.ledger_step}")
     # the last step past torch's one-time collectives (a two-step DDP run: its first), else the last
     steady = [s for s in range(args.steps) if not warmup_collectives(layout, s)]
-    ledger_step = args.ledger_step if args.ledger_step >= 0 else (steady or [args.steps - 1])[-1]
+    chosen = args.ledger_step is not None
+    ledger_step = args.ledger_step - 1 if chosen else (steady or [args.steps - 1])[-1]
     warmup = warmup_collectives(layout, ledger_step)
 
     from fivefold.parallel.compare import run_reference
@@ -176,8 +179,9 @@ def run(args: argparse.Namespace) -> int:
         if warmup:
             later = [s for s in steady if s > ledger_step]
             how = (  # a measured step the user chose, with a later one to choose; else more steps
-                f"measure step {later[-1]} (--ledger-step {later[-1]}, or leave it to the default: the last)"
-                if args.ledger_step >= 0 and later
+                f"measure step {later[-1] + 1} (--ledger-step {later[-1] + 1}, or leave it to the default: "
+                "the last)"
+                if chosen and later
                 else f"run --steps {LEDGER_WARMUP_STEPS + 1} or more"
             )
             print(
@@ -273,7 +277,7 @@ def _numerics(train: TrainSpec, per_rank: list[dict], reference: Any) -> list[Ro
     same = all(r["losses"] == per_rank[0]["losses"] for r in per_rank)
     rows = []
     for i, (a, b, rel) in enumerate(zip(reference.losses, ours.losses, cmp.loss_rel)):
-        rows.append(Row("numerics", f"loss step {i}", f"{b:.8f}", f"{a:.8f}", rel, rel <= loss_rtol))
+        rows.append(Row("numerics", f"loss step {i + 1}", f"{b:.8f}", f"{a:.8f}", rel, rel <= loss_rtol))
     rows.append(Row("numerics", "loss equal on every rank", str(same), "True", 0.0, same))
     cosine = update_cosine(reference, params)
     if cosine is not None:  # the direction the steps moved the weights, against the single process's
@@ -417,7 +421,7 @@ def _print_table(
     if layout.recompute != "none":
         extras.append(f"recompute {layout.recompute_label}")
     what = f"{axes or 'one replica'} ({', '.join(extras)})"
-    print(f"verify {model} on {nproc} ranks: {what}; step {step} measured")
+    print(f"verify {model} on {nproc} ranks: {what}; step {step + 1} measured")
     _print_rows(table)
 
 

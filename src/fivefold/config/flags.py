@@ -133,6 +133,8 @@ def say_idle_flags(args: argparse.Namespace, layout: Layout) -> None:
         value = getattr(args, flag, None)
         if value in (None, False) or getattr(layout, axis) != 1:
             continue
+        if type(value) is int and value <= 0:  # a count out of range: its own error says so, alone
+            continue
         note = f"note: {what}; {axis} is 1 here, so it has no effect (add --{axis} 2 or more)"
         print(note, file=sys.stderr)
     # ZeRO refines the data ranks (dp, which may be left to fill the world: said only once known)

@@ -311,13 +311,15 @@ class CommLedger(TorchDispatchMode):
                 agg[k] += row[k]
         return out
 
-    def to_json(self, skip: int = 0) -> dict:
+    def to_json(self, skip: int = 0, first_step: int = 0) -> dict:
+        """The ledger as `ledger.json` holds it; `first_step` numbers its steps (train's: from 1, and on
+        from a resumed checkpoint's step, as metrics.jsonl numbers them)."""
         per_step = self.per_step()
         return {
             "rank": self.rank,
             "steps": len(per_step),
             "summary_skips": min(skip, max(len(per_step) - 1, 0)),
-            "per_step": [{"step": i, "ops": rows} for i, rows in enumerate(per_step)],
+            "per_step": [{"step": first_step + i, "ops": rows} for i, rows in enumerate(per_step)],
             "summary": self.summary(skip),
             "by_axis": self.by_axis(skip),
             "formulas": {
@@ -330,13 +332,13 @@ class CommLedger(TorchDispatchMode):
             },
         }
 
-    def write(self, path: str | Path, skip: int = 0) -> Path:
+    def write(self, path: str | Path, skip: int = 0, first_step: int = 0) -> Path:
         """Write `ledger.json` (into `path` if it is a directory)."""
         p = Path(path)
         if p.is_dir() or not p.suffix:
             p.mkdir(parents=True, exist_ok=True)
             p = p / "ledger.json"
-        p.write_text(json.dumps(self.to_json(skip), indent=1))
+        p.write_text(json.dumps(self.to_json(skip, first_step), indent=1))
         return p
 
 

@@ -572,7 +572,7 @@ def _train(
         batches.close()
         metrics.close()
     supervise.mark(tspec.steps, "writing the run's outputs")
-    _write_outputs(run_dir, rank, world, tracer, ledger, runner, spec.vocab, mfu.hardware)
+    _write_outputs(run_dir, rank, world, tracer, ledger, runner, spec.vocab, mfu.hardware, start + 1)
     return result
 
 
@@ -649,7 +649,15 @@ def _step_ledger(ledger: Any):
 
 
 def _write_outputs(
-    run_dir: Path, rank: int, world: int, tracer: Tracer, ledger: Any, runner: Any, vocab: int, hardware: str
+    run_dir: Path,
+    rank: int,
+    world: int,
+    tracer: Tracer,
+    ledger: Any,
+    runner: Any,
+    vocab: int,
+    hardware: str,
+    first_step: int,
 ) -> None:
     tracer.write_part(run_dir)
     _barrier()
@@ -659,7 +667,7 @@ def _write_outputs(
     if timeline is not None:  # the pipeline's per-micro-batch events join the same trace
         write_trace(run_dir / "trace.json", timeline)
     if rank == 0 and ledger is not None:  # the summary is the steady step that `fivefold verify` plans
-        ledger.write(run_dir / "ledger.json", skip=LEDGER_WARMUP_STEPS)
+        ledger.write(run_dir / "ledger.json", skip=LEDGER_WARMUP_STEPS, first_step=first_step)
     elif rank == 0:  # one process: nothing crosses a process boundary
         empty = {"rank": 0, "steps": 0, "per_step": [], "summary": [], "by_axis": {}}
         (run_dir / "ledger.json").write_text(json.dumps(empty, indent=1))

@@ -1520,3 +1520,59 @@ def test_validate_on_another_gpu_names_the_runs_it_moves(capsys, tmp_path) -> No
     assert "1 state another GPU: bad-run (h100-80gb)" in err
     assert main(["plan", "--validate", str(path), "--hardware", "h100-80gb"]) == 0
     assert "another GPU" not in capsys.readouterr().err
+
+
+THEIR_NAMES = """
+[[run]]
+id = "moe-run"
+source = "a made-up source"
+[run.hardware]
+gpu = "H100 80GB"
+[run.model]
+num_layers = 32
+hidden_size = 4096
+num_attention_heads = 32
+vocab_size = 32000
+seq_length = 4096
+intermediate_size = 14336
+num_local_experts = 8
+top_k = 2
+[run.layout]
+gpus = 8
+tensor_model_parallel_size = 2
+pp = 1
+ep = 4
+global_batch_size = 64
+micro_batch_sz = 1
+[run.measured]
+tokens_per_s_per_gpu = 1000
+"""
+
+
+def test_a_runs_file_in_another_frameworks_key_names(capsys, tmp_path) -> None:
+    """HF's and Megatron's names for a run's facts read as this file's; a key the reader does not take
+    is named once with the one it most likely meant, not planned around in silence."""
+    from fivefold.plan import validation as V
+    from fivefold.plan.runs import load_runs
+
+    theirs = tmp_path / "theirs.toml"
+    theirs.write_text(THEIR_NAMES)
+    ours = tmp_path / "ours.toml"
+    ours.write_text(
+        THEIR_NAMES.replace("num_layers", "layers").replace("hidden_size", "hidden")
+        .replace("num_attention_heads", "heads").replace("vocab_size", "vocab")
+        .replace("seq_length", "seq_len")
+        .replace("intermediate_size", "ffn_hidden").replace("num_local_experts", "experts")
+        .replace("top_k", "experts_per_token").replace("tensor_model_parallel_size", "tp")
+        .replace("global_batch_size", "global_batch").replace("micro_batch_sz", "micro_batch")
+    )  # fmt: skip
+    (a,), (b,) = V.cases(load_runs(ours)), V.cases(load_runs(theirs))
+    assert a.inputs.model == b.inputs.model and b.inputs.model.experts == 8
+    assert b.inputs.model.expert_ffn_hidden == 14336  # an expert without its own width has the model's
+    assert b.inputs.layout.tp == 2 and b.inputs.shape.global_batch == 64 == a.inputs.shape.global_batch
+    assert main(["plan", "--validate", str(theirs)]) == 0
+    err = capsys.readouterr().err
+    assert "note: run moe-run: layout.micro_batch_sz is not read (planned without it)" in err
+    assert "(did you mean micro_batch?)" in err and err.count("is not read") == 1
+    assert main(["plan", "--validate", str(ours)]) == 0
+    assert "is not read" not in capsys.readouterr().err

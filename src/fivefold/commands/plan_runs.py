@@ -22,6 +22,7 @@ def _runs(paths: list[str]) -> tuple[list, list[str]]:
         load_runs,
         run_from_dir,
         throughput,
+        unread_keys,
     )
 
     files = [Path(p) for p in paths] or builtin_paths()
@@ -34,6 +35,9 @@ def _runs(paths: list[str]) -> tuple[list, list[str]]:
         seen.add(run["id"])
     left_out, kept = [], []
     for run in runs:
+        if paths:  # a user's file: a key under a name the reader does not take would be planned without
+            for line in unread_keys(run):
+                print(f"note: {line}", file=sys.stderr)
         bad = contradictions(run)
         if bad:
             left_out.append(f"run {run['id']}: left out, its facts contradict: {'; '.join(bad)}")

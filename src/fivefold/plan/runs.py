@@ -23,7 +23,7 @@ from fivefold.config import CP_IMPLS, HardwareSpec, Layout, ModelSpec, load_hard
 from fivefold.config.files import read_settings_text
 from fivefold.config.hardware import GPU_NAME_PRESETS, preset_for_gpu_name
 from fivefold.config.run import MAX_BATCH
-from fivefold.errors import FivefoldError, reason
+from fivefold.errors import FivefoldError, did_you_mean, reason
 from fivefold.plan.spec import ATTENTION, TrainShape
 from fivefold.plan.trainers import (
     FIRST_SP_YEAR,
@@ -60,6 +60,154 @@ SHAPE_KEYS = (
 
 
 MOE_KEYS = ("experts_per_token", "expert_ffn_hidden", "shared_experts", "moe_layers")  # beside `experts`
+
+# a key under the name another framework's config gives it (HF's, Megatron's arguments) -> this file's,
+# read as the key it names where the run does not also state that one
+ALIASES = {
+    "model": {
+        "num_layers": "layers",
+        "num_hidden_layers": "layers",
+        "hidden_size": "hidden",
+        "num_attention_heads": "heads",
+        "num_key_value_heads": "kv_heads",
+        "num_query_groups": "kv_heads",
+        "ffn_hidden_size": "ffn_hidden",
+        "intermediate_size": "ffn_hidden",
+        "vocab_size": "vocab",
+        "seq_length": "seq_len",
+        "sequence_length": "seq_len",
+        "max_position_embeddings": "seq_len",
+        "num_experts": "experts",
+        "num_local_experts": "experts",
+        "n_routed_experts": "experts",
+        "num_experts_per_tok": "experts_per_token",
+        "top_k": "experts_per_token",
+        "moe_ffn_hidden_size": "expert_ffn_hidden",
+        "moe_intermediate_size": "expert_ffn_hidden",
+    },
+    "layout": {
+        "global_batch_size": "global_batch",
+        "micro_batch_size": "micro_batch",
+        "tensor_parallel": "tp",
+        "tensor_model_parallel_size": "tp",
+        "pipeline_parallel": "pp",
+        "pipeline_model_parallel_size": "pp",
+        "context_parallel": "cp",
+        "context_parallel_size": "cp",
+        "expert_parallel": "ep",
+        "expert_model_parallel_size": "ep",
+        "data_parallel": "dp",
+        "gradient_accumulation_steps": "grad_accum",
+        "zero": "zero_stage",
+        "virtual_pipeline_model_parallel_size": "virtual_stages",
+    },
+}
+# every key the reader takes or the reference files state (read or kept as a record), per table: a key
+# outside it is named once, with the one it most likely meant (`unread_keys`)
+KNOWN_KEYS = {
+    "run": {"id", "source", "kind", "flops_definition", "notes", "uncertain", "unknown"},
+    "hardware": {
+        "gpu",
+        "gpus_per_node",
+        "peak_bf16_tflops",
+        "peak_fp8_tflops",
+        "gpu_memory_gb",
+        "inter_node_gbs_per_gpu",
+        "intra_node_gbs_per_gpu",
+        "hbm_gbs",
+        "power_limit_w",
+        "threads_per_rank",
+        "cluster",
+        "inter_node",
+        "intra_node",
+        "host_pcie",
+        "host_memory_tb_per_node",
+    },
+    "model": set(SHAPE_KEYS)
+    | {
+        "arch",
+        "seq_len",
+        "tie_word_embeddings",
+        "tie_embeddings",
+        "moe_experts",
+        "moe_topk",
+        "params",
+        "params_b",
+        "attention_bias",
+        "qk_norm",
+        "mlp",
+        "name",
+    },
+    "layout": {
+        "gpus",
+        "dp",
+        "fsdp",
+        "tp",
+        "pp",
+        "cp",
+        "ep",
+        "zero_stage",
+        "sequence_parallel",
+        "micro_batch",
+        "global_batch",
+        "global_batch_tokens",
+        "grad_accum",
+        "local_batch",
+        "pipeline_schedule",
+        "virtual_stages",
+        "layers_per_virtual_stage",
+        "recompute",
+        "activation_checkpointing",
+        "recompute_layers",
+        "recompute_policy",
+        "cp_impl",
+        "precision",
+        "framework",
+        "torch_compile",
+        "async_tp",
+        "attention",
+        "cpu_offload",
+        "offload_optimizer",
+        "activation_cpu_offload",
+        "distributed_optimizer",
+        "fsdp_mixed_precision",
+        "optimizer",
+        "optimizer_bytes_per_param",
+        "optimizer_state_dtype",
+        "sharding_strategy",
+    },
+    "measured": set(),  # its keys are the source's to name (a throughput, memory, per-layer times)
+}
+
+
+def with_aliases(run: dict[str, Any]) -> dict[str, Any]:
+    """`run` with each aliased key (ALIASES) under this file's name, where that one is not stated."""
+    out = dict(run)
+    for table, names in ALIASES.items():
+        data = run.get(table)
+        if not isinstance(data, dict) or not any(k in data for k in names):
+            continue
+        renamed = dict(data)
+        for alias, key in names.items():
+            if alias in renamed and key not in renamed:
+                renamed[key] = renamed.pop(alias)
+        out[table] = renamed
+    return out
+
+
+def unread_keys(run: dict[str, Any]) -> list[str]:
+    """One line for each key of the run the reader does not take: planned as if it were not there."""
+    out = []
+    for table, known in KNOWN_KEYS.items():
+        data = run if table == "run" else run.get(table)
+        if not known or not isinstance(data, dict):
+            continue
+        for key in data:
+            if key in known or key.startswith("_") or (table == "run" and isinstance(data[key], dict)):
+                continue
+            where = key if table == "run" else f"{table}.{key}"
+            out.append(f"run {run['id']}: {where} is not read (planned without it){did_you_mean(key, known)}")
+    return out
 
 
 def builtin_paths() -> list[Path]:
@@ -144,7 +292,7 @@ def load_runs(*paths: str | Path) -> list[dict[str, Any]]:
                 word = basis.strip().lower().split(" ")[0].strip(",;:()")
                 if word in ("model", "hardware"):
                     run = {**run, "measured": {**run["measured"], "tflops_basis": word}}
-            runs.append({**run, "kind": kind, "_file": str(p)})
+            runs.append(with_aliases({**run, "kind": kind, "_file": str(p)}))
     return runs
 
 
@@ -439,7 +587,10 @@ def build(run: dict[str, Any]) -> RunInputs | None:
     if "moe_experts" in mt:  # a file that names the MoE keys after the paper
         shape_vals.setdefault("experts", mt["moe_experts"])
         shape_vals.setdefault("experts_per_token", mt.get("moe_topk", 1))
-        shape_vals.setdefault("expert_ffn_hidden", mt.get("ffn_hidden"))
+    if shape_vals.get("experts") and mt.get("ffn_hidden"):
+        # an expert without its own width has the model's (Mixtral's, Switch's): `ffn_hidden` is the
+        # experts' when every MLP is a mixture
+        shape_vals.setdefault("expert_ffn_hidden", mt["ffn_hidden"])
     for key in ("layers", "hidden", "heads"):
         _need(run, "model", key)
     # the keys of a mixture of experts without its expert count: a dense model would be planned in silence

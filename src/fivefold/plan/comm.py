@@ -102,7 +102,7 @@ def host_dispatch(hw: HardwareSpec, axis: str, op: str = "") -> float:
     through DTensor, FSDP's through its per-unit hooks and a cp core's through the functional
     collectives (`tp_dispatch_us`, `fsdp_dispatch_us`, `cp_dispatch_us`), work a CPU does in series
     with the compute and a GPU's host does ahead of the kernels (0 there)."""
-    if axis.startswith("fsdp"):  # FSDP's own group, over fsdp or fsdp×cp
+    if axis.startswith("fsdp") or axis == "expert_fsdp":  # FSDP's hooks: over fsdp, fsdp×cp, or experts
         return hw.fsdp_dispatch_us * 1e-6
     if axis == "cp" and op not in (ALL_TO_ALL, ALL_GATHER, REDUCE_SCATTER):
         return 0.0  # the ring's bare send/recv pairs; DDP's all-reduce over a cp-only data group

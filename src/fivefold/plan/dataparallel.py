@@ -114,12 +114,14 @@ def data_parallel_traffic(
     recomputed: float = 0.0,
     units: int = 1,
     tensors: int = 1,
+    expert_units: int = 0,
 ) -> None:
     """Record gradient (and ZeRO weight) traffic through `add`, each with the part no compute hides.
 
     FSDP gathers and reduces its `units` (the stage's blocks, embedding and head) one collective each,
     so each pass over the stage pays the ring's latency `units` times; ZeroRedundancyOptimizer
-    broadcasts the stage's parameter `tensors` one each."""
+    broadcasts the stage's parameter `tensors` one each. Under ep, the experts of each of the stage's
+    `expert_units` MoE layers are a unit of their own over `expert_fsdp` (as the ledger names it)."""
     z = layout.zero
     overlap = shape.overlap_grad_reduce and hw.comm_overlap and (z == 0 or shape.sharded_overlap)
     overlap = overlap and not (shape.reduce_after_pipeline and layout.pp > 1)
@@ -230,14 +232,23 @@ def data_parallel_traffic(
             waiting_f, bwd_gathers, waiting_b = (
                 (1 - recomputed) * a + recomputed * b for a, b in zip(plain, again, strict=True)
             )
-        shards = [(pl, grp) for pl, grp in ((dense, n), (experts, n_exp)) if grp > 1 and pl > 0]
         units = max(units, 1)
-        # each unit's gather and reduction, issued by its hooks (their host dispatch included); one
-        # entry per shard (dense, experts), whose groups are the same size where ep is 1
+        # (payload, group, axis, units) per shard: the dense one over `shard_axis` in `units` units, and
+        # under ep the experts over expert_fsdp, one unit a MoE layer (fivefold.parallel.expert)
+        own = ep > 1 and expert_units > 0
+        shards = [
+            (pl, grp, axis, u)
+            for pl, grp, axis, u in (
+                (dense, n, shard_axis, units),
+                (experts, n_exp, "expert_fsdp" if own else shard_axis, expert_units if own else units),
+            )
+            if grp > 1 and pl > 0
+        ]
+        # each unit's gather and reduction, issued by its hooks (their host dispatch included)
         t_ag, t_rs = (
             [
-                units * collective_time(hw, op, b * pl / units, grp, shard_link, per_node, shard_axis)[1]
-                for pl, grp in shards
+                u * collective_time(hw, op, b * pl / u, grp, shard_link, per_node, shard_axis)[1]
+                for pl, grp, _, u in shards
             ]
             for op, b in ((ALL_GATHER, p), (REDUCE_SCATTER, g))
         )
@@ -260,31 +271,31 @@ def data_parallel_traffic(
         gathers = (1 + bwd_gathers) * m
         if layout.pp > 1:
             gathers = m + 1 if z == 3 else 1
-        for i, (payload, group) in enumerate(shards):
+        for i, (payload, group, axis, u) in enumerate(shards):
             ag_exposed = t_ag[i] / busy_f * exposed_f
             if busy_b > 0:
                 ag_exposed += bwd_gathers * t_ag[i] / busy_b * exposed_b
             add(
-                shard_axis,
+                axis,
                 ALL_GATHER,
-                p * payload / units,
+                p * payload / u,
                 group,
                 shard_link,
-                gathers * units,
+                gathers * u,
                 exposed=ag_exposed * m * gathers / ((1 + bwd_gathers) * m),
                 overlap="micro-batch compute",
                 per_node=per_node,
             )
             if not rs_each:
-                once(shard_axis, REDUCE_SCATTER, g * payload, group, shard_link, "b", units)
+                once(axis, REDUCE_SCATTER, g * payload, group, shard_link, "b", u)
                 continue
             add(
-                shard_axis,
+                axis,
                 REDUCE_SCATTER,
-                g * payload / units,
+                g * payload / u,
                 group,
                 shard_link,
-                m * units,
+                m * u,
                 exposed=t_rs[i] / busy_b * exposed_b * m,
                 overlap="micro-batch backward",
                 per_node=per_node,

@@ -596,13 +596,16 @@ def _plan(
         *sub_module_facts(model, arch, layout, shape),
         units=fsdp_units(model, layout, worst, shape.seq_len),
         tensors=stage_tensors(model, layout, shape, worst),
+        expert_units=stage_counts(model, layout.pp, worst, layout, shape.seq_len)[1],
     )
     n = shard_group(layout)
     local = (dense / n + experts / max(n // layout.ep, 1)) if layout.zero >= 1 else dense + experts
     opt = optimizer_time(local, rates, hw, offload=shape.offload_optimizer, gpus=layout.world)
     besides = outside_layers(model, arch, layout, shape, worst, m, dense + experts, rates)
     opt += sum(besides.values())
-    exposed = sum(c.exposed_s for c in comms.values() if c.axis in ("dp", "fsdp", "pp")) + tp_once
+    exposed = (
+        sum(c.exposed_s for c in comms.values() if c.axis in ("dp", "fsdp", "expert_fsdp", "pp")) + tp_once
+    )
     exposed += nic_contention(comms, pipeline_time + exposed + opt)
     step = pipeline_time + exposed + opt
 
@@ -622,7 +625,7 @@ def _plan(
     peak = hw.peak_tflops * 1e12 * host_threads_of(hw)
     tflops = mflops * tokens_per_s / gpus
     htflops = hflops * tokens_per_s / gpus
-    order = ("tp", "cp", "ep", "pp", "fsdp", "fsdp_cp", "dp", "dp_fsdp_cp")
+    order = ("tp", "cp", "ep", "pp", "fsdp", "fsdp_cp", "expert_fsdp", "dp", "dp_fsdp_cp")
     comm_list = sorted(in_ledger_words(list(comms.values()), layout), key=lambda c: order.index(c.axis))
     notes = []
     if any(besides.values()):

@@ -389,17 +389,22 @@ def test_the_layout_plan_issues_zero1_as_the_runtime_does() -> None:
 def test_the_layout_plan_names_expert_shards_as_the_ledger_does() -> None:
     """fsdp × ep: each MoE layer's experts are an FSDP unit of their own over expert_fsdp (the
     ledger's word). The layout plan counted them as more fsdp units (24 gathers where the runtime
-    issues 12 over fsdp and 8 over expert_fsdp); its rows now are the exact step's."""
+    issues 12 over fsdp and 8 over expert_fsdp), without ep counted a block's experts as a unit of
+    their own, and did not pad their shards (2 local experts over 4 ranks: each holds a whole one);
+    its rows and model state now are the exact step's."""
     from fivefold.plan.step import plan_step
 
     model, cpu = load_model("tiny-moe"), load_hardware("cpu")
-    fp32 = TrainShape(seq_len=128, global_batch=32, micro_batch=8, act_bytes=4, param_bytes=4)
-    for zero in (2, 3):
-        layout = Layout(fsdp=4, ep=2, zero=zero).resolve(4)
-        ops = {(c.axis, c.op): (c.count, c.bytes) for c in plan(model, cpu, layout, fp32, 8).comm}
-        coords = {"dp": 0, "fsdp_cp": 0, "tp": 0, "pp": 0, "cp": 0, "ep": 0}
-        exact = plan_step(model, layout, 8, 128, 1, "fp32", coords).comm
-        for key in (("fsdp", "all_gather"), ("fsdp", "reduce_scatter")):
-            assert ops[key] == exact[key], (zero, key)
+    coords = {"dp": 0, "fsdp_cp": 0, "tp": 0, "pp": 0, "cp": 0, "ep": 0}
+    for fsdp, cp, ep, zero in ((4, 1, 2, 2), (4, 1, 2, 3), (2, 2, 2, 3), (2, 1, 1, 3)):
+        layout = Layout(fsdp=fsdp, cp=cp, ep=ep, zero=zero).resolve(fsdp * cp)
+        fp32 = TrainShape(seq_len=128, global_batch=8 * fsdp, micro_batch=8, act_bytes=4, param_bytes=4)
+        p = plan(model, cpu, layout, fp32, 8)
+        ops = {(c.axis, c.op): (c.count, c.bytes) for c in p.comm}
+        step = plan_step(model, layout, 8, 128, 1, "fp32", coords)
+        data = "fsdp_cp" if cp > 1 else "fsdp"
+        for key in ((data, "all_gather"), (data, "reduce_scatter")):
+            assert ops[key] == step.comm[key], (layout, key)
         for key in (("expert_fsdp", "all_gather"), ("expert_fsdp", "reduce_scatter")):
-            assert ops[key] == exact[key], (zero, key)
+            assert ops.get(key) == step.comm.get(key), (layout, key)
+        assert p.memory.params == pytest.approx(step.state["params"], rel=0.01)

@@ -30,7 +30,7 @@ from fivefold.layout_math import (
     tp_local_shape,
 )
 from fivefold.plan.comm import collective_time, ring_nics, worst_link
-from fivefold.plan.memory import MASTER_BYTES, shard_group
+from fivefold.plan.memory import MASTER_BYTES, expert_pad, shard_group
 from fivefold.plan.runshape import Chunk, RunShape, Traffic, fsdp_sync_deferred
 from fivefold.plan.spec import TrainShape
 
@@ -115,6 +115,7 @@ def data_parallel_traffic(
     units: int = 1,
     tensors: int = 1,
     expert_units: int = 0,
+    expert_rows: int = 0,
 ) -> None:
     """Record gradient (and ZeRO weight) traffic through `add`, each with the part no compute hides.
 
@@ -236,14 +237,13 @@ def data_parallel_traffic(
         # (payload, group, axis, units) per shard: the dense one over `shard_axis` in `units` units, and
         # under ep the experts over expert_fsdp, one unit a MoE layer (fivefold.parallel.expert)
         own = ep > 1 and expert_units > 0
-        shards = [
-            (pl, grp, axis, u)
-            for pl, grp, axis, u in (
-                (dense, n, shard_axis, units),
-                (experts, n_exp, "expert_fsdp" if own else shard_axis, expert_units if own else units),
-            )
-            if grp > 1 and pl > 0
-        ]
+        # FSDP splits the stacked experts on dim 0, padded to its group: fewer than it, whole ones go
+        experts *= expert_pad(expert_rows, n_exp)
+        # without ep a block's experts are in its unit: one gather of both, not one each
+        parts = ((dense, n, shard_axis, units), (experts, n_exp, "expert_fsdp", expert_units))
+        if not own:
+            parts = ((dense + experts, n, shard_axis, units),) if n_exp == n else parts
+        shards = [(pl, grp, axis, u) for pl, grp, axis, u in parts if grp > 1 and pl > 0]
         # each unit's gather and reduction, issued by its hooks (their host dispatch included)
         t_ag, t_rs = (
             [

@@ -98,6 +98,11 @@ def model_state(
     )
 
 
+def expert_rows(model: ModelSpec, layout: Layout) -> int:
+    """Routed experts a rank's ep share stacks in one tensor (0 for a dense model)."""
+    return model.experts // layout.ep if model.is_moe else 0
+
+
 def shard_group(layout: Layout) -> int:
     """Ranks that share one copy of the dense model state under ZeRO (fsdp×cp, else dp×cp)."""
     return layout.fsdp * layout.cp if layout.fsdp > 1 else layout.dp * layout.cp
@@ -458,13 +463,23 @@ def _runtime_block(model: ModelSpec, arch: Arch) -> bool:
     return arch.gated_mlp and not arch.expert_tp and not model.is_mla
 
 
+def expert_pad(rows: int, group: int) -> float:
+    """How much FSDP's shards of stacked experts [rows, ...] outweigh their share: FSDP splits dim 0,
+    padded up to a multiple of its group, so with fewer local experts than ranks each rank still
+    holds (and gathers) whole experts (`fivefold.plan.state`, the exact count, pads the same)."""
+    return math.ceil(rows / group) * group / rows if rows > 0 and group > 1 else 1.0
+
+
 def stage_state(
-    dense: float, experts: float, layout: Layout, shape: TrainShape
+    dense: float, experts: float, layout: Layout, shape: TrainShape, expert_rows: int = 0
 ) -> tuple[float, float, float, float]:
     """(weights, gradients, optimizer, compute-dtype copies of the weights) of a rank holding `dense`
-    and `experts` parameters: the trainer's own accounting (`TrainShape.fp32_weights`)."""
+    and `experts` parameters: the trainer's own accounting (`TrainShape.fp32_weights`). Under FSDP the
+    stacked experts' `expert_rows` (experts a rank's ep share holds) pad its shards (`expert_pad`)."""
     n = shard_group(layout)
-    n_exp = max(n // layout.ep, 1)
+    n_exp: float = max(n // layout.ep, 1)
+    if layout.fsdp > 1:
+        n_exp /= expert_pad(expert_rows, int(n_exp))
     if shape.fp32_weights:
         return _fp32_weights_state(dense, experts, layout, shape, n, n_exp)
     return (*model_state(dense, experts, layout.zero, n, n_exp, shape), 0.0)
@@ -505,7 +520,7 @@ def _stage_memory(
     n_dense, n_moe = stage_counts(model, layout.pp, which, layout, shape.seq_len)
     rc = layout.recompute
     eager = eager_count(model, arch, shape)
-    params, grads, optimizer, copies = stage_state(dense, experts, layout, shape)
+    params, grads, optimizer, copies = stage_state(dense, experts, layout, shape, expert_rows(model, layout))
     if eager:  # the run as the exact count sees it (its dtypes: autocast depends on dp and fsdp)
         run = RunShape(model, layout, shape.micro_batch, shape.seq_len, m, shape.dtype)
         autocast = run.autocast

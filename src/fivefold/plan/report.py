@@ -50,6 +50,7 @@ from fivefold.plan.memory import (
     cached_stage_params,
     chunk_layers,
     eager_count,
+    expert_rows,
     holds_embedding,
     holds_head,
     layer_activations,
@@ -597,6 +598,7 @@ def _plan(
         units=fsdp_units(model, layout, worst, shape.seq_len),
         tensors=stage_tensors(model, layout, shape, worst),
         expert_units=stage_counts(model, layout.pp, worst, layout, shape.seq_len)[1],
+        expert_rows=expert_rows(model, layout),
     )
     n = shard_group(layout)
     local = (dense / n + experts / max(n // layout.ep, 1)) if layout.zero >= 1 else dense + experts

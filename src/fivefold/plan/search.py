@@ -28,6 +28,7 @@ from fivefold.plan.compute import on_this_host
 from fivefold.plan.memory import (
     Memory,
     cached_stage_params,
+    expert_rows,
     memory,
     most_chunk_layers,
     runs_own_tensors,
@@ -337,7 +338,8 @@ def search(
             worst = 0.0
             for which in ends:
                 dense, experts, _ = cached_stage_params(model, arch, base, which, memo, shape.seq_len, exact)
-                worst = max(worst, sum(stage_state(dense, experts, base, shape)[:3]))
+                rows = expert_rows(model, base)
+                worst = max(worst, sum(stage_state(dense, experts, base, shape, rows)[:3]))
             state_cache[key] = worst
         if state_cache[key] > cap:
             considered += 1

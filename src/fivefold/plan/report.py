@@ -343,7 +343,14 @@ def _plan(
         if layout.tp > 1:  # two collectives per layer and pass: all-reduce, or all-gather + reduce-scatter
             ops = (ALL_GATHER, REDUCE_SCATTER) if layout.sp else (ALL_REDUCE,)
             times = {op: t_of(op, act_bytes, layout.tp, tp_link, "tp") for op in ops}
-            t_pass = 2 * n * sum(times.values())
+            # collectives of each op a pass: two a layer, but an MoE block whole on every tp rank
+            # (fivefold's) sums nothing: its output is the same on each rank, and under sp it only
+            # gathers its input (its output shard is a slice)
+            per_pass = {op: 2.0 * n for op in ops}
+            if not arch.expert_tp:
+                for op in set(ops) & {ALL_REDUCE, REDUCE_SCATTER}:
+                    per_pass[op] -= n_moe
+            t_pass = sum(per_pass[op] * times[op] for op in ops)
             # backward: each input-gradient collective overlaps the weight-gradient matmul; with
             # collective matmuls (TE userbuffers, torch async TP) the forward ones hide behind the
             # matmul they feed, and the backward ones behind both backward matmuls
@@ -358,11 +365,12 @@ def _plan(
             exp_f += t_pass - hidden_f
             exp_b += t_pass - hidden_b
             for op in ops:
-                share = times[op] / sum(times.values())
+                share = per_pass[op] * times[op] / t_pass if t_pass else 0.0
                 # full recompute re-runs a block's forward collectives; torch's checkpoint (DTensor
                 # trainers) stops once the saved tensors are rebuilt, before the block's last one
                 again_calls = 2 * r if shape.tp_regather or op == ALL_GATHER else r
-                calls = 4 * n + again_calls
+                again_calls = round(again_calls * per_pass[op] / (2 * n)) if n else again_calls
+                calls = round(2 * per_pass[op]) + again_calls
                 again_op = again * again_calls / (2 * r) if r else 0.0
                 not_again += share * (t_pass - hidden_f) * (again - again_op)
                 recs.append(

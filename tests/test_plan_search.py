@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import re
 import time
 
@@ -426,3 +427,32 @@ def test_the_layout_plan_sums_nothing_over_tp_for_a_whole_moe_block() -> None:
         tp_ops = ("all_gather", "reduce_scatter") if sp else ("all_reduce",)
         for op in tp_ops:
             assert ops[("tp", op)] == exact[("tp", op)], (sp, op)
+
+
+@pytest.mark.parametrize(
+    ("model_name", "flags", "key"),
+    [
+        ("tiny", {"dp": 2, "tp": 2}, ("dp", "all_reduce")),  # torch's replicate: one a unit
+        ("tiny", {"dp": 2, "fsdp": 2, "zero": 3}, ("dp", "all_reduce")),  # HSDP: one a unit
+        ("tiny-moe", {"dp": 2, "fsdp": 2, "ep": 2, "zero": 3}, ("dp", "all_reduce")),  # + 3 an expert unit
+        ("small", {"dp": 2, "zero": 1}, ("dp", "broadcast")),  # a tied head is the embedding's tensor
+    ],
+)
+def test_the_layout_plan_issues_data_parallel_calls_as_the_runtime_does(model_name, flags, key) -> None:
+    """The data-parallel calls the runtime issues: beside tp, torch's `replicate` all-reduces each
+    FSDP2 unit (the plan counted DDP's buckets: 1 where it issues 6), HSDP each unit's shard and each
+    expert unit's three tensors, and ZeRO-1 broadcasts each tensor once (a tied pair once). The exact
+    step adds the gradient norm's scalar all-reduces; the layout plan leaves those out."""
+    from fivefold.plan.step import plan_step
+
+    model, cpu = load_model(model_name), load_hardware("cpu")
+    layout = Layout(**flags).resolve(math.prod(flags.get(a, 1) for a in ("dp", "fsdp", "tp")))
+    data = layout.dp * layout.fsdp
+    fp32 = TrainShape(seq_len=128, global_batch=8 * data, micro_batch=8, act_bytes=4, param_bytes=4)
+    ops = {(c.axis, c.op): (c.count, c.bytes) for c in plan(model, cpu, layout, fp32, 8).comm}
+    coords = {"dp": 0, "fsdp_cp": 0, "tp": 0, "pp": 0, "cp": 0, "ep": 0}
+    exact = plan_step(model, layout, 8, 128, 1, "fp32", coords).comm
+    (count, nbytes), (want_count, want_bytes) = ops[key], exact[key]
+    scalars = 2 if key[1] == "all_reduce" else 0  # the gradient norm's, in the exact step only
+    assert want_count - scalars <= count <= want_count
+    assert nbytes == pytest.approx(want_bytes, abs=8 * scalars)

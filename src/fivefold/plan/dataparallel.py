@@ -177,10 +177,20 @@ def data_parallel_traffic(
         )
 
     n_exp = max(n // ep, 1)
+    # beside tp, fivefold's replicas are torch's `replicate` (DDP takes no DTensor weights): FSDP2's
+    # units, one all-reduce each, a block's experts in its unit
+    # (ZeRO-1 over one data rank shards nothing: the same)
+    replicate = (z == 0 or layout.dp == 1) and layout.tp > 1 and layout.fsdp == 1 and n_exp == n
+    replicate = replicate and z <= 1 and shape.torch_ddp_buckets
     if z <= 1:
-        for payload, group, link in ((dense, n, shard_link), (experts, n_exp, shard_link)):
-            if z == 0 or shape.zero1_broadcasts:  # the whole gradient, as DDP reduces it
-                once(shard_axis, ALL_REDUCE, g * payload, group, link, "b")
+        grads = (
+            ((dense + experts, n, shard_link),)
+            if replicate
+            else ((dense, n, shard_link), (experts, n_exp, shard_link))
+        )
+        for payload, group, link in grads:
+            if z == 0 or shape.zero1_broadcasts or replicate:  # the whole gradient, as DDP reduces it
+                once(shard_axis, ALL_REDUCE, g * payload, group, link, "b", units if replicate else 0)
             else:
                 reduce = ALL_REDUCE if shape.sharded_copies else REDUCE_SCATTER
                 once(shard_axis, reduce, g * payload, group, link, "b")
@@ -302,15 +312,20 @@ def data_parallel_traffic(
             )
         if layout.dp > 1 and layout.fsdp > 1:  # HSDP: replicas all-reduce their shard each sync
             syncs = m if rs_each else 1
-            once(
-                "dp",
-                ALL_REDUCE,
-                syncs * g * (dense / n + experts / n_exp),
-                layout.dp,
-                kinds.get("dp", "inter"),
-                "b",
-                passes=syncs,
-            )
+            # each of FSDP2's units all-reduces its reduced shard; under ep each expert unit's
+            # three stacked tensors go one by one (fivefold.parallel.expert)
+            shares = [(dense / n, units), (experts / n_exp, 3 * expert_units)] if own else []
+            for share, pieces in shares or [(dense / n + experts / n_exp, units)]:
+                once(
+                    "dp",
+                    ALL_REDUCE,
+                    syncs * g * share,
+                    layout.dp,
+                    kinds.get("dp", "inter"),
+                    "b",
+                    pieces,
+                    syncs,
+                )
 
 
 # ---- the exact traffic of one step on one rank, as the comm ledger records it

@@ -211,14 +211,15 @@ def stage_tensors(model: ModelSpec, layout: Layout, shape: TrainShape, which: st
     """Parameter tensors a stage holds: its blocks' (fivefold's runtime: each block's own, an MoE
     block's router, stacked experts and shared expert with them; another trainer's:
     `TrainShape.block_tensors` each), the embedding on the first stage, the final norm and the head
-    on the last."""
+    on the last (a tied head is the embedding's tensor where one stage holds both)."""
+    tied = model.tie_embeddings and holds_embedding(which)
     if shape.zero1_broadcasts:  # fivefold's runtime, whose parameter list the exact step reads
         by_layer = names_by_layer(model)
         rank = stage_rank(which, layout.pp)
         blocks = sum(len(by_layer[i]) for r in chunk_layers(model, layout, shape.seq_len, rank) for i in r)
     else:
         blocks = sum(stage_counts(model, layout.pp, which, layout, shape.seq_len)) * shape.block_tensors
-    return blocks + int(holds_embedding(which)) + 2 * int(holds_head(which))
+    return blocks + int(holds_embedding(which)) + (2 - int(tied)) * int(holds_head(which))
 
 
 def _forward(lt: dict[bool, LayerTime], dense: int, moe: int) -> float:

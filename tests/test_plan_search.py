@@ -456,3 +456,21 @@ def test_the_layout_plan_issues_data_parallel_calls_as_the_runtime_does(model_na
     scalars = 2 if key[1] == "all_reduce" else 0  # the gradient norm's, in the exact step only
     assert want_count - scalars <= count <= want_count
     assert nbytes == pytest.approx(want_bytes, abs=8 * scalars)
+
+
+def test_the_layout_plan_averages_pipeline_replicas_one_tensor_at_a_time() -> None:
+    """pp × dp: fivefold's pipeline runner averages each gradient tensor over the replicas once the
+    schedule has run, one all-reduce each (20 on a stage of tiny), which the plan counted as DDP's one
+    bucket beside the backward."""
+    from fivefold.plan.step import plan_step
+
+    model, cpu = load_model("tiny"), load_hardware("cpu")
+    layout = Layout(dp=2, pp=2, microbatches=2).resolve(4)
+    fp32 = TrainShape(seq_len=128, global_batch=16, micro_batch=4, act_bytes=4, param_bytes=4)
+    p = plan(model, cpu, layout, fp32, 8)
+    reduce = next(c for c in p.comm if (c.axis, c.op) == ("dp", "all_reduce"))
+    coords = {"dp": 0, "fsdp_cp": 0, "tp": 0, "cp": 0, "ep": 0}
+    counts = {plan_step(model, layout, 4, 128, 2, "fp32", {**coords, "pp": s}).comm[("dp", "all_reduce")][0]
+              for s in range(2)}  # fmt: skip
+    assert min(counts) - 2 <= reduce.count <= max(counts) and reduce.count > 2
+    assert reduce.overlap == "none"  # after the schedule: nothing left to hide behind

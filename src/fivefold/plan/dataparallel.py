@@ -125,7 +125,9 @@ def data_parallel_traffic(
     `expert_units` MoE layers are a unit of their own over `expert_fsdp` (as the ledger names it)."""
     z = layout.zero
     overlap = shape.overlap_grad_reduce and hw.comm_overlap and (z == 0 or shape.sharded_overlap)
-    overlap = overlap and not (shape.reduce_after_pipeline and layout.pp > 1)
+    # after the whole schedule, one all-reduce a gradient tensor (fivefold's pipeline replicas)
+    per_tensor = shape.replica_grads_per_tensor and layout.pp > 1 and layout.fsdp == 1 and layout.tp == 1
+    overlap = overlap and not ((shape.reduce_after_pipeline or per_tensor) and layout.pp > 1)
     g, p = shape.grad_bytes, shape.param_bytes
     n = shard_group(layout)
     ep = layout.ep
@@ -183,14 +185,16 @@ def data_parallel_traffic(
     replicate = (z == 0 or layout.dp == 1) and layout.tp > 1 and layout.fsdp == 1 and n_exp == n
     replicate = replicate and z <= 1 and shape.torch_ddp_buckets
     if z <= 1:
+        whole = (replicate or per_tensor) and n_exp == n  # a block's experts go with it
         grads = (
             ((dense + experts, n, shard_link),)
-            if replicate
+            if whole
             else ((dense, n, shard_link), (experts, n_exp, shard_link))
         )
-        for payload, group, link in grads:
+        for i, (payload, group, link) in enumerate(grads):
             if z == 0 or shape.zero1_broadcasts or replicate:  # the whole gradient, as DDP reduces it
-                once(shard_axis, ALL_REDUCE, g * payload, group, link, "b", units if replicate else 0)
+                pieces = units if replicate else (tensors if per_tensor and i == 0 else 0)
+                once(shard_axis, ALL_REDUCE, g * payload, group, link, "b", pieces)
             else:
                 reduce = ALL_REDUCE if shape.sharded_copies else REDUCE_SCATTER
                 once(shard_axis, reduce, g * payload, group, link, "b")

@@ -131,6 +131,9 @@ class TrainShape:
     # the last backward (DeepSpeed's pipeline engine turns its backward all-reduce off and issues
     # ReduceGrads once the schedule ends)
     reduce_after_pipeline: bool = False
+    # fivefold's pipeline runner: plain data replicas (no fsdp, no tp) average each gradient tensor
+    # with its own all-reduce once the schedule has run (`PipelineRunner._average_replica_grads`)
+    replica_grads_per_tensor: bool = True
 
     @property
     def dtype(self) -> str:

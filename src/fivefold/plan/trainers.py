@@ -109,6 +109,7 @@ TRAINERS = {
         "saved_as_eager": True,  # its eager model code's saved tensors (torch.compile's: run facts)
         "expert_tp": False,  # its MoE block runs whole on every tp rank
         "fp32_weights": True,  # fp32 weights, their own master, cast for the compute
+        "replica_grads_per_tensor": True,  # its pipeline's replicas: one all-reduce a gradient, after
     },
 }
 # `fivefold plan --trainer NAME`: the trainer whose facts a plan takes (fivefold's own by default)
@@ -171,6 +172,7 @@ def shape_facts(trainer: dict[str, Any]) -> dict[str, Any]:
         "pp_scatter": bool(trainer.get("pp_scatter", True)),
         "p2p_blocking": bool(trainer.get("p2p_blocking", False)),
         "reduce_after_pipeline": bool(trainer.get("reduce_after_pipeline", False)),
+        "replica_grads_per_tensor": bool(trainer.get("replica_grads_per_tensor", False)),
     }
 
 

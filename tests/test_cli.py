@@ -88,7 +88,6 @@ BAD_INPUT = [
     ("generate", ["--model", "tiny", "--prompt", "x", "--greedy", "--temperature", "0.5"], "--temperature"),
     ("generate", ["--model", "tiny", "--prompt", "x", "--greedy", "--top-k", "5"], "would not be used"),
     ("generate", ["--model", "tiny", "--prompt", "x", "--ids", "--json"], "give one of them"),
-    ("generate", ["--model", "tiny", "--prompt", "x", "--ids", "--stream"], "--ids the ids at the end"),
     ("plan", ["--validate", "/dev/null"], "not a regular file"),
     ("plan", ["--validate", "--plot", "{corpus}/x.svg"], "code.txt is a file, not a directory"),
     (

@@ -304,6 +304,8 @@ def test_cli_json_and_stream(sources, capsys) -> None:
     assert main([*argv, "--stream", "--ids"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert len(lines) == len(PROMPTS) * NEW
+    # --ids streams the ids themselves, not their text
+    assert all(line.split(" ", 1)[1].strip("'").strip().isdigit() for line in lines), lines[:3]
 
 
 def test_cli_on_two_ranks_equals_one_process(capsys) -> None:

@@ -99,10 +99,6 @@ def run(args: argparse.Namespace) -> int:
         raise FivefoldError(
             "--stream prints the text as it is chosen and --json one object at the end; give one of them"
         )
-    if args.ids and args.stream:  # the stream is text: the ids asked for would not be printed
-        raise FivefoldError(
-            "--stream prints the text as it is chosen and --ids the ids at the end; give one of them"
-        )
     if args.ids and args.json:  # the JSON object already holds the ids; one of the two would be dropped
         raise FivefoldError("--ids prints the ids as a line and --json as one object; give one of them")
     # --greedy decides every token: a temperature or top-k given with it would be dropped without a word
@@ -187,7 +183,9 @@ def _decode_here(
     check_context(model.spec, prompts, args.max_new_tokens)
     sampler = _sampler(args)
     step = ModelStep(model, sampler, sampler.generators(range(len(prompts))))
-    on_token = stream_printer(tokenizer, len(prompts), list(range(len(prompts)))) if stream else None
+    # --ids streams the ids, not their text
+    shown = None if args.ids else tokenizer
+    on_token = stream_printer(shown, len(prompts), list(range(len(prompts)))) if stream else None
     got = decode(step, prompts, args.max_new_tokens, eos_ids, on_token)
     rows = [{"prompt": i, "tokens": got.tokens[i], **got.timings(i)} for i in range(len(prompts))]
     return prompts, rows, tokenizer, next(model.parameters()).dtype
@@ -241,7 +239,7 @@ def _run_ranks(args: argparse.Namespace, tp: int, pp: int, dp: int, ep: int, cp:
         device=device.type,
         stream=args.stream,
         ledger=args.comm or args.verify,
-        tokenizer=tokenizer_name,
+        tokenizer=None if args.ids else tokenizer_name,  # the stream's words; --ids streams ids
     )
     check_job(spec, job)
     result = serve(job, args.nproc)

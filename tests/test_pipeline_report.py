@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -85,3 +86,14 @@ def test_report_draws_a_loss_curve_it_cannot_scale(tmp_path, capsys, losses):
     assert main(["report", str(tmp_path)]) == 0, capsys.readouterr().err
     svg = (tmp_path / "report.svg").read_text()
     assert svg.startswith("<svg") and "nan" not in svg.lower()
+
+
+def test_report_names_calls_and_bytes_as_plan_and_verify_do() -> None:
+    """report's communication lines read in calls and decimal bytes, as plan's table and verify's rows
+    do (they were 'ops' in KiB beside plan's 'calls' in kB)."""
+    from fivefold.commands.report import summary
+
+    ledger = {"rank": 0, "by_axis": {"fsdp": {"count": 12.0, "bytes": 428288.0, "wire_bytes": 321216.0}}}
+    text = summary(Path("/nonexistent"), [{"step": 1, "loss": 5.0}], ledger, [], None)
+    line = next(x for x in text.splitlines() if "fsdp" in x)
+    assert "12 calls" in line and "428.3 kB" in line and "ops" not in line and "KiB" not in line

@@ -1332,7 +1332,7 @@ def test_validate_and_report_set_a_run_directorys_measured_memory_beside_the_pla
     out = capsys.readouterr().out
     assert "memory of rank 0" in out
     line = next(x for x in out.splitlines() if "saved activations" in x)
-    assert f"{saved / 2**20:.3f} MiB  (plan {saved / 2**20:.3f})" in line
+    assert f"{saved / 1e6:.3f} MB  (plan {saved / 1e6:.3f})" in line
 
 
 def test_the_plan_names_what_its_buffers_hold(capsys) -> None:

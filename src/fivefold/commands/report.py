@@ -63,7 +63,7 @@ def _memory_line(run_dir: Path) -> str:
         return ""
     names = {"activations": "saved activations"}
     lines = [
-        f"    {names.get(part, part):<18}{got / 2**20:>10.3f} MiB  (plan {want / 2**20:.3f})"
+        f"    {names.get(part, part):<18}{got / 1e6:>10.3f} MB  (plan {want / 1e6:.3f})"  # decimal, as plan's
         for part, got, want in rows
     ]
     return "\n".join(["  memory of rank 0, measured (plan of its stage):", *lines]) if lines else ""
@@ -217,7 +217,8 @@ def summary(
     if ledger and ledger.get("by_axis"):
         lines.append(f"  communication per step and rank (rank {ledger.get('rank', 0)}):")
         for axis, row in ledger["by_axis"].items():
-            lines.append(f"    {axis:<11} {row['count']:>8.1f} ops {_bytes(row['bytes']):>10}")
+            # calls and decimal bytes, as `plan` and `verify` name them
+            lines.append(f"    {axis:<11} {row['count']:>8g} calls {_bytes(row['bytes']):>10}")
     if timeline:
         ranks = sorted({e["pid"] for e in timeline})
         lines.append(
@@ -237,11 +238,10 @@ def summary(
 
 
 def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+    from fivefold.plan.text import byte_unit
+
+    size, unit = byte_unit(abs(n))
+    return f"{n:.0f} B" if unit == "B" else f"{n / size:.1f} {unit}"
 
 
 # ---- SVG, by hand

@@ -179,13 +179,14 @@ def data_parallel_traffic(
         )
 
     n_exp = max(n // ep, 1)
-    # beside tp, fivefold's replicas are torch's `replicate` (DDP takes no DTensor weights): FSDP2's
-    # units, one all-reduce each, a block's experts in its unit
-    # (ZeRO-1 over one data rank shards nothing: the same)
-    replicate = (z == 0 or layout.dp == 1) and layout.tp > 1 and layout.fsdp == 1 and n_exp == n
-    replicate = replicate and z <= 1 and shape.torch_ddp_buckets
     if z <= 1:
+        # beside tp, fivefold's replicas are torch's `replicate` (DDP takes no DTensor weights): FSDP2's
+        # units, one all-reduce each (ZeRO-1 over one data rank shards nothing: the same)
+        replicate = (
+            (z == 0 or layout.dp == 1) and layout.tp > 1 and layout.fsdp == 1 and shape.torch_ddp_buckets
+        )
         whole = (replicate or per_tensor) and n_exp == n  # a block's experts go with it
+        replicate = replicate and whole
         grads = (
             ((dense + experts, n, shard_link),)
             if whole

@@ -102,82 +102,6 @@ ALIASES = {
         "virtual_pipeline_model_parallel_size": "virtual_stages",
     },
 }
-# every key the reader takes or the reference files state (read or kept as a record), per table: a key
-# outside it is named once, with the one it most likely meant (`unread_keys`)
-KNOWN_KEYS = {
-    "run": {"id", "source", "kind", "flops_definition", "notes", "uncertain", "unknown"},
-    "hardware": {
-        "gpu",
-        "gpus_per_node",
-        "peak_bf16_tflops",
-        "peak_fp8_tflops",
-        "gpu_memory_gb",
-        "inter_node_gbs_per_gpu",
-        "intra_node_gbs_per_gpu",
-        "hbm_gbs",
-        "power_limit_w",
-        "threads_per_rank",
-        "cluster",
-        "inter_node",
-        "intra_node",
-        "host_pcie",
-        "host_memory_tb_per_node",
-    },
-    "model": set(SHAPE_KEYS)
-    | {
-        "arch",
-        "seq_len",
-        "tie_word_embeddings",
-        "tie_embeddings",
-        "moe_experts",
-        "moe_topk",
-        "params",
-        "params_b",
-        "attention_bias",
-        "qk_norm",
-        "mlp",
-        "name",
-    },
-    "layout": {
-        "gpus",
-        "dp",
-        "fsdp",
-        "tp",
-        "pp",
-        "cp",
-        "ep",
-        "zero_stage",
-        "sequence_parallel",
-        "micro_batch",
-        "global_batch",
-        "global_batch_tokens",
-        "grad_accum",
-        "local_batch",
-        "pipeline_schedule",
-        "virtual_stages",
-        "layers_per_virtual_stage",
-        "recompute",
-        "activation_checkpointing",
-        "recompute_layers",
-        "recompute_policy",
-        "cp_impl",
-        "precision",
-        "framework",
-        "torch_compile",
-        "async_tp",
-        "attention",
-        "cpu_offload",
-        "offload_optimizer",
-        "activation_cpu_offload",
-        "distributed_optimizer",
-        "fsdp_mixed_precision",
-        "optimizer",
-        "optimizer_bytes_per_param",
-        "optimizer_state_dtype",
-        "sharding_strategy",
-    },
-    "measured": set(),  # its keys are the source's to name (a throughput, memory, per-layer times)
-}
 
 
 def with_aliases(run: dict[str, Any]) -> dict[str, Any]:
@@ -397,6 +321,70 @@ HARDWARE_KEYS = (
     # a CPU run's threads per rank (`run.json` of a fivefold run directory)
     ("threads_per_rank", "threads_per_rank", float),
 )
+
+# every key the reader takes or the reference files state (read or kept as a record), per table: a key
+# outside it is named once, with the one it most likely meant (`unread_keys`)
+KNOWN_KEYS = {
+    "run": {"id", "source", "kind", "flops_definition", "notes", "uncertain", "unknown"},
+    # the hardware a plan reads (HARDWARE_KEYS) and what the reference files record beside it
+    "hardware": {key for key, _, _ in HARDWARE_KEYS}
+    | {"gpu", "peak_fp8_tflops", "cluster", "inter_node", "intra_node", "host_pcie"}
+    | {"host_memory_tb_per_node"},
+    "model": set(SHAPE_KEYS)
+    | {
+        "arch",
+        "seq_len",
+        "tie_word_embeddings",
+        "tie_embeddings",
+        "moe_experts",
+        "moe_topk",
+        "params",
+        "params_b",
+        "attention_bias",
+        "qk_norm",
+        "mlp",
+        "name",
+    },
+    "layout": {
+        "gpus",
+        "dp",
+        "fsdp",
+        "tp",
+        "pp",
+        "cp",
+        "ep",
+        "zero_stage",
+        "sequence_parallel",
+        "micro_batch",
+        "global_batch",
+        "global_batch_tokens",
+        "grad_accum",
+        "local_batch",
+        "pipeline_schedule",
+        "virtual_stages",
+        "layers_per_virtual_stage",
+        "recompute",
+        "activation_checkpointing",
+        "recompute_layers",
+        "recompute_policy",
+        "cp_impl",
+        "precision",
+        "framework",
+        "torch_compile",
+        "async_tp",
+        "attention",
+        "cpu_offload",
+        "offload_optimizer",
+        "activation_cpu_offload",
+        "distributed_optimizer",
+        "fsdp_mixed_precision",
+        "optimizer",
+        "optimizer_bytes_per_param",
+        "optimizer_state_dtype",
+        "sharding_strategy",
+    },
+    "measured": set(),  # its keys are the source's to name (a throughput, memory, per-layer times)
+}
 
 
 def hardware(run: dict[str, Any]) -> HardwareSpec:

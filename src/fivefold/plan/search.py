@@ -336,9 +336,9 @@ def search(
         key = (base.tp, base.pp, base.ep, base.zero, n, ends, base.virtual_stages, base.pp_schedule)
         if key not in state_cache:  # model state of the worst stage (the split decides it), no batch
             worst = 0.0
+            rows = expert_rows(model, base)
             for which in ends:
                 dense, experts, _ = cached_stage_params(model, arch, base, which, memo, shape.seq_len, exact)
-                rows = expert_rows(model, base)
                 worst = max(worst, sum(stage_state(dense, experts, base, shape, rows)[:3]))
             state_cache[key] = worst
         if state_cache[key] > cap:

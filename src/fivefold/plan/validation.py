@@ -609,13 +609,8 @@ def source_table(v: Validation, title: str) -> str:
         f"{'source':<{w}}{'runs':>5}{'mean':>8}{'worst':>8}{'const mean':>12}{'const worst':>13}{'no fit':>8}"
     )
     lines = [title, head]
-    for source, preds in v.by_source().items():
-        s = v.summary(preds)
-        lines.append(
-            f"{source:<{w}}{s['runs']:>5}{percent(s['mean'], 8)}{percent(s['worst'], 8)}"
-            f"{percent(s['constant_mean'], 12)}{percent(s['constant_worst'], 13)}{s['not_fitting']:>8}"
-        )
-    for name, preds in (("all", v.predictions), ("all without `uncertain`", v.certain())):
+    groups = [*v.by_source().items(), ("all", v.predictions), ("all without `uncertain`", v.certain())]
+    for name, preds in groups:
         s = v.summary(preds)
         lines.append(
             f"{name:<{w}}{s['runs']:>5}{percent(s['mean'], 8)}{percent(s['worst'], 8)}"

@@ -718,7 +718,7 @@ def test_calibrate_reads_run_directories(capsys, tmp_path) -> None:
 def test_a_gpu_run_directory_is_planned_on_the_gpu_it_ran_on(tmp_path) -> None:
     """`run.json` names the preset the run measured its MFU against; `--compile` plans fused kernels."""
     from fivefold.config import Layout, RunConfig, TrainSpec, load_model
-    from fivefold.plan.runs import hardware, run_from_dir
+    from fivefold.plan.runs import build, hardware, run_from_dir
 
     run = tmp_path / "gpu-run"
     run.mkdir()
@@ -731,10 +731,16 @@ def test_a_gpu_run_directory_is_planned_on_the_gpu_it_ran_on(tmp_path) -> None:
     (run / "metrics.jsonl").write_text(
         "".join(json.dumps({"step": i, "step_time_s": 0.2}) + "\n" for i in (1, 2))
     )
-    (run / "run.json").write_text(json.dumps({"world": 1, "mfu_peak_from": "h200"}))
+    (run / "run.json").write_text(json.dumps({"world": 1, "mfu_peak_from": "h200", "torch": "2.10.0+cu128"}))
     described = run_from_dir(run)
     assert hardware(described).name == "h200"
     assert described["layout"]["torch_compile"] is True
+    assert described["layout"]["torch_version"] == "2.10.0+cu128"  # its SDPA kernel: FlashAttention-2's
+    assert build(described).shape.attention == "flash"
+    (run / "run.json").write_text(json.dumps({"world": 1, "mfu_peak_from": "h200", "torch": "2.11.0"}))
+    assert build(run_from_dir(run)).shape.attention == "flash3"  # cuDNN's, as SDPA picks it there
+    (run / "run.json").write_text(json.dumps({"world": 1, "mfu_peak_from": "h200", "torch": ["2.11"]}))
+    assert "torch_version" not in run_from_dir(run)["layout"]  # only a version string is taken
     (run / "run.json").write_text("not json")  # an older or damaged run.json: the device decides
     assert run_from_dir(run)["hardware"]["gpu"] == "H100"
     for hostile in ("../../etc/passwd", ["h200"], {"a": 1}):  # only a preset's name is taken
@@ -1073,10 +1079,12 @@ def test_trainer_flag_plans_with_that_trainers_facts(capsys) -> None:
     default) issues DTensor's collectives and its masked cp cores. The flags typed still win."""
     from fivefold.commands.plan import trainer_shape
     from fivefold.config import load_hardware
-    from fivefold.plan.trainers import TRAINERS, shape_facts
+    from fivefold.plan.trainers import TRAINERS, sdpa_attention, shape_facts
 
     h100, a100 = load_hardware("h100-80gb"), load_hardware("a100-80gb")
-    assert trainer_shape("fivefold", h100) == ({}, "flash")
+    # fivefold's attention is the kernel the installed torch's SDPA picks on that GPU
+    assert trainer_shape("fivefold", h100) == ({}, sdpa_attention(True))
+    assert trainer_shape("fivefold", a100) == ({}, "flash")
     facts, attention = trainer_shape("megatron", h100)
     assert attention == "flash3" and facts["tp_overlap"] and facts["tp_backward_overlap"]
     assert trainer_shape("megatron", a100)[1] == "flash"  # no FA3-class kernels on Ampere

@@ -921,6 +921,41 @@ def test_an_unknown_hopper_trainer_since_2024_is_planned_with_flash3_class_atten
     assert build(run("H100 80GB", "A blog 2025", "MaxText (JAX)")).shape.attention == "flash3"
 
 
+def test_sdpa_runs_cudnn_attention_on_hopper_from_torch_2_11() -> None:
+    """torch's SDPA (fivefold's and torchtitan's attention) prefers cuDNN's fused kernels on Hopper and
+    newer from torch 2.11 (measured: cuDNN's sm90 kernels on an H200): a run is planned with the kernel
+    of the torch it names; fivefold's own run directories record theirs in run.json."""
+    from fivefold.plan.runs import build
+    from fivefold.plan.trainers import sdpa_attention
+
+    assert sdpa_attention(True, "2.11.0+cu130") == "flash3" and sdpa_attention(True, "3.0") == "flash3"
+    assert sdpa_attention(True, "2.10.1") == "flash" and sdpa_attention(True, "2.6.0a0+git") == "flash"
+    assert sdpa_attention(False, "2.13.0") == "flash"  # no FlashAttention-3 class kernels on Ampere
+    assert sdpa_attention(True, "") == "flash" and sdpa_attention(True, "nightly") == "flash"
+
+    def run(gpu: str, framework: str, torch_version: str | None) -> dict:
+        stated = {"torch_version": torch_version} if torch_version else {}
+        return {
+            "id": "r",
+            "source": "A blog 2025",
+            "hardware": {"gpu": gpu},
+            "model": {"layers": 2, "hidden": 256, "heads": 4, "seq_len": 1024},
+            "layout": {"gpus": 8, "fsdp": 8, "framework": framework, **stated},
+        }
+
+    assert build(run("H100 80GB", "torchtitan", None)).shape.attention == "flash"  # its published runs
+    assert build(run("H100 80GB", "torchtitan", "2.11.0")).shape.attention == "flash3"
+    assert build(run("H200", "fivefold", "2.10.0")).shape.attention == "flash"
+    assert build(run("H200", "fivefold", "2.12.1+cu130")).shape.attention == "flash3"
+    assert build(run("A100 80GB", "fivefold", "2.12.1")).shape.attention == "flash"
+    # a fivefold run directory that predates the record: the torch installed here
+    assert build(run("H200", "fivefold", None)).shape.attention == sdpa_attention(True)
+    # a stated kernel still wins
+    stated = run("H100 80GB", "torchtitan", "2.11.0")
+    stated["layout"]["attention"] = "flash"
+    assert build(stated).shape.attention == "flash"
+
+
 def test_nanotrons_sharded_optimizer_reduces_after_the_backward() -> None:
     """nanotron with ZeRO-1 and fp32 accumulation builds no DDP: its gradient reduce-scatter and the
     shards' gather wait for the backward and the step; with ZeRO-0 its DDP overlaps them."""

@@ -73,6 +73,9 @@ def test_loss_falls_and_the_run_directory_is_complete(tmp_path, corpus):
     assert {"forward_backward", "optimizer", "eval", "checkpoint"} <= names
     saved = RunConfig.from_toml(run / "config.toml")
     assert saved.train.steps == 30 and saved.train.global_batch == 4 and saved.model.name == "tiny"
+    # the facts its plan needs: the threads each rank computed with, the torch whose kernels ran
+    facts = json.loads((run / "run.json").read_text())
+    assert facts["torch"] == torch.__version__ and facts["threads_per_rank"] == torch.get_num_threads()
 
 
 def test_lr_schedule_is_warmup_then_cosine():

@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from fivefold.mesh import resolve_layout
     from fivefold.plan import TrainShape
     from fivefold.plan.runshape import DTYPE_BYTES
+    from fivefold.plan.trainers import sdpa_attention, hopper_or_newer
     from fivefold.support import run_micro_batch
 
     base = None
@@ -128,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         param_bytes=width,
         fused=compiled,
         saved_as_eager=not compiled,
+        attention=sdpa_attention(hopper_or_newer(hw.name)),  # the kernel its SDPA runs there
     ).validate()
     out = Path(args.out)
     if out.is_dir():

@@ -26,10 +26,11 @@ def named_trainer_facts(flag: str, hw) -> dict | None:  # noqa: ANN001 - Hardwar
 def trainer_shape(flag: str, hw) -> tuple[dict, str]:  # noqa: ANN001 - HardwareSpec, imported lazily
     """(TrainShape fields, attention kernel) of `--trainer`: fivefold's runtime as TrainShape's defaults
     say it, or another trainer's facts as the published runs of it are planned (fivefold.plan.trainers)."""
+    from fivefold.plan.trainers import sdpa_attention, hopper_or_newer, kernel_on, shape_facts
+
     trainer = named_trainer_facts(flag, hw)
     if trainer is None:
-        return {}, "flash"
-    from fivefold.plan.trainers import hopper_or_newer, kernel_on, shape_facts
+        return {}, sdpa_attention(hopper_or_newer(hw.name))
 
     return shape_facts(trainer), kernel_on(str(trainer.get("attention", "flash")), hopper_or_newer(hw.name))
 
@@ -81,9 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--attention",
         choices=("flash", "flash3", "materialized"),
         default=None,
-        help="attention kernel: flash (FlashAttention-2 class, the default for fivefold), flash3 "
-        "(Hopper: FA3, cuDNN) or materialized s×s scores (2021-22 Megatron kernels); default: the "
-        "trainer's",
+        help="attention kernel: flash (FlashAttention-2 class), flash3 (Hopper: FA3, cuDNN) or "
+        "materialized s×s scores (2021-22 Megatron kernels); default: the trainer's (fivefold's: what "
+        "the installed torch's SDPA runs there, flash3 on Hopper from torch 2.11, else flash)",
     )
     parser.add_argument("--fp8", action="store_true", help="matmuls in fp8 (Transformer Engine, float8)")
     parser.add_argument(

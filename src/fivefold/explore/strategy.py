@@ -14,6 +14,7 @@ from fivefold.errors import FivefoldError
 from fivefold.mesh import resolve_layout
 from fivefold.plan import TrainShape, plan
 from fivefold.plan.search import layout_flags
+from fivefold.plan.trainers import sdpa_attention, hopper_or_newer
 
 # name, what it cuts, layout on n GPUs (n = one node; HSDP two), axes whose collectives it pays
 STRATEGIES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
@@ -52,7 +53,11 @@ def strategy_cards(
         lay = resolve_layout(_layout(kind, n), _layout(kind, n).world)
         card: dict[str, Any] = {"name": name, "cuts": cuts, "kind": kind, "gpus": lay.world}
         data = lay.dp * lay.fsdp
-        shape = TrainShape(seq_len=seq_len, global_batch=data * (2 * lay.pp if lay.pp > 1 else 1))
+        shape = TrainShape(
+            seq_len=seq_len,
+            global_batch=data * (2 * lay.pp if lay.pp > 1 else 1),
+            attention=sdpa_attention(hopper_or_newer(hw.name)),
+        )
         card["global_batch"] = shape.global_batch
         try:
             if kind == "ep" and not model.is_moe:

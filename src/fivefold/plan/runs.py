@@ -371,6 +371,7 @@ KNOWN_KEYS = {
         "precision",
         "framework",
         "torch_compile",
+        "torch_version",
         "async_tp",
         "attention",
         "cpu_offload",
@@ -725,7 +726,8 @@ def build(run: dict[str, Any]) -> RunInputs | None:
         mb = 1  # a published micro-batch that does not divide the local batch (a short last one)
     precision = str(lt.get("precision", "")).lower()
     gpu_name = str(run.get("hardware", {}).get("gpu", ""))
-    trainer, attention = published_trainer(name, gpu_name, str(lt.get("framework", "")), year)
+    torch_version = str(lt["torch_version"]) if "torch_version" in lt else None
+    trainer, attention = published_trainer(name, gpu_name, str(lt.get("framework", "")), year, torch_version)
     arch = str(mt.get("arch", "")).lower()
     gated = any(w in arch for w in ("swiglu", "geglu", "swi-glu"))
     plain = any(w in arch for w in ("gelu", "relu", "mpt")) or arch.startswith("gpt")
@@ -1056,7 +1058,8 @@ def _span(lo: float, hi: float) -> str:
 
 def _run_facts(run_dir: Path) -> dict[str, Any]:
     """`run.json` as `fivefold train` writes it (the world, the preset its MFU was measured against,
-    the threads each rank computed with); empty where it is missing or not a JSON object."""
+    the threads each rank computed with, the torch it ran under); empty where it is missing or not a
+    JSON object."""
     import json
 
     try:
@@ -1167,6 +1170,7 @@ def run_from_dir(path: str | Path) -> dict[str, Any]:
             "virtual_stages": lay.virtual_stages,
             "cp_impl": lay.cp_impl,
             "torch_compile": tr.compile,
+            **({"torch_version": facts["torch"]} if isinstance(facts.get("torch"), str) else {}),
             "precision": tr.dtype,
             "framework": "fivefold",
         },

@@ -6,6 +6,7 @@ the same table."""
 from __future__ import annotations
 
 import re
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -50,6 +51,9 @@ TRAINERS = {
         "virtual_stages": 2,  # its looped schedules build two stages a rank unless told otherwise
         "tp_regather": False,
         "tp_backward_overlap": False,
+        # its attention is torch's SDPA: FlashAttention-2 in its published runs (before torch 2.11), cuDNN's
+        # under a torch_version that prefers it (`sdpa_attention`)
+        "sdpa": True,
     },
     # loss_fn = fused_crossentropy by default; Composer's FSDP has no pipeline
     "mosaicml/llm-foundry": {"fused_loss": True, "schedules": ()},
@@ -110,6 +114,7 @@ TRAINERS = {
         "expert_tp": False,  # its MoE block runs whole on every tp rank
         "fp32_weights": True,  # fp32 weights, their own master, cast for the compute
         "replica_grads_per_tensor": True,  # its pipeline's replicas: one all-reduce a gradient, after
+        "sdpa": True,  # its attention is torch's SDPA (`sdpa_attention`)
     },
 }
 # `fivefold plan --trainer NAME`: the trainer whose facts a plan takes (fivefold's own by default)
@@ -135,6 +140,29 @@ def trainer_facts(name: str, hopper: bool) -> dict[str, Any]:
         # (--tp-comm-overlap, which its published H100 scaling runs use)
         trainer = {**trainer, "attention": "flash3", "tp_overlap": True}
     return trainer
+
+
+# torch's SDPA (fivefold's attention, torchtitan's) runs cuDNN's fused attention (FlashAttention-3 class)
+# by default on Hopper and newer from torch 2.11: 2.9 prefers it there once the bundled cuDNN is past 9.15,
+# and 2.11's wheels are. On an H200 with torch 2.11 the causal training call ran cuDNN's sm90 kernels at
+# 2.3-2.6 times the rate of SDPA's FlashAttention-2 backend (benchmarks/bench_gpu.md).
+SDPA_CUDNN_SINCE = (2, 11)
+
+
+def installed_torch() -> str:
+    """The version of the torch installed here ("" without one): what fivefold's runtime would run."""
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return ""
+
+
+def sdpa_attention(hopper: bool, torch_version: str | None = None) -> str:
+    """The kernel torch's SDPA runs on this GPU under `torch_version` (default: the installed torch):
+    cuDNN's (flash3) where SDPA prefers it, else FlashAttention-2 class (flash)."""
+    numbers = re.match(r"(\d+)\.(\d+)", installed_torch() if torch_version is None else torch_version)
+    cudnn = numbers is not None and (int(numbers[1]), int(numbers[2])) >= SDPA_CUDNN_SINCE
+    return "flash3" if hopper and cudnn else "flash"
 
 
 def kernel_on(attention: str, hopper: bool) -> str:
@@ -248,11 +276,17 @@ def runs_on_xla(framework: str, gpu: str = "") -> bool:
     return any(word in framework.lower() for word in XLA_FRAMEWORKS) or "TPU" in gpu.upper()
 
 
-def published_trainer(name: str, gpu: str, framework: str, year: int | None) -> tuple[dict[str, Any], str]:
+def published_trainer(
+    name: str, gpu: str, framework: str, year: int | None, torch_version: str | None = None
+) -> tuple[dict[str, Any], str]:
     """(facts, attention kernel) of trainer `name` (a TRAINERS key, or a source with no known facts)
-    on the GPU a run names, in the framework it names, in the year it was published."""
+    on the GPU a run names, in the framework it names, in the year it was published; fivefold's own
+    runs under the torch they ran with (`torch_version`; unstated: the installed one)."""
     hopper = hopper_or_newer(gpu)
     trainer = trainer_facts(name, hopper)
+    if trainer.get("sdpa") and (torch_version is not None or name == "fivefold"):
+        # SDPA's kernel by the torch the run names (fivefold's own runs: else the one installed here)
+        return trainer, sdpa_attention(hopper, torch_version)
     if runs_on_xla(framework, gpu):
         # XLA fuses elementwise ops; MaxText's GPU attention is cuDNN's fused kernel (cudnn_flash_te)
         trainer = {"fused": True, "tp_overlap": False, "attention": "flash3", "sp_any_length": True}

@@ -674,6 +674,12 @@ def _write_outputs(
     if rank == 0:
         plot_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss.png", vocab)
         # the threads each rank computed with: a CPU run's plan needs them (`fivefold plan --validate`)
-        facts = {"world": world, "mfu_peak_from": hardware, "threads_per_rank": torch.get_num_threads()}
+        # and the torch they ran under, whose SDPA kernel on the GPU the plan of the run follows
+        facts = {
+            "world": world,
+            "mfu_peak_from": hardware,
+            "threads_per_rank": torch.get_num_threads(),
+            "torch": torch.__version__,
+        }
         (run_dir / "run.json").write_text(json.dumps(facts, indent=1))
     _barrier()

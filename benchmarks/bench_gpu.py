@@ -183,6 +183,57 @@ def planned(toml: Path, args: argparse.Namespace, compiled: bool = False) -> dic
     }
 
 
+def sdpa_kernels(args: argparse.Namespace) -> dict[str, Any]:
+    """Which kernels torch's SDPA runs for the model's causal training call (forward and backward, the
+    benchmark's batch and heads), and the call's rate by default and on the backends the planner tells
+    apart: FlashAttention-2 class (FLASH_ATTENTION) and cuDNN's fused attention (`--attention flash3`).
+    Counted as the published kernels count: 4·s²·d a head forward, halved when causal, backward 2.5×."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+
+    head_dim = MODEL.hidden // MODEL.heads
+    q, k, v = (
+        torch.randn(
+            args.micro_batch, MODEL.heads, args.seq, head_dim, device="cuda", dtype=torch.bfloat16
+        ).requires_grad_()
+        for _ in range(3)
+    )
+
+    def call() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    def rate() -> float:
+        for _ in range(3):
+            call()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        flops = 3.5 * 4 * args.micro_batch * MODEL.heads * args.seq**2 * head_dim / 2
+        return flops / (start.elapsed_time(end) / 20 / 1e3) / 1e12
+
+    out: dict[str, Any] = {"head_dim": head_dim, "default_tflops": rate()}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    names = {e.name for e in prof.events() if e.device_type.name == "CUDA"}
+    out["default_kernel"] = (
+        "cudnn"
+        if any("cudnn" in n and "sdpa" in n for n in names)
+        else ("flash" if any("flash" in n for n in names) else "other")
+    )
+    for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
+        try:
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                out[f"{backend.lower()}_tflops"] = rate()
+        except RuntimeError as exc:  # a backend this build or GPU lacks
+            out[f"{backend.lower()}_tflops"] = f"unavailable: {str(exc).splitlines()[0][:80]}"
+    return out
+
+
 def table(result: dict[str, Any]) -> str:
     rows = [
         "| | tokens/s | MFU | step (s) | first step (s) | peak memory (GB) |",
@@ -219,6 +270,20 @@ def table(result: dict[str, Any]) -> str:
         if "tokens_per_s" in ours and "tokens_per_s" in theirs:
             ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
             lines.append(f"- fivefold ÷ peer tokens/s, {mode}: **{ratio:.3f}**")
+    sdpa = result.get("sdpa", {})
+    if "default_kernel" in sdpa:
+        rates = ", ".join(
+            f"{name} {sdpa[key]:.0f}" if isinstance(sdpa[key], float) else f"{name} {sdpa[key]}"
+            for name, key in (
+                ("default", "default_tflops"),
+                ("FlashAttention-2 backend", "flash_attention_tflops"),
+                ("cuDNN backend", "cudnn_attention_tflops"),
+            )
+        )
+        lines.append(
+            f"- SDPA's causal call (head dim {sdpa['head_dim']}) runs {sdpa['default_kernel']} kernels by "
+            f"default; TFLOP/s: {rates}"
+        )
     ours = result.get("fivefold_eager", {})
     if "step_s" in ours and "step_s" in plan:
         lines.append(f"- planned ÷ measured step time, fivefold eager: {plan['step_s'] / ours['step_s']:.3f}")
@@ -261,6 +326,8 @@ def main() -> int:
         toml = model_toml(MODEL, Path(tmp) / "llama-1b.toml")
         result["plan"] = planned(toml, args)
         result["plan_compiled"] = planned(toml, args, compiled=True)
+        result["sdpa"] = sdpa_kernels(args)
+        print(f"sdpa: {result['sdpa']}", flush=True)
         for mode in modes:
             if args.only != "peer":
                 result[f"fivefold_{mode}"] = fivefold_run(toml, args, mode == "compiled", Path(tmp))

@@ -132,6 +132,34 @@ def test_json_contract():
     assert data["ranks"][3] == {"rank": 3, "node": 0, "local_rank": 3, "coords": data["ranks"][3]["coords"]}
     assert data["ranks"][3]["coords"]["fsdp"] == 1
     json.dumps(data)
+    # each dim's collectives also by the names the ledger, plan and verify give them
+    ops = {d["name"]: d["ops"] for d in data["dims"]}
+    assert ops["tp"] == ["all_reduce"] and ops["fsdp"] == ["all_gather", "reduce_scatter"]
+    assert ops["dp"] == ["all_reduce"] and ops["pp"] == [] and ops["batch"] == []
+
+
+def test_mesh_names_the_collectives_the_runtime_issues():
+    """The words and op names of every dim are what fivefold's runtime issues over it, as its ledger
+    records them: ZeRO-1 is torch's ZeroRedundancyOptimizer (gradients all-reduced, each updated shard
+    broadcast by its owner), sp turns tp's all-reduce into a gather and a scatter, cp by its core."""
+    from fivefold.measure.ledger import C10D_OPS, FUNCTIONAL_OPS
+    from fivefold.mesh import comm_ops, comm_words
+
+    ledger_ops = set(C10D_OPS.values()) | set(FUNCTIONAL_OPS.values())
+    zero1 = Layout(dp=4, zero=1).resolve(4)
+    assert comm_words("dp", zero1) == "all-reduce (grads) + broadcast (params)"
+    assert comm_ops("dp", zero1) == ["all_reduce", "broadcast"]
+    assert comm_ops("tp", Layout(tp=2, sp=True).resolve(2)) == ["all_gather", "reduce_scatter"]
+    for impl, want in (
+        ("ring", ["send", "recv"]),
+        ("allgather", ["all_gather", "reduce_scatter"]),
+        ("ulysses", ["all_to_all"]),
+    ):
+        assert comm_ops("cp", Layout(cp=2, cp_impl=impl).resolve(2)) == want
+    for lay in (Layout(tp=2, fsdp=2, dp=2, pp=2, cp=2).resolve(32), zero1):
+        for dim in build_mesh(lay, lay.world, 8).dims.values():
+            assert set(dim.ops) <= ledger_ops, (dim.name, dim.ops)
+            assert bool(dim.ops) == (dim.size > 1 and dim.name != "batch"), dim.name
 
 
 def test_mesh_module_does_not_import_torch():

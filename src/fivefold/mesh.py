@@ -51,6 +51,7 @@ class Dim:
     links: list[str]  # per group: "intra" | "inter" | "mixed"
     comm: str  # human words of its collective(s)
     link: str = "none"  # summary over groups: intra | inter | mixed | none (size 1)
+    ops: list[str] = field(default_factory=list)  # the same collectives by the ledger's names
 
     def to_json(self) -> dict:
         return {
@@ -60,6 +61,7 @@ class Dim:
             "links": self.links,
             "link": self.link,
             "comm": self.comm,
+            "ops": self.ops,
         }
 
 
@@ -181,8 +183,8 @@ def comm_words(name: str, layout: Layout) -> str:
     if name == "dp":
         if layout.fsdp > 1:  # HSDP: FSDP shards inside a replica, DP all-reduces across
             return "all-reduce (grads, across replicas)"
-        if layout.zero == 1:
-            return "reduce-scatter (grads) + all-gather (params)"
+        if layout.zero == 1:  # torch's ZeroRedundancyOptimizer: whole gradients, each shard's owner sends
+            return "all-reduce (grads) + broadcast (params)"
         return "all-reduce (grads)"
     return {
         "fsdp": "all-gather (params) + reduce-scatter (grads)",
@@ -190,7 +192,7 @@ def comm_words(name: str, layout: Layout) -> str:
         "pp": "send/recv (activations)",
         "cp": {
             "ring": "send/recv (K/V ring)",
-            "allgather": "all-gather (K/V)",
+            "allgather": "all-gather (K/V) + reduce-scatter (their grads)",
             "ulysses": "all-to-all (sequence <-> heads)",
         }[layout.cp_impl],
         "ep": "all-to-all (tokens, there and back)",
@@ -199,6 +201,27 @@ def comm_words(name: str, layout: Layout) -> str:
         "batch": "none (data loader split)",
         "dp_fsdp_cp": "all-reduce (loss, grad norm)",
     }[name]
+
+
+# the ledger's names (fivefold.measure.ledger) of the collectives `comm_words` describes
+OP_WORDS = {
+    "all-reduce": "all_reduce",
+    "all-gather": "all_gather",
+    "reduce-scatter": "reduce_scatter",
+    "broadcast": "broadcast",
+    "all-to-all": "all_to_all",
+    "send/recv": "send, recv",
+}
+
+
+def comm_ops(name: str, layout: Layout) -> list[str]:
+    """The dim's collectives by the names the ledger, plan and verify give them (`all_reduce`, ...)."""
+    words = comm_words(name, layout)
+    ops = []
+    for part in words.split(" + "):
+        head = part.split(" (")[0]
+        ops += [op for op in OP_WORDS.get(head, "").split(", ") if op]
+    return ops
 
 
 def resolve_layout(
@@ -334,6 +357,7 @@ def build_mesh(layout: Layout, world: int, gpus_per_node: int) -> MeshInfo:
             links,
             comm_words(name, lay) if size > 1 else "—",
             summarize_links(links, size),
+            comm_ops(name, lay) if size > 1 else [],
         )
     return MeshInfo(world, gpus_per_node, lay, dims, ranks)
 

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from fivefold.mesh import resolve_layout
     from fivefold.plan import TrainShape
     from fivefold.plan.runshape import DTYPE_BYTES
-    from fivefold.plan.trainers import sdpa_attention, hopper_or_newer
+    from fivefold.plan.trainers import hopper_or_newer, sdpa_attention
     from fivefold.support import run_micro_batch
 
     base = None

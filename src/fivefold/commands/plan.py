@@ -26,7 +26,7 @@ def named_trainer_facts(flag: str, hw) -> dict | None:  # noqa: ANN001 - Hardwar
 def trainer_shape(flag: str, hw) -> tuple[dict, str]:  # noqa: ANN001 - HardwareSpec, imported lazily
     """(TrainShape fields, attention kernel) of `--trainer`: fivefold's runtime as TrainShape's defaults
     say it, or another trainer's facts as the published runs of it are planned (fivefold.plan.trainers)."""
-    from fivefold.plan.trainers import sdpa_attention, hopper_or_newer, kernel_on, shape_facts
+    from fivefold.plan.trainers import hopper_or_newer, kernel_on, sdpa_attention, shape_facts
 
     trainer = named_trainer_facts(flag, hw)
     if trainer is None:

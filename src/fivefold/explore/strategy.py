@@ -14,7 +14,7 @@ from fivefold.errors import FivefoldError
 from fivefold.mesh import resolve_layout
 from fivefold.plan import TrainShape, plan
 from fivefold.plan.search import layout_flags
-from fivefold.plan.trainers import sdpa_attention, hopper_or_newer
+from fivefold.plan.trainers import hopper_or_newer, sdpa_attention
 
 # name, what it cuts, layout on n GPUs (n = one node; HSDP two), axes whose collectives it pays
 STRATEGIES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (

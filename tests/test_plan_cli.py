@@ -176,7 +176,12 @@ def test_search_and_inference_modes(capsys) -> None:
         (["--tp", "8", "--global-batch", "12"], "must be a multiple of micro_batch"),
         (["--hardware", "tpu-v9"], "unknown hardware"),
         (["--model", "nope"], "unknown model"),
-        (["--tp", "8", "--pp", "2", "--pp-schedule", "interleaved-1f1b"], "virtual-stages"),
+        # llama3-70b's 80 layers over 2 stages: 2 to 40 chunks a rank; tiny's 4 over 4: none
+        (["--tp", "8", "--pp", "2", "--pp-schedule", "interleaved-1f1b"], "for pp 2 over 80 layers: 2, 3, 4"),
+        (
+            ["--model", "tiny", "--pp", "4", "--pp-schedule", "interleaved-1f1b", "--seq-len", "64"],
+            "use --pp-sc",
+        ),
         (["--tp", "8", "--recompute-layers", "2"], "add --recompute full"),
         (["--tp", "8", "--recompute", "full", "--recompute-layers", "-1"], "count of blocks >= 0"),
         (["--search", "--recompute", "selective", "--recompute-layers", "2"], "add --recompute full"),

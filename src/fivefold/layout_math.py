@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from fivefold.config import Layout, ModelSpec
 from fivefold.config.layout import split_fields
-from fivefold.errors import FivefoldError
+from fivefold.errors import FivefoldError, suggest
 
 # ---- the op vocabulary (what the ledger records, what the planner predicts)
 ALL_REDUCE = "all_reduce"
@@ -434,3 +434,16 @@ def chunk_rows(rows: int, n: int, index: int) -> int:
     """Rows rank `index` of n holds when dim 0 is chunked (torch.chunk, the DTensor rule)."""
     per = math.ceil(rows / n)
     return max(0, min(per, rows - index * per))
+
+
+def interleaved_needs_chunks(layers: int, pp: int) -> FivefoldError:
+    """The refusal of interleaved 1F1B with one chunk a rank, naming the chunk counts that would do."""
+    ok = list(range(2, layers // pp + 1))
+    valid = (
+        f"valid --virtual-stages for pp {pp} over {layers} layers: {suggest(ok)}"
+        if ok
+        else f"pp {pp} leaves fewer than 2 of the {layers} layers a rank: use --pp-schedule 1f1b"
+    )
+    return FivefoldError(
+        f"--pp-schedule interleaved-1f1b needs --virtual-stages >= 2 (model chunks per rank); {valid}"
+    )

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from fivefold.config import Layout, ModelSpec
 from fivefold.errors import FivefoldError, divisors, suggest
-from fivefold.layout_math import SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, parse_split
+from fivefold.layout_math import SINGLE_STAGE, SPLIT_BACKWARD, V_SHAPED, interleaved_needs_chunks, parse_split
 
 
 def check_trainable(model: ModelSpec, layout: Layout, seq_len: int | None = None) -> None:
@@ -110,9 +110,7 @@ def check_pipeline_shape(model: ModelSpec, layout: Layout) -> None:
             "--virtual-stages 1 or an interleaved schedule (interleaved-1f1b, zero-bubble)"
         )
     if sched == "interleaved-1f1b" and v < 2:
-        raise FivefoldError(
-            "--pp-schedule interleaved-1f1b needs --virtual-stages >= 2 (model chunks per rank)"
-        )
+        raise interleaved_needs_chunks(model.layers, layout.pp)
     if sched in V_SHAPED and v != 2:
         raise FivefoldError(
             f"--pp-schedule {sched} folds exactly 2 chunks per rank into a V; use --virtual-stages 2"

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivefold.config import HardwareSpec, Layout, ModelSpec
-from fivefold.errors import FivefoldError
 from fivefold.flops import hardware_flops_per_token, model_flops_per_token
 from fivefold.layout_math import (
     ALL_GATHER,
@@ -20,6 +19,7 @@ from fivefold.layout_math import (
     REDUCE_SCATTER,
     SEND,
     end_ranks,
+    interleaved_needs_chunks,
     names_by_layer,
 )
 from fivefold.plan.comm import (
@@ -84,9 +84,7 @@ def check_plan_inputs(model: ModelSpec, layout: Layout, shape: TrainShape) -> No
     the search also applies `check_trainable`, so it proposes only what `train` runs."""
     layout.check_model(model, shape.seq_len, even_sp=not shape.sp_any_length)
     if layout.pp > 1 and layout.pp_schedule == "interleaved-1f1b" and layout.virtual_stages < 2:
-        raise FivefoldError(
-            "--pp-schedule interleaved-1f1b needs --virtual-stages >= 2 (model chunks per rank)"
-        )
+        raise interleaved_needs_chunks(model.layers, layout.pp)
 
 
 def plan(

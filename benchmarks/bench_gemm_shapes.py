@@ -15,8 +15,12 @@ over sequences from 512 tokens up (the same tokens a call, causal and not), fitt
 rate = long-sequence rate · k/(k + fixed keys), k the keys a query visits (s/2 causal, s not). The
 planner's `attention_fixed_keys` (256 on every GPU preset, 0 on `cpu`) is printed beside the fit.
 
+`--backends` measures only what the planner's `flash` and `flash3` kernels stand for on this GPU:
+SDPA's FlashAttention-2 backend and cuDNN's fused attention, forward and backward, causal, head dim 128,
+from 1k to 64k tokens a sequence (64k tokens a call), their ratio beside the planner's FLASH3_SPEEDUP.
+
 Run: python benchmarks/bench_gemm_shapes.py [--device cuda|cpu] [--tokens 8192] [--max-dim 16384]
-     [--repeats 20] [--json OUT.json]
+     [--repeats 20] [--json OUT.json] [--backends]
 Without a CUDA GPU and without `--device cpu` it says so and exits 0.
 """
 
@@ -33,7 +37,7 @@ from collections.abc import Callable
 import torch
 
 from fivefold.config import load_hardware
-from fivefold.plan.compute import ATTENTION_HALF_DIM, head_dim_factor
+from fivefold.plan.compute import ATTENTION_HALF_DIM, FLASH3_SPEEDUP, head_dim_factor
 
 
 def timed(fn: Callable[[], object], repeats: int, device: str) -> float:
@@ -94,6 +98,33 @@ def attention_rate(
     return flops / timed(call, repeats, device)
 
 
+def backend_rates(repeats: int) -> list[dict[str, float]]:
+    """FLOP/s of SDPA's FlashAttention-2 backend and of cuDNN's, per sequence length (`--backends`)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = []
+    for seq in (1024, 4096, 16384, 65536):
+        row: dict[str, float] = {"seq": seq}
+        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                with sdpa_kernel(backend):
+                    row[name] = attention_rate(
+                        128, 16, seq, 65536, torch.bfloat16, "cuda", repeats, backward=True
+                    )
+            except RuntimeError:  # a backend this build or GPU lacks
+                row[name] = float("nan")
+        rows.append(row)
+    print(
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}: SDPA backends, causal, head dim 128\n"
+    )
+    print(f"| sequence | FlashAttention-2 TFLOP/s | cuDNN TFLOP/s | ratio (planner {FLASH3_SPEEDUP}) |")
+    print("|---|---|---|---|")
+    for r in rows:
+        flash, cudnn = r["flash"] / 1e12, r["cudnn"] / 1e12
+        print(f"| {r['seq']} | {flash:.1f} | {cudnn:.1f} | {cudnn / flash:.2f} |")
+    return rows
+
+
 def fit_fixed_keys(points: list[tuple[float, float]]) -> tuple[float, float]:
     """(fixed keys, long-sequence FLOP/s) of rate = top·k/(k + fixed) that fits (keys k, rate) best.
     The time per score is then linear in 1/k: 1/rate = (1 + fixed/k)/top, a least-squares line."""
@@ -134,9 +165,21 @@ def main() -> int:
     parser.add_argument("--max-dim", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--backends", action="store_true", help="only SDPA's FlashAttention-2 and cuDNN backends"
+    )
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_gemm_shapes: no CUDA GPU here; nothing to measure (--device cpu runs it here)")
+        return 0
+    if args.backends:
+        if args.device != "cuda":
+            print("bench_gemm_shapes: --backends compares CUDA kernels; give --device cuda on a GPU")
+            return 0
+        rows = backend_rates(args.repeats)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "backends": rows}, f, indent=1)
         return 0
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"

@@ -246,6 +246,88 @@ def test_resume_falls_back_past_an_incomplete_checkpoint_and_a_half_written_metr
     assert ckpt.checkpoint_problem(run / "checkpoints" / "step_4") is None  # saved again, whole
 
 
+def test_storage_gone_read_only_before_a_save_stops_the_run_with_one_line(tmp_path, corpus, monkeypatch):
+    """The checkpoint's own directory cannot be made (the file system went read-only): the same one
+    line as any save the storage refused, exit code 1, the earlier checkpoint kept."""
+    run = tmp_path / "run"
+    train(config(corpus, steps=3), run, progress=False)
+    real_mkdir = Path.mkdir
+
+    def read_only(self, *a, **k):
+        if self.name.endswith(".tmp"):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_mkdir(self, *a, **k)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(ckpt.CheckpointUnwritten) as caught:
+        train(config(corpus, steps=6), run, resume="latest", progress=False)
+    assert caught.value.exit_code == 1 and "Read-only file system" in str(caught.value)
+    assert "step_6 could not be written" in str(caught.value)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_3"]
+
+
+def test_a_file_under_a_checkpoints_unfinished_name_is_removed(tmp_path, corpus):
+    """What a save or a deletion left, directory or not: a plain file under such a name (which
+    rmtree cannot remove) would otherwise stay for good."""
+    run = tmp_path / "run"
+    train(config(corpus, steps=3), run, progress=False)
+    root = run / "checkpoints"
+    (root / "step_6.123.deleting").write_text("a retired file")
+    (root / "step_7.tmp").write_text("a file by a save's name")
+    (root / "step_8.tmp").mkdir()
+    ckpt.remove_unfinished(run)
+    assert sorted(p.name for p in root.iterdir()) == ["step_3"]
+
+
+def test_a_run_directory_another_train_holds_is_refused_and_left_alone(tmp_path, corpus, capsys):
+    """Two trainings into one run directory would interleave their metrics and checkpoints: while one
+    runs (it holds the directory's lock), a resume or a new run there is refused with its pid, exit
+    code 2, and the save it has in progress is not removed as a dead one."""
+    import subprocess
+    import sys
+
+    from fivefold.cli import main
+    from fivefold.train.loop import LOCK_FILE
+
+    run = tmp_path / "run"
+    train(config(corpus, steps=3), run, progress=False)
+    in_progress = run / "checkpoints" / "step_6.tmp"
+    in_progress.mkdir()
+    holder = subprocess.Popen(  # a running train, as far as the lock says
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time\n"
+            f"fd = os.open({str(run / LOCK_FILE)!r}, os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX); os.ftruncate(fd, 0); os.write(fd, str(os.getpid()).encode())\n"
+            "print('held', flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        capsys.readouterr()
+        flags = ["--data", corpus, "--seq-len", "32", "--no-progress"]
+        for argv in (
+            ["train", "--run-dir", str(run), "--resume", "--steps", "6", *flags],
+            ["train", "--model", "tiny", "--run-dir", str(run), "--steps", "3", *flags],
+            ["train", "--model", "tiny", "--run-dir", str(run / "new"), "--steps", "1", *flags],
+        ):
+            code = main(argv)
+            err = capsys.readouterr().err
+            if argv[-len(flags) - 1] == "1":  # another directory beside it: not held
+                assert code == 0, err
+                continue
+            assert code == 2 and f"is in use by another fivefold train (pid {holder.pid})" in err, err
+            assert len(err.strip().splitlines()) == 1 and in_progress.is_dir()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["train", "--run-dir", str(run), "--resume", "--steps", "4", *flags]) == 0  # free again
+    assert not in_progress.exists()  # the holder is gone: what it left is a dead save
+
+
 def test_pruned_and_replaced_checkpoints_leave_the_step_names_before_they_are_deleted(
     tmp_path, corpus, monkeypatch
 ):

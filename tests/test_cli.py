@@ -290,6 +290,44 @@ def test_a_full_disk_is_one_line_and_exit_code_1_in_any_command(tmp_path, monkey
     assert err == [f"fivefold explore: error: No space left on device: {out}"]
 
 
+def test_an_output_the_storage_refuses_leaves_the_earlier_file_whole(tmp_path) -> None:
+    """A picture or page written over an earlier one on a full disk (or past a file-size limit, or on
+    storage gone read-only): the earlier file stays as it was, no temporary file is left, and the
+    line is the machine's fault (exit code 1), not the input's."""
+    import errno
+
+    from fivefold.errors import StorageFault
+    from fivefold.outputs import write_whole
+
+    out = tmp_path / "report.png"
+    out.write_bytes(b"the earlier picture")
+    for code in (errno.ENOSPC, errno.EFBIG, errno.EROFS):
+
+        def half_then_refused(target: Path, code: int = code) -> None:
+            target.write_bytes(b"half a pict")
+            raise OSError(code, os.strerror(code))
+
+        with pytest.raises(StorageFault) as refused:
+            write_whole(out, half_then_refused)
+        assert refused.value.exit_code == 1 and os.strerror(code) in str(refused.value)
+        assert out.read_bytes() == b"the earlier picture" and sorted(tmp_path.iterdir()) == [out]
+
+
+def test_a_file_size_limit_ends_a_run_with_one_line_and_exit_code_1(tmp_path) -> None:
+    """`ulimit -f` (EFBIG) is storage refusing a write, as a full disk is: the run that outgrows it
+    ends with one line naming the file, exit code 1, no traceback."""
+    import shlex
+
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "fivefold", "train", "--model", "tiny", "--steps", "40"]
+    command += ["--seq-len", "32", "--checkpoint-every", "-1", "--run-dir", str(run), "--no-progress"]
+    script = f"ulimit -f 4; exec {shlex.join(command)}"  # 4 KB: config.toml fits, the metrics do not
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr and "File too large" in done.stderr, done.stderr
+    assert "metrics.jsonl" in done.stderr.strip().splitlines()[-1], done.stderr
+
+
 def test_a_full_disk_under_the_metrics_log_names_the_file_whenever_it_surfaces(tmp_path):
     """A full disk can show at a line's flush or only when the file closes: either way the one line
     names metrics.jsonl, which a rank then reports without a traceback."""

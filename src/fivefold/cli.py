@@ -109,7 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         top.parse_args(argv[:1])  # prints usage / --help / --version, or exits 2 on an unknown command
         return 0
     name, rest = argv[0], argv[1:]
-    module = importlib.import_module(f"fivefold.commands.{name}")
+    try:
+        module = importlib.import_module(f"fivefold.commands.{name}")  # torch's import takes a while
+    except KeyboardInterrupt:
+        print(f"fivefold {name}: interrupted", file=sys.stderr)
+        return 130
     parser = OneLineParser(prog=f"fivefold {name}", description=COMMANDS[name], formatter_class=DefaultsShown)
     module.add_arguments(parser)
     args = parser.parse_args(rest)

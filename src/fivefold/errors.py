@@ -16,12 +16,20 @@ class FivefoldError(Exception):
     label = "error"  # the word after the command in its one line
 
 
-STORAGE_FULL = (errno.ENOSPC, errno.EDQUOT)  # writes that fail for want of space, whatever the command
+# writes the storage refuses, whatever the command: no space, a quota, a file-size limit (`ulimit -f`),
+# a file system gone read-only, a failing device. Faults of the machine, not of the input: exit code 1
+STORAGE_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO)
+
+
+class StorageFault(FivefoldError):
+    """A write the storage refused (`STORAGE_FULL`): one line naming the file, exit code 1."""
+
+    exit_code = 1
 
 
 def storage_full(exc: BaseException, where: object = None) -> str | None:
-    """The one line for a write that failed for want of space ("No space left on device: FILE"; the
-    file, or `where` when the error does not name one), or None for any other error."""
+    """The one line for a write the storage refused ("No space left on device: FILE"; the file, or
+    `where` when the error does not name one), or None for any other error."""
     if not isinstance(exc, OSError) or exc.errno not in STORAGE_FULL:
         return None
     file = exc.filename or where

@@ -8,18 +8,24 @@ import contextlib
 import os
 import stat
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from fivefold.errors import FivefoldError
+from fivefold.errors import FivefoldError, StorageFault, storage_full
 
 
 def write_text_whole(path: Path, text: str, flag: str = "--out") -> None:
-    """Write `text` to `path`, whole or not at all. A file goes through a temporary file beside it, so
-    no half-written file is left; where `path` is a link, beside the file it names, so the link stays.
-    A character device or a FIFO (/dev/null, /dev/stdout, a named pipe) is written into, as a shell's
-    `>` would, never replaced by a file; a directory or a socket is refused."""
+    """Write `text` to `path`, whole or not at all (`write_whole`)."""
+    write_whole(path, lambda target: Path(target).write_text(text), flag)
+
+
+def write_whole(path: Path, write: Callable[[Path], object], flag: str = "--out") -> None:
+    """Have `write(target)` write `path`, whole or not at all. A file goes through a temporary file
+    beside it, so no half-written file is left (nor an earlier one cut short); where `path` is a link,
+    beside the file it names, so the link stays. A character device or a FIFO (/dev/null,
+    /dev/stdout, a named pipe) is written into, as a shell's `>` would, never replaced by a file; a
+    directory or a socket is refused. A write the storage refuses (a full disk) is a `StorageFault`."""
     try:
         mode: int | None = os.stat(path).st_mode  # through links
     except FileNotFoundError:
@@ -30,10 +36,9 @@ def write_text_whole(path: Path, text: str, flag: str = "--out") -> None:
         raise FivefoldError(f"{flag} {path}: cannot write there (it is a directory; give a file name in it)")
     if mode is not None and _written_into(mode):
         try:
-            with open(path, "w") as stream:
-                stream.write(text)
+            write(Path(path))
         except OSError as exc:  # /dev/full
-            raise FivefoldError(f"{flag} {path}: cannot write there ({exc.strerror or exc})") from None
+            raise _refused(flag, path, str(exc.strerror or exc), exc) from None
         return
     if mode is not None and not stat.S_ISREG(mode):
         raise FivefoldError(f"{flag} {path}: not a file, a device or a FIFO (a socket?); cannot write there")
@@ -41,12 +46,19 @@ def write_text_whole(path: Path, text: str, flag: str = "--out") -> None:
     tmp = target.with_name(target.name + ".tmp")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text)
+        write(tmp)
         tmp.replace(target)
     except OSError as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        raise FivefoldError(f"{flag} {path}: cannot write there ({_why(path, exc)})") from None
+        raise _refused(flag, path, _why(path, exc), exc) from None
+
+
+def _refused(flag: str, path: Path, why: str, exc: OSError) -> FivefoldError:
+    """The one line for an output that could not be written: bad input (exit 2), or the storage's
+    refusal, a fault of the machine (exit 1)."""
+    kind = StorageFault if storage_full(exc) is not None else FivefoldError
+    return kind(f"{flag} {path}: cannot write there ({why})")
 
 
 def is_stream(path: str | Path) -> bool:

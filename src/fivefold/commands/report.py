@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.errors import FivefoldError, reason
-from fivefold.outputs import write_text_whole
+from fivefold.outputs import write_text_whole, write_whole
 from fivefold.runlog import json_lines
 
 COLORS = {
@@ -105,10 +105,7 @@ def run(args: argparse.Namespace) -> int:
     if out.suffix == ".svg":
         write_text_whole(out, render_svg(metrics, timeline, ledger, title=run_dir.name, predicted=predicted))
     else:
-        try:
-            render_png(metrics, timeline, out, title=run_dir.name)
-        except OSError as exc:
-            raise FivefoldError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
+        render_png(metrics, timeline, out, title=run_dir.name)
     print(f"wrote {out}")
     return 0
 
@@ -490,5 +487,9 @@ def render_png(metrics: list[dict], timeline: list[dict], out: Path, title: str 
             frameon=False,
         )
     fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+    # the picture's format by its name (png, pdf, ...), written whole: a full disk leaves no cut file
+    fmt = out.suffix.lstrip(".").lower() or "png"
+    try:
+        write_whole(out, lambda target: fig.savefig(target, format=fmt))
+    finally:
+        plt.close(fig)

@@ -36,7 +36,7 @@ from fivefold.parallel.spawn import MAX_LOCAL_RANKS
 from fivefold.train import supervise
 from fivefold.train.checkpoint import remove_unfinished
 from fivefold.train.launch import TrainJob, launch, run_job
-from fivefold.train.loop import preflight, runtime_layout
+from fivefold.train.loop import preflight, run_dir_holder, runtime_layout
 
 # flag -> TrainSpec field (flags use dashes, the spec underscores)
 TRAIN_FLAGS: dict[str, tuple[type, str]] = {
@@ -361,7 +361,8 @@ def start(job: TrainJob, nproc: int) -> int:
         try:
             return run_job(job)
         finally:  # an interrupted save leaves its .tmp: the one process that wrote it has stopped
-            remove_unfinished(job.run_dir)
+            if run_dir_holder(job.run_dir) is None:  # not another run's save in progress
+                remove_unfinished(job.run_dir)
     try:  # one rank under torchrun: its agent prints its own report, this rank says why in one line
         return run_job(job)
     except RuntimeError as exc:

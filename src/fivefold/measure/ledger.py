@@ -47,6 +47,7 @@ from fivefold.config import AXES
 from fivefold.layout_math import wire_bytes  # noqa: F401  (re-exported: the ring formulas)
 from fivefold.measure import comm_hooks
 from fivefold.mesh import FLATTENED, MeshInfo
+from fivefold.outputs import write_text_whole
 from fivefold.parallel.device_mesh import AXIS_PRIORITY, RuntimeMesh
 
 METHODS = ("hooks", "dispatch")
@@ -338,7 +339,7 @@ class CommLedger(TorchDispatchMode):
         if p.is_dir() or not p.suffix:
             p.mkdir(parents=True, exist_ok=True)
             p = p / "ledger.json"
-        p.write_text(json.dumps(self.to_json(skip, first_step), indent=1))
+        write_text_whole(p, json.dumps(self.to_json(skip, first_step), indent=1), "output")
         return p
 
 

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from fivefold.outputs import write_text_whole
+
 CATEGORY = "pipeline"
 COMPUTE_KINDS = ("F", "B", "I", "W")  # forward, full backward, input-grad backward, weight-grad backward
 KINDS = COMPUTE_KINDS + ("send", "recv", "send/recv", "idle")
@@ -227,8 +229,7 @@ def merge_into_trace(path: str | Path, events: list[dict[str, Any]]) -> None:
     kept += [n for n in names if (n["pid"], n["name"]) not in have_names]
     trace["traceEvents"] = kept + events
     trace.setdefault("displayTimeUnit", "ms")
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(trace))
+    write_text_whole(p, json.dumps(trace), "output")
 
 
 def write_trace(path: str | Path, timeline: Timeline | None) -> None:

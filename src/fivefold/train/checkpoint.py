@@ -27,6 +27,7 @@ names, at the recorded sizes), with a warning for each newer one it has to pass 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -69,7 +70,17 @@ def remove_unfinished(run_dir: Path) -> None:
     root = checkpoints_root(run_dir)
     if root.is_dir():
         for left in [*root.glob("step_*.tmp"), *root.glob("step_*.deleting")]:
-            shutil.rmtree(left, ignore_errors=True)
+            _remove(left)
+
+
+def _remove(path: Path) -> None:
+    """Remove a checkpoint's directory, or a file or link found under a checkpoint's name (which
+    `shutil.rmtree` would leave there for good)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
@@ -306,10 +317,16 @@ def save_checkpoint(
     root = checkpoints_root(run_dir)
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     rank = _rank()
+    unmade = None
     if rank == 0:
-        remove_unfinished(run_dir)  # this step's .tmp, and whatever a killed launcher left
-        tmp.mkdir(parents=True)
-    _barrier()
+        try:
+            remove_unfinished(run_dir)  # this step's .tmp, and whatever a killed launcher left
+            tmp.mkdir(parents=True)
+        except OSError as exc:  # storage gone read-only, a full disk: said as any other failed save
+            unmade = _first_cause(exc)
+    unmade = broadcast_object(unmade)  # every rank waits for the directory, and learns if there is none
+    if unmade is not None:
+        raise _unwritten(final, tmp, rank, unmade)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # one process
@@ -354,7 +371,7 @@ def save_checkpoint(
         gone = [_retire(old) for _, old in (list_checkpoints(run_dir)[:-keep] if keep > 0 else [])]
         for old in [replaced, *gone]:
             if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+                _remove(old)
     _barrier()
     return final
 

@@ -35,7 +35,7 @@ from fivefold.errors import FivefoldError, storage_full
 from fivefold.outputs import write_without_a_reader
 from fivefold.parallel.spawn import echoes_lost_peer, local_launcher
 from fivefold.train.checkpoint import remove_unfinished
-from fivefold.train.loop import train
+from fivefold.train.loop import run_dir_holder, train
 from fivefold.train.supervise import (
     Watchdog,
     forward_signals,
@@ -228,4 +228,5 @@ def launch(nproc: int, job: TrainJob) -> int:
         return 1
     finally:
         shutil.rmtree(error_dir, ignore_errors=True)
-        remove_unfinished(job.run_dir)  # every rank has ended: a .tmp left now is a dead save
+        if run_dir_holder(job.run_dir) is None:  # every rank has ended, and no other run writes there:
+            remove_unfinished(job.run_dir)  # a .tmp left now is a dead save

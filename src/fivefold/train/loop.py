@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
 import json
 import math
 import os
@@ -26,13 +27,14 @@ import torch.distributed as dist
 from torch import nn
 
 from fivefold.config import Layout, ModelSpec, RunConfig, TrainSpec, check_buildable, check_seq_len
-from fivefold.errors import FivefoldError
+from fivefold.errors import FivefoldError, StorageFault, storage_full
 from fivefold.layout_math import numel, param_shapes
 from fivefold.measure.ledger import CommLedger
 from fivefold.measure.memory import ActivationMeter, device_memory, state_bytes
 from fivefold.measure.timeline import write_trace
 from fivefold.model import build_model, materialize
 from fivefold.model.hf import first_non_finite
+from fivefold.outputs import write_text_whole
 from fivefold.parallel import runners
 from fivefold.parallel.api import LocalRunner
 from fivefold.parallel.compile import check_compile, compile_blocks
@@ -127,6 +129,8 @@ def runtime_layout(layout: Layout, world: int, model: ModelSpec, seq_len: int) -
 
 def preflight(cfg: RunConfig, run_dir: Path, resume: str | None, world: int) -> None:
     """What can be checked before any rank starts, so bad input never costs a launch."""
+    if (holder := run_dir_holder(Path(run_dir))) is not None:  # first: what else is found there is its
+        raise _in_use(Path(run_dir), holder)
     spec, tspec = cfg.model.validate(), cfg.train.validate()
     check_buildable(spec)
     layout = runtime_layout(cfg.layout, world, spec, tspec.seq_len)
@@ -254,6 +258,8 @@ def check_run_dir(
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():  # found here, not as mkdir's "File exists" in a rank
         raise FivefoldError(f"--run-dir {run_dir} exists and is not a directory; pick another --run-dir")
+    if (holder := run_dir_holder(run_dir)) is not None:
+        raise _in_use(run_dir, holder)
     if resume is not None:
         _check_resumable(run_dir)
         return
@@ -283,18 +289,21 @@ def _check_resumable(run_dir: Path) -> None:
 
 
 def _on_rank0(run_dir: Path, write: Callable[[], None], rank: int) -> None:
-    """Rank 0 runs `write` in the run directory; every rank learns the outcome and fails alike."""
+    """Rank 0 runs `write` in the run directory; every rank learns the outcome and fails alike: bad
+    input with exit code 2, storage that refused the write (a full disk) with 1."""
     problem = None
     if rank == 0:
         try:
             write()
         except FivefoldError as exc:
-            problem = str(exc)
+            problem = (str(exc), exc.exit_code)
         except OSError as exc:
-            problem = f"cannot write the run directory {run_dir}: {exc}"
+            full = storage_full(exc, run_dir)
+            problem = (full, 1) if full else (f"cannot write the run directory {run_dir}: {exc}", 2)
     problem = broadcast_object(problem)
     if problem is not None:
-        raise FivefoldError(problem)
+        text, code = problem
+        raise (StorageFault if code == 1 else FivefoldError)(text)
 
 
 def _setup_run_dir(run_dir: Path, cfg: RunConfig, resume: str | None, rank: int) -> None:
@@ -305,8 +314,8 @@ def _setup_run_dir(run_dir: Path, cfg: RunConfig, resume: str | None, rank: int)
     def setup() -> None:
         check_run_dir(run_dir, resume)
         run_dir.mkdir(parents=True, exist_ok=True)
-        if resume is None:
-            (run_dir / "config.toml").write_text(cfg.to_toml())
+        if resume is None:  # whole or not at all: a cut config.toml would block the run's retry
+            write_text_whole(run_dir / "config.toml", cfg.to_toml(), "output")
 
     _on_rank0(run_dir, setup, rank)
 
@@ -315,7 +324,7 @@ def _record_config(run_dir: Path, cfg: RunConfig, rank: int) -> None:
     """Rank 0 writes the resumed run's settings (its new --steps, layout) over `config.toml`."""
 
     def record() -> None:
-        (run_dir / "config.toml").write_text(cfg.to_toml())
+        write_text_whole(run_dir / "config.toml", cfg.to_toml(), "output")
 
     _on_rank0(run_dir, record, rank)
 
@@ -394,13 +403,80 @@ def train(
     with supervise.rank_supervision(control_folder, rank, heartbeat):
         supervise.mark(0, "joining the process group")
         created_group = init_distributed(device)
+        lock = None
         try:
+            lock = _lock_run_dir(Path(run_dir), rank, resume)
             return _train(
                 cfg, spec, train_spec, Path(run_dir), resume, device, progress, checkpoint_on_interrupt
             )
         finally:
+            if lock is not None:
+                os.close(lock)  # and with it the lock
             if created_group and dist.is_initialized():
                 dist.destroy_process_group()
+
+
+LOCK_FILE = ".fivefold-lock"
+
+
+def _lock_run_dir(run_dir: Path, rank: int, resume: str | None) -> int | None:
+    """Collective: rank 0 takes an exclusive lock on the run directory for the run's life, and every
+    rank learns whether it got it. A second `train` into the directory (a resume while the run goes
+    on, a new run started beside it) is refused, not interleaved with it: their metrics and
+    checkpoints would mix. The lock goes with the process, also when it is killed. Returns the
+    lock's file descriptor (rank 0), or None where nothing is held: other ranks, a directory a new
+    run cannot make or a resume does not find (the run's checks say why), a file system without
+    locks (some network mounts)."""
+    held, holder = None, None
+    usable = run_dir.is_dir() if resume is not None or run_dir.exists() else True
+    if rank == 0 and usable:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            held = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            held = None
+        if held is not None:
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.ftruncate(held, 0)
+                os.pwrite(held, str(os.getpid()).encode(), 0)
+            except BlockingIOError:  # another process holds it: its pid is in the file
+                holder = os.pread(held, 20, 0).decode(errors="replace").strip() or "unknown"
+                os.close(held)
+                held = None
+            except OSError:  # no locks on this file system: run unlocked
+                os.close(held)
+                held = None
+    holder = broadcast_object(holder)
+    if holder is not None:
+        raise _in_use(run_dir, holder)
+    return held
+
+
+def run_dir_holder(run_dir: Path) -> str | None:
+    """The pid of another `train` holding the run directory's lock, or None where none does (asked
+    before a run starts, so that its first word is this, not what the running one left half-done)."""
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
+    except BlockingIOError:
+        holder = os.pread(fd, 20, 0).decode(errors="replace").strip() or "unknown"
+        return None if holder == str(os.getpid()) else holder  # this run's own lock
+    except OSError:  # no locks on this file system
+        return None
+    finally:
+        os.close(fd)  # and any shared lock taken
+
+
+def _in_use(run_dir: Path, holder: str) -> FivefoldError:
+    return FivefoldError(
+        f"{run_dir} is in use by another fivefold train (pid {holder}); wait for it to end, or pick "
+        "another --run-dir"
+    )
 
 
 def _stop_signal(device: torch.device) -> int:
@@ -681,5 +757,5 @@ def _write_outputs(
             "threads_per_rank": torch.get_num_threads(),
             "torch": torch.__version__,
         }
-        (run_dir / "run.json").write_text(json.dumps(facts, indent=1))
+        write_text_whole(run_dir / "run.json", json.dumps(facts, indent=1), "output")
     _barrier()

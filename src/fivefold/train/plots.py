@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+from fivefold.outputs import write_whole
+
 
 def read_metrics(path: Path) -> list[dict]:
     if not path.exists():
@@ -44,8 +46,10 @@ def plot_loss_curve(metrics_path: Path, out_path: Path, vocab: int | None = None
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out_path)
-    plt.close(fig)
+    try:  # whole or not at all: a full disk leaves no cut picture
+        write_whole(out_path, lambda target: fig.savefig(target, format="png"), "output")
+    finally:
+        plt.close(fig)
     return out_path
 
 

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from fivefold.outputs import write_text_whole
+
 LOOP_TID = 2  # the pipeline timeline uses threads 0 and 1 of the same rank's row
 
 
@@ -70,7 +72,7 @@ def merge_trace_parts(run_dir: Path, world: int) -> Path:
             events += json.loads(part.read_text())
             os.remove(part)
     out = run_dir / "trace.json"
-    out.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    write_text_whole(out, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}), "output")
     return out
 
 

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 
 from fivefold import __version__
 from fivefold.errors import FivefoldError, storage_full
-from fivefold.outputs import outlive_the_reader
+from fivefold.outputs import outlive_the_reader, tolerate_any_encoding
 
 COMMANDS: dict[str, str] = {
     "plan": "predict memory, communication, bubble, step time and MFU; search layouts",
@@ -101,6 +101,7 @@ def _top_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    tolerate_any_encoding()
     if not argv or argv[0] not in COMMANDS:
         top = _top_parser()
         if not argv:

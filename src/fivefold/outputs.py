@@ -82,6 +82,14 @@ def _why(path: Path, exc: OSError) -> str:
     return f"{blocking} is a file, not a directory" if blocking else str(exc.strerror or exc)
 
 
+def tolerate_any_encoding() -> None:
+    """stdout and stderr replace what their encoding cannot hold (×, —, ░ under LANG=C with
+    PYTHONUTF8=0, or PYTHONIOENCODING=ascii) instead of failing the command that prints it."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError, OSError):  # a stream without the method
+            stream.reconfigure(errors="replace")
+
+
 class ReaderGoneStream:
     """A text stream that outlives its reader: once a write finds the pipe closed (`train | head`,
     a `tee` that died), this stream and its file descriptor write to /dev/null from then on. A job's
@@ -116,6 +124,7 @@ class ReaderGoneStream:
 def write_without_a_reader() -> tuple[Any, Any]:
     """Make stdout and stderr `ReaderGoneStream`s (a rank does for the rest of its life); returns the
     streams they were."""
+    tolerate_any_encoding()
     saved = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = ReaderGoneStream(sys.stdout), ReaderGoneStream(sys.stderr)
     return saved

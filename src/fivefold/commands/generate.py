@@ -147,7 +147,12 @@ def _prompts(args: argparse.Namespace, tokenizer: Any, vocab: int) -> list[list[
         raise FivefoldError(f"{args.source} has no tokenizer.json to encode --prompt; give --prompt-ids")
     prompts = []
     for text in args.prompt:
-        prompt = tokenizer.encode(text)
+        try:
+            prompt = tokenizer.encode(text)
+        except UnicodeEncodeError:  # raw bytes from the shell that the tokenizer's text cannot hold
+            raise FivefoldError(
+                "--prompt is not valid UTF-8 text; give it as text, or its token ids with --prompt-ids"
+            ) from None
         if not prompt:
             raise FivefoldError("--prompt encodes to no tokens; give a non-empty prompt")
         if max(prompt) >= vocab:

@@ -37,7 +37,8 @@ def _read(reader: Any, cfg: Any, name: str, needs: str = "") -> ModelSpec:
         return reader(cfg, name)
     except KeyError as exc:
         raise FivefoldError(f"HF config {name}: missing key {exc}{needs}") from None
-    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as exc:  # wrong types or zeros
+    # wrong types, zeros, a number too large for a float
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError, OverflowError) as exc:
         reason = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise FivefoldError(
             f"HF config {name}: a value has the wrong type or is zero ({reason}); sizes and counts "

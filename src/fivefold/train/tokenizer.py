@@ -33,7 +33,8 @@ class ByteTokenizer:
     eos_id: int | None = None
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        # bytes that are no UTF-8 (a shell's raw argument, read as surrogates) are the bytes given
+        return list(text.encode("utf-8", errors="surrogateescape"))
 
     def encode_bytes(self, data: bytes) -> bytes:
         return data

@@ -8,11 +8,25 @@ import contextlib
 import os
 import stat
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from fivefold.errors import FivefoldError, StorageFault, storage_full
+
+
+def check_not_an_input(out: str | Path, inputs: Iterable[str | Path | None], flag: str = "--out") -> None:
+    """Refuse an output path that is one of the files the command reads (the same file, by any name
+    or link): writing it would replace what was read, a model or a run's config turned into a page."""
+    for given in inputs:
+        if not given:
+            continue
+        with contextlib.suppress(OSError):  # a path that is not there cannot be the same file
+            if os.path.samefile(out, given):
+                raise FivefoldError(
+                    f"{flag} {out} is {given}, which this command reads: writing it would replace it; "
+                    "pick another file"
+                )
 
 
 def write_text_whole(path: Path, text: str, flag: str = "--out") -> None:

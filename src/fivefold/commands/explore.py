@@ -8,10 +8,12 @@ from dataclasses import fields
 
 from fivefold.commands import defaults
 from fivefold.config import Layout, add_layout_arguments, check_gpus, say_idle_flags
-from fivefold.outputs import write_text_whole
+from fivefold.outputs import check_not_an_input, write_text_whole
 
 # every layout field has its flag (config.flags): any of them given draws that layout
 _LAYOUT_FLAGS = tuple(f.name for f in fields(Layout))
+# the files of a run directory that `explore --run` reads
+RUN_READS = ("config.toml", "metrics.jsonl", "ledger.json", "trace.json", "run.json")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -132,6 +134,10 @@ def run(args: argparse.Namespace) -> int:
         attention=sdpa_attention(hopper_or_newer(hw.name)),  # the kernel its SDPA runs there
     ).validate()
     out = Path(args.out)
+    read = [args.model, args.hardware]
+    if args.run:
+        read += [Path(args.run) / name for name in RUN_READS]
+    check_not_an_input(out, read)
     if out.is_dir():
         raise FivefoldError(f"--out {out} is a directory: give the path of the page to write")
     also = [_cluster(text, load_hardware) for text in args.lab_also]

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from fivefold.errors import FivefoldError
-from fivefold.outputs import is_stream, write_text_whole
+from fivefold.outputs import check_not_an_input, is_stream, write_text_whole
 
 
 def _runs(paths: list[str]) -> tuple[list, list[str]]:
@@ -243,6 +243,12 @@ def _calibrate(args: argparse.Namespace) -> int:
     from fivefold.config import dumps_toml, to_dict
     from fivefold.plan import validation as V
 
+    if args.out:  # refused before the fit: the runs files, and the files of a run directory it reads
+        read: list[Path] = []
+        for path in map(Path, args.calibrate):
+            files = ("config.toml", "metrics.jsonl", "run.json")
+            read += [path / name for name in files] if path.is_dir() else [path]
+        check_not_an_input(args.out, read)
     cases, left_out = _runs(args.calibrate)
     for line in left_out:
         print(line, file=sys.stderr)

@@ -442,3 +442,58 @@ def test_generate_slips_are_one_line_and_exit_2(capsys, argv: list[str], words: 
     assert main(["generate", *argv, "--max-new-tokens", "1"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and words in err, err
+
+
+def test_hostile_bytes_and_numbers_are_one_line(tmp_path, capsys, tiny_run) -> None:
+    """What a shell or a file can hand over beyond wrong values: a 400-digit number where HF's config
+    has a float, a prompt of bytes that are no UTF-8 (the byte model takes them as the bytes they
+    are), and an --out that names a file the command reads (it would be replaced by a page)."""
+    hf = tmp_path / "big" / "config.json"
+    hf.parent.mkdir()
+    shape = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 256}
+    hf.write_text(json.dumps({"model_type": "llama", **shape, "rope_theta": 10**400}))
+    assert main(["plan", "--model", str(hf), "--gpus", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "too large" in err and len(err.strip().splitlines()) == 1, err
+
+    raw = b"ab\xff\xfe".decode("utf-8", errors="surrogateescape")  # as Python hands over argv
+    argv = [
+        "generate",
+        "--from",
+        str(tiny_run),
+        "--prompt",
+        raw,
+        "--max-new-tokens",
+        "1",
+        "--greedy",
+        "--ids",
+    ]
+    assert main(argv) == 0 and len(capsys.readouterr().out.split()) == 1
+    from fivefold.train.tokenizer import ByteTokenizer
+
+    assert ByteTokenizer().encode(raw) == [97, 98, 255, 254]  # the prompt's own bytes
+
+    model = tmp_path / "m.toml"
+    model.write_text("layers = 2\nhidden = 64\nheads = 4\nvocab = 256\n")
+    for argv in (
+        ["explore", "--model", str(model), "--gpus", "2", "--out", str(model)],
+        ["explore", "--run", str(tiny_run), "--no-lab", "--out", str(tiny_run / "config.toml")],
+    ):
+        before = {p: p.read_bytes() for p in (model, tiny_run / "config.toml")}
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "which this command reads" in err and len(err.strip().splitlines()) == 1, err
+        assert before == {p: p.read_bytes() for p in before}
+
+
+def test_a_terminal_that_cannot_show_the_tables_characters_gets_them_replaced(tmp_path) -> None:
+    """× and — under an ASCII terminal (LANG=C without Python's UTF-8 mode): replaced, not a crash."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONIOENCODING": "ascii", "LC_ALL": "C", "PYTHONUTF8": "0"}
+    for argv in (["plan", "--model", "tiny", "--gpus", "2"], ["mesh", "--gpus", "4", "--tp", "2"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "fivefold", *argv], capture_output=True, env=env, timeout=120
+        )
+        assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr

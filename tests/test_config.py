@@ -157,6 +157,12 @@ def test_resolved_config_round_trips(tmp_path):
         ("[model]\nlayers = true\nhidden = 64\nheads = 4\nvocab = 256\n", "layers must be int"),
         ('[layout]\nsp = "no way"\n', "sp must be bool"),
         ("[model]\nlayers = 2\nhidden = 64\nheads = 4\nvocab = 256\nnorm_eps = nan\n", "norm_eps must be"),
+        # values past any model's: slips that trained NaN, or flat, with advice about --lr
+        ("[model]\nlayers = 2\nhidden = 64\nheads = 4\nvocab = 256\ninit_std = 1e300\n", "init_std must be"),
+        ("[model]\nlayers = 2\nhidden = 64\nheads = 4\nvocab = 256\nnorm_eps = 1e300\n", "at most 0.1"),
+        ("[model]\nlayers = 2\nhidden = 64\nheads = 4\nvocab = 256\nrope_theta = 1e-300\n", "above 1"),
+        # a name heads every table and names the default run directory: no terminal escapes in it
+        ('[model]\nname = "a\\u001b[31mred"\nlayers = 2\nhidden = 64\nheads = 4\nvocab = 256\n', "control"),
         ("[model]\nlayers = 2\nhidden = 64\nheads = 4\nvocab = 256\nexperts = -2\n", "experts must be 0"),
         # latent attention's sizes come together: half given, a plan had read an output projection of 0
         ("[model]\nlayers = 2\nhidden = 64\nheads = 4\nvocab = 256\nkv_lora_rank = 32\n", "needs v_head_dim"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -295,3 +296,17 @@ def test_weights_that_overflow_are_never_checkpointed_and_a_nan_held_out_loss_fa
     assert list_checkpoints(run) == []
     with pytest.raises(FivefoldError, match="the held-out loss became nan at step 1: lower --lr"):
         train(tiny_run(corpus, steps=1, lr=1e308, warmup_steps=0), tmp_path / "eval", progress=False)
+
+
+def test_the_default_run_directory_stays_under_runs_whatever_the_model_is_named() -> None:
+    """The model's name is a file name there: "../x", "/x" or "org/model" cannot lead elsewhere."""
+    from fivefold.commands.train import default_run_dir
+
+    for name, start in (
+        ("../../../evil", "evil-"),
+        ("/abs/x", "abs-x-"),
+        ("org/model", "org-model-"),
+        ("..", "model-"),
+    ):
+        path = default_run_dir(name)
+        assert path.parent == Path("runs") and path.name.startswith(start), (name, path)

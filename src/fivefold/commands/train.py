@@ -14,6 +14,7 @@ import argparse
 import datetime
 import math
 import os
+import re
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
@@ -243,8 +244,11 @@ def _check_saved_batch_splits(saved: Path, cfg: RunConfig, world: int) -> None:
 
 
 def default_run_dir(model_name: str) -> Path:
+    """runs/NAME-STAMP, the name reduced to a file name's plain characters: a model named
+    "../x" or "/x" (or "org/model") stays under runs/."""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{model_name}-{stamp}"
+    plain = re.sub(r"[^\w.-]+", "-", model_name).strip(".-") or "model"
+    return Path("runs") / f"{plain}-{stamp}"
 
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")

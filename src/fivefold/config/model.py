@@ -25,6 +25,9 @@ NON_NEGATIVE_COUNTS = (
 )
 POSITIVE_REALS = ("rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "norm_eps")
 NON_NEGATIVE_REALS = ("init_std", "aux_loss_coef", "router_bias_rate")
+# where a value past these is no model but a slip: weights drawn at std 1e300, a norm whose epsilon
+# drowns every activation, rotary angles that grow with position instead of shrinking (theta <= 1)
+PLAUSIBLE_REALS = {"init_std": (0.0, 1.0), "norm_eps": (0.0, 0.1), "rope_theta": (1.0, 1e12)}
 MLPS = ("swiglu", "gelu")
 
 
@@ -112,6 +115,8 @@ class ModelSpec:
 
     # ---- validation
     def validate(self) -> ModelSpec:
+        if not str(self.name).isprintable():  # it heads every table, and names the default run directory
+            raise FivefoldError(f"model name {self.name!r} holds control characters; give a plain name")
         if self.max_seq_len <= 0:
             raise FivefoldError(f"model {self.name}: max_seq_len must be positive, got {self.max_seq_len}")
         for name in NON_NEGATIVE_COUNTS:  # a negative count would slip past the `if experts:` tests below
@@ -128,6 +133,13 @@ class ModelSpec:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise FivefoldError(f"model {self.name}: {name} must be a finite number >= 0, got {value}")
+        for name, (low, high) in PLAUSIBLE_REALS.items():
+            value = getattr(self, name)
+            if not low <= value <= high or (name == "rope_theta" and value == low):
+                above = "above" if name == "rope_theta" else "at least"
+                raise FivefoldError(
+                    f"model {self.name}: {name} must be {above} {low:g} and at most {high:g}, got {value:g}"
+                )
         for name in ("layers", "hidden", "heads", "vocab", "ffn_hidden", "kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise FivefoldError(f"model {self.name}: {name} must be positive, got {getattr(self, name)}")

@@ -983,6 +983,10 @@ def test_a_runs_measured_numbers_and_size_are_checked(
         ("link_efficiency = 7", "link_efficiency is a fraction"),
         ("matmul_efficiency = -1", "matmul_efficiency is a fraction"),
         ("step_overhead_s = -3", "step_overhead_s must be 0 or more"),
+        # positive, and still no device: a step of inf seconds and an MFU of NaN, in --json too
+        ("hbm_gbps = 5e-324", "hbm_gbps must be at least 0.001"),
+        ("inter_node_gbps = 1e-300", "inter_node_gbps must be at least 0.001"),
+        ("matmul_efficiency = 1e-300", "matmul_efficiency is a fraction (0.0001 to 1"),
     ],
 )
 def test_a_hardware_file_with_impossible_numbers_is_one_line(

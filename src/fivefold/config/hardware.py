@@ -79,9 +79,10 @@ class HardwareSpec:
                     f"hardware {self.name}: {f.name} must be at most {MAX_VALUE:g}, got {value:g}"
                 )
         for name in POSITIVE:
-            if getattr(self, name) <= 0:
+            if getattr(self, name) < MIN_VALUE:  # 5e-324 is positive, and plans a step of inf seconds
                 raise FivefoldError(
-                    f"hardware {self.name}: {name} must be positive, got {getattr(self, name)}"
+                    f"hardware {self.name}: {name} must be at least {MIN_VALUE:g} (its unit: GB, TFLOP/s or "
+                    f"GB/s), got {getattr(self, name):g}"
                 )
         for name in NON_NEGATIVE:
             if getattr(self, name) < 0:
@@ -89,10 +90,11 @@ class HardwareSpec:
                     f"hardware {self.name}: {name} must be 0 or more, got {getattr(self, name)}"
                 )
         for name in FRACTIONS:  # 0 stands for the planner's default
-            if not 0 <= getattr(self, name) <= 1:
+            value = getattr(self, name)
+            if not (value == 0 or MIN_FRACTION <= value <= 1):
                 raise FivefoldError(
-                    f"hardware {self.name}: {name} is a fraction (0 to 1; 0: the default), "
-                    f"got {getattr(self, name)}"
+                    f"hardware {self.name}: {name} is a fraction ({MIN_FRACTION:g} to 1; 0: the default), "
+                    f"got {value:g}"
                 )
         return self
 
@@ -110,6 +112,10 @@ def host_threads(local_ranks: int) -> int:
 
 # every figure of a device (GB, TFLOP/s, GB/s, µs, W) is far below this; 1e300 overflowed the planner
 MAX_VALUE = 1e9
+# the least a rate, size or share may be: below, a plan's times overflow to inf and its MFU to NaN (a
+# CPU's calibrated matmul share is about 0.01, its peak 0.2 TFLOP/s)
+MIN_VALUE = 1e-3
+MIN_FRACTION = 1e-4
 POSITIVE = ("gpu_memory_gb", "peak_tflops", "gpus_per_node", "intra_node_gbps", "inter_node_gbps", "hbm_gbps")
 NON_NEGATIVE = (
     "intra_node_latency_us",

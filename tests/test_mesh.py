@@ -267,3 +267,20 @@ def test_a_world_that_leaves_a_node_partly_used_is_noted(capsys) -> None:
     assert "note: 16 GPUs fill 5 nodes of 3 and 1 GPU(s) of one more;" in capsys.readouterr().err
     assert main(["mesh", "--gpus", "16", "--gpus-per-node", "8", "--json"]) == 0
     assert "note" not in capsys.readouterr().err
+
+
+def test_the_svg_draws_the_grids_window_and_json_checks_the_ranks(tmp_path, capsys):
+    """A million-GPU world is drawn as its grid is, in the window --ranks gives (the first 256 ranks by
+    default), not as a 300 MB picture; --ranks is checked with --json too."""
+    from fivefold.cli import main
+
+    svg = tmp_path / "mesh.svg"
+    assert main(["mesh", "--gpus", "65536", "--tp", "8", "--svg", str(svg)]) == 0
+    assert svg.read_text().count("<title>rank") == 256 and "ranks 0-255 of 65536" in svg.read_text()
+    assert main(["mesh", "--gpus", "64", "--tp", "8", "--ranks", "8-15", "--svg", str(svg)]) == 0
+    drawn = svg.read_text()
+    assert drawn.count("<title>rank") == 8 and "rank 8," in drawn and "rank 16," not in drawn
+    capsys.readouterr()
+    for ranks in ("abc", "0-99"):
+        assert main(["mesh", "--gpus", "8", "--json", "--ranks", ranks]) == 2
+        assert "--ranks must be A-B" in capsys.readouterr().err

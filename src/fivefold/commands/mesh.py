@@ -89,13 +89,13 @@ def _run(args: argparse.Namespace) -> int:
             "more; the last node is drawn partly used",
             file=sys.stderr,
         )
+    ranks = parse_ranks(args.ranks, info.world)  # checked before anything is printed or written
     if args.json:
         print(json.dumps(info.to_json()))
         if args.svg:
-            _write_svg(info, _pick_axis(info, args.axis), args.svg)
+            _write_svg(info, _pick_axis(info, args.axis), args.svg, ranks)
         return 0
     axis = _pick_axis(info, args.axis)
-    ranks = parse_ranks(args.ranks, info.world)  # checked before anything is printed
     color = sys.stdout.isatty() if args.color is None else args.color
     print(render_table(info))
     print()
@@ -105,7 +105,7 @@ def _run(args: argparse.Namespace) -> int:
     print()
     print(render_grid(info, axis, color, ranks))
     if args.svg:
-        _write_svg(info, axis, args.svg)
+        _write_svg(info, axis, args.svg, ranks)
         print(f"\nwrote {args.svg}")
     return 0
 
@@ -116,8 +116,9 @@ def _pick_axis(info, axis: str | None) -> str:
     return next((a for a in info.layout.order_list if info.dims[a].size > 1), "tp")
 
 
-def _write_svg(info, axis: str, path: str) -> None:
-    write_text_whole(Path(path), render_svg(info, axis), "--svg")  # no half-written file on a full disk
+def _write_svg(info, axis: str, path: str, ranks: range) -> None:
+    # no half-written file on a full disk
+    write_text_whole(Path(path), render_svg(info, axis, ranks), "--svg")
 
 
 def render_table(info) -> str:
@@ -191,22 +192,28 @@ def render_grid(info, axis: str, color: bool = False, ranks: range | None = None
     return "\n".join(lines)
 
 
-def render_svg(info, axis: str) -> str:
-    """The same picture as a standalone SVG: one row per node, one cell per GPU."""
+def render_svg(info, axis: str, ranks: range | None = None) -> str:
+    """The same picture as a standalone SVG: one row per node, one cell per GPU, for the nodes holding
+    `ranks` (the grid's window: the first GRID_RANKS unless --ranks says)."""
+    ranks = ranks if ranks is not None else range(info.world)
     index = _group_index(info, axis)
     d = info.dims[axis]
     cell, gap, left, top = 56, 6, 70, 46
-    columns = min(info.gpus_per_node, info.world)  # as in render_grid
+    g = info.gpus_per_node
+    columns = min(g, info.world)  # as in render_grid
+    nodes = range(ranks.start // g, (ranks.stop - 1) // g + 1)
     width = left + columns * (cell + gap) + 10
-    height = top + info.nodes * (cell + gap) + 10
+    height = top + len(nodes) * (cell + gap) + 10
+    title = f"{escape(axis)}: {d.size} ranks per group, {len(d.groups)} groups, {escape(d.link)}"
+    if len(ranks) < info.world:
+        title += f"; ranks {ranks.start}-{ranks.stop - 1} of {info.world}"
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'font-family="sans-serif" font-size="12">',
-        f'<text x="10" y="20" font-size="14">{escape(axis)}: {d.size} ranks per group, '
-        f"{len(d.groups)} groups, {escape(d.link)}</text>",
+        f'<text x="10" y="20" font-size="14">{title}</text>',
     ]
-    for node in range(info.nodes):
-        y = top + node * (cell + gap)
+    for row, node in enumerate(nodes):
+        y = top + row * (cell + gap)
         out.append(f'<text x="10" y="{y + cell // 2 + 4}">node {node}</text>')
         out.append(
             f'<rect x="{left - 3}" y="{y - 3}" width="{columns * (cell + gap)}" '
@@ -214,7 +221,7 @@ def render_svg(info, axis: str) -> str:
         )
         for local in range(columns):
             rank = node * info.gpus_per_node + local
-            if rank >= info.world:
+            if rank >= info.world or rank not in ranks:
                 continue
             x = left + local * (cell + gap)
             fill = PALETTE[index[rank] % len(PALETTE)]

@@ -62,6 +62,28 @@ def test_balanced_split_is_optimal_against_brute_force():
         assert got == pytest.approx(_brute_force(costs, chunks))
 
 
+def test_balanced_split_of_the_deepest_model_is_quick_and_still_optimal():
+    """10,000 layers (the most a model may have) into 1 to 8 stages: the search keeps to chunks no
+    longer than the even split allows (it took 24-38 s a split, and the plan's search minutes)."""
+    import random
+    import time
+
+    start = time.perf_counter()
+    for chunks in (1, 2, 4, 8):
+        counts = balanced_split(StageCosts(3.0, (1.0,) * 10_000, 2.0), chunks)
+        assert sum(counts) == 10_000 and max(counts) - min(counts) <= 4
+    assert time.perf_counter() - start < 5
+    rng = random.Random(3)  # uneven layers (MoE among dense), zero-cost ones too: still the optimum
+    for _ in range(40):
+        layers = tuple(rng.choice([0.0, 1.0, 1.0, 3.0]) for _ in range(rng.randint(2, 9)))
+        chunks = rng.randint(1, len(layers))
+        costs = StageCosts(rng.uniform(0, 3), layers, rng.uniform(0, 3))
+        counts = balanced_split(costs, chunks)
+        bounds = [sum(counts[:k]) for k in range(chunks + 1)]
+        got = max(costs.chunk_cost(bounds[k], bounds[k + 1], k == 0, k == chunks - 1) for k in range(chunks))
+        assert got == pytest.approx(_brute_force(costs, chunks))
+
+
 def test_uniform_layers_split_evenly_and_a_heavy_head_gets_fewer_layers():
     assert balanced_split(StageCosts(0.0, (1.0,) * 8, 0.0), 4) == [2, 2, 2, 2]
     assert balanced_split(StageCosts(0.0, (1.0,) * 8, 2.0), 2) == [5, 3]

@@ -186,13 +186,21 @@ def balanced_split(costs: StageCosts, chunks: int) -> list[int]:
     edges = [sum(even[:k]) for k in range(chunks + 1)]
     bound = max(cost(edges[k], edges[k + 1], k) for k in range(chunks))
     bound += 1e-9 * abs(bound) + 1e-6
+    if chunks == 1:
+        return [n]
+    # no chunk of the optimum is longer than `longest` layers (each costs at least the cheapest), so
+    # the first k chunks end within reach of both ends: a window about chunks wide, not n (10,000 layers
+    # took seconds per split otherwise)
+    cheapest = min(costs.layers)
+    longest = n if cheapest <= 0 else min(n, int(bound / cheapest) + 1)
     inf = (math.inf, math.inf)
     # best[k][j]: (max cost, spread) of placing the first j layers into k chunks
     best = [[inf] * (n + 1) for _ in range(chunks + 1)]
     cut = [[0] * (n + 1) for _ in range(chunks + 1)]
     best[0][0] = (0.0, 0.0)
     for k in range(1, chunks + 1):
-        for j in range(k, n - (chunks - k) + 1):
+        first, last = max(k, n - (chunks - k) * longest), min(n - (chunks - k), k * longest)
+        for j in [n] if k == chunks else range(first, last + 1):
             for i in range(j - 1, k - 2, -1):  # longest chunk last: stop once it costs too much
                 if cost(i, j, k - 1) > bound:
                     break

@@ -18,7 +18,7 @@ import torch
 
 from fivefold.commands.train import default_run_dir, start
 from fivefold.config import Layout, RunConfig, TrainSpec, load_model
-from fivefold.errors import FivefoldError
+from fivefold.errors import FivefoldError, reason
 from fivefold.train.launch import TrainJob
 from fivefold.train.loop import check_run_dir, train
 
@@ -64,6 +64,12 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir("demo")
     # the demo has no --resume: a run found there is continued by `fivefold train`
     check_run_dir(run_dir, None, f"continue it with `fivefold train --resume --run-dir {run_dir}`")
+    try:  # made now, so that a place no file can be written is said before four ranks start
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FivefoldError(
+            f"--run-dir {run_dir}: cannot make the run directory there ({reason(exc)})"
+        ) from None
     print(
         f"training {spec.name} ({spec.num_params() / 1e6:.2f} M parameters) for {tspec.steps} steps "
         f"on the Python standard library's sources, byte-level; run directory: {run_dir}",

@@ -8,7 +8,7 @@ from dataclasses import fields
 
 from fivefold.commands import defaults
 from fivefold.config import Layout, add_layout_arguments, check_gpus, say_idle_flags
-from fivefold.outputs import check_not_an_input, write_text_whole
+from fivefold.outputs import check_not_an_input, is_stream, write_text_whole
 
 # every layout field has its flag (config.flags): any of them given draws that layout
 _LAYOUT_FLAGS = tuple(f.name for f in fields(Layout))
@@ -140,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
     check_not_an_input(out, read)
     if out.is_dir():
         raise FivefoldError(f"--out {out} is a directory: give the path of the page to write")
+    if out.suffix.lower() not in ("", ".html", ".htm") and not is_stream(out):  # a page named x.svg
+        raise FivefoldError(f"--out writes an HTML page: give a FILE.html (got --out {out})")
     also = [_cluster(text, load_hardware) for text in args.lab_also]
     html = build_page(
         model,

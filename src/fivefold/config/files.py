@@ -15,8 +15,9 @@ from fivefold.errors import FivefoldError, reason, suggest
 T = TypeVar("T")
 
 
-def _from_dict(cls: type[T], data: dict[str, Any], what: str) -> T:
-    """Build a dataclass from a dict, rejecting unknown keys and coercing simple types."""
+def _from_dict(cls: type[T], data: dict[str, Any], what: str, implied: tuple[str, ...] = ()) -> T:
+    """Build a dataclass from a dict, rejecting unknown keys and coercing simple types. `implied`: keys
+    the loader fills when the file leaves them out (a file's name), not named as required."""
     known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - set(known))
     if unknown:
@@ -25,7 +26,8 @@ def _from_dict(cls: type[T], data: dict[str, Any], what: str) -> T:
         )
     required = [n for n, f in known.items() if f.default is MISSING and f.default_factory is MISSING]
     if missing := [n for n in required if n not in data]:
-        raise FivefoldError(f"{what}: missing key(s) {', '.join(missing)}; required: {', '.join(required)}")
+        needed = ", ".join(n for n in required if n not in implied)
+        raise FivefoldError(f"{what}: missing key(s) {', '.join(missing)}; required: {needed}")
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         kwargs[name] = _coerce(value, known[name], what)

@@ -100,7 +100,7 @@ def load_hardware(name_or_path: str) -> HardwareSpec:
     if name_or_path in preset_names("hardware"):
         data = tomllib.loads((_preset_dir("hardware") / f"{name_or_path}.toml").read_text())
         data.setdefault("name", name_or_path)
-        return _from_dict(HardwareSpec, data, f"hardware preset {name_or_path}").validate()
+        return _from_dict(HardwareSpec, data, f"hardware preset {name_or_path}", implied=("name",)).validate()
     path = Path(name_or_path)
     if path.suffix == ".toml" or path.exists():
         data = read_toml(path)
@@ -108,7 +108,7 @@ def load_hardware(name_or_path: str) -> HardwareSpec:
         if not isinstance(data, dict):
             raise FivefoldError(f"hardware file {path}: hardware must be a [hardware] table, got {data!r}")
         data.setdefault("name", path.stem)
-        return _from_dict(HardwareSpec, data, f"hardware file {path}").validate()
+        return _from_dict(HardwareSpec, data, f"hardware file {path}", implied=("name",)).validate()
     raise FivefoldError(
         f"unknown hardware {name_or_path!r}{did_you_mean(name_or_path, preset_names('hardware'))}; presets: "
         f"{suggest(preset_names('hardware'), 30)} (or a .toml file)"

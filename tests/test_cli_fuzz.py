@@ -434,6 +434,14 @@ def test_each_base_invocation_is_valid(command, tmp_path, capsys):
     [
         (["--model", "tiny", "--prompt-ids", "1,,2"], "comma-separated integers"),
         (["--model", "tiny", "--prompt-ids", "1", "--checkpoint", "3"], "--checkpoint 3 picks a step"),
+        # a replica wider than the ranks --nproc may start is said as such, not answered with nproc 99
+        (["--model", "tiny", "--prompt-ids", "1", "--nproc", "2", "--pp", "99"], "more than the 64 local"),
+        (["--model", "tiny", "--prompt-ids", "1", "--nproc", "2", "--pp", "40"], "valid nproc: 40"),
+        # the longest prompt that fits leaves room for the tokens asked for
+        (
+            ["--model", "tiny", "--prompt-ids", ",".join(["1"] * 300), "--max-new-tokens", "6"],
+            "most 250 tokens",
+        ),
     ],
 )
 def test_generate_slips_are_one_line_and_exit_2(capsys, argv: list[str], words: str) -> None:

@@ -106,11 +106,17 @@ def resolve_degrees(
     if nproc > MAX_LOCAL_RANKS:  # each is a process: a typo must not start thousands
         raise FivefoldError(f"--nproc must be in 1..{MAX_LOCAL_RANKS} local ranks, got {nproc}")
     split = tp * pp * cp  # the ranks of one replica
+    if split > MAX_LOCAL_RANKS:
+        raise FivefoldError(
+            f"tp×pp×cp = {tp}×{pp}×{cp} = {split} ranks a replica, more than the {MAX_LOCAL_RANKS} local "
+            "ranks --nproc may start"
+        )
     if dp is None:
         if nproc % split:
+            fits = [split * k for k in range(1, 5) if split * k <= MAX_LOCAL_RANKS]
             raise FivefoldError(
-                f"--nproc {nproc} is not a multiple of tp×pp×cp = {tp}×{pp}×{cp}; valid nproc: "
-                f"{suggest([split * k for k in range(1, 5)])}"
+                f"--nproc {nproc} is not a multiple of tp×pp×cp = {tp}×{pp}×{cp}; "
+                f"valid nproc: {suggest(fits)}"
             )
         dp = nproc // split
     if split * dp != nproc:
@@ -159,9 +165,11 @@ def check_context(spec: ModelSpec, prompts: Any, max_new_tokens: int | Sequence[
     longest = max(len(p) for p in prompts)
     need = max(len(p) + n for p, n in zip(prompts, limits))
     if longest > spec.max_seq_len:
+        room = spec.max_seq_len - limits[next(i for i, p in enumerate(prompts) if len(p) == longest)]
         raise FivefoldError(
             f"a prompt of {longest} tokens is longer than the context of {spec.name} "
-            f"({spec.max_seq_len} tokens); shorten it to at most {spec.max_seq_len}"
+            f"({spec.max_seq_len} tokens); shorten it to at most {max(room, 1)} tokens, which leaves "
+            "room for --max-new-tokens"
         )
     if need > spec.max_seq_len:
         row = next(i for i, (p, n) in enumerate(zip(prompts, limits)) if len(p) + n == need)

@@ -438,15 +438,13 @@ def test_each_base_invocation_is_valid(command, tmp_path, capsys):
         (["--model", "tiny", "--prompt-ids", "1", "--nproc", "2", "--pp", "99"], "more than the 64 local"),
         (["--model", "tiny", "--prompt-ids", "1", "--nproc", "2", "--pp", "40"], "valid nproc: 40"),
         # the longest prompt that fits leaves room for the tokens asked for
-        (
-            ["--model", "tiny", "--prompt-ids", ",".join(["1"] * 300), "--max-new-tokens", "6"],
-            "most 250 tokens",
-        ),
+        (["--model", "tiny", "--prompt-ids", ",".join(["1"] * 300)], "at most 255 tokens"),
     ],
 )
 def test_generate_slips_are_one_line_and_exit_2(capsys, argv: list[str], words: str) -> None:
-    """An empty token id between commas, and a checkpoint step for weights built from a preset (nothing
-    to pick a step of), are refused before any model is built."""
+    """An empty token id between commas, a checkpoint step for weights built from a preset (nothing
+    to pick a step of), a layout wider than --nproc may start, a prompt past the context (with room
+    for the one token asked for) are refused before any model is built."""
     assert main(["generate", *argv, "--max-new-tokens", "1"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and words in err, err

@@ -668,11 +668,16 @@ def _diverged(what: str, value: float, step: int, tspec: TrainSpec, loss: torch.
     """One line for a run whose loss or gradients stopped being finite numbers."""
     seen = f" (the loss was {float(loss):.4g})" if loss is not None else ""
     kept = f"; the step was not applied, the weights are step {step - 1}'s" if what == "gradient norm" else ""
-    return f"the {what} became {value} at step {step}{seen}{kept}: {_remedy(tspec)}"
+    return f"the {what} became {value} at step {step}{seen}{kept}: {_remedy(tspec, step)}"
 
 
-def _remedy(tspec: TrainSpec) -> str:
-    return "lower --lr" + (" or train in fp32 (--dtype fp32)" if tspec.dtype != "fp32" else "")
+def _remedy(tspec: TrainSpec, step: int = 0) -> str:
+    fp32 = " or train in fp32 (--dtype fp32)" if tspec.dtype != "fp32" else ""
+    if step == 1:  # no update has been applied yet: the learning rate played no part
+        return (
+            f"the initial weights already give it: check the model's init_std, norm_eps and rope_theta{fp32}"
+        )
+    return "lower --lr" + fp32
 
 
 def _measures_memory(step: int, tspec: TrainSpec) -> bool:

@@ -668,15 +668,15 @@ def _diverged(what: str, value: float, step: int, tspec: TrainSpec, loss: torch.
     """One line for a run whose loss or gradients stopped being finite numbers."""
     seen = f" (the loss was {float(loss):.4g})" if loss is not None else ""
     kept = f"; the step was not applied, the weights are step {step - 1}'s" if what == "gradient norm" else ""
-    return f"the {what} became {value} at step {step}{seen}{kept}: {_remedy(tspec, step)}"
+    # step 1's own loss and gradients come before any update: the learning rate played no part yet
+    untrained = step == 1 and what != "held-out loss"
+    return f"the {what} became {value} at step {step}{seen}{kept}: {_remedy(tspec, untrained)}"
 
 
-def _remedy(tspec: TrainSpec, step: int = 0) -> str:
+def _remedy(tspec: TrainSpec, untrained: bool = False) -> str:
     fp32 = " or train in fp32 (--dtype fp32)" if tspec.dtype != "fp32" else ""
-    if step == 1:  # no update has been applied yet: the learning rate played no part
-        return (
-            f"the initial weights already give it: check the model's init_std, norm_eps and rope_theta{fp32}"
-        )
+    if untrained:
+        return f"the initial weights give it: check the model's init_std, norm_eps and rope_theta{fp32}"
     return "lower --lr" + fp32
 
 

@@ -310,3 +310,15 @@ def test_the_default_run_directory_stays_under_runs_whatever_the_model_is_named(
     ):
         path = default_run_dir(name)
         assert path.parent == Path("runs") and path.name.startswith(start), (name, path)
+
+
+def test_a_first_step_that_is_not_finite_points_at_the_initial_weights() -> None:
+    """Step 1's loss and gradients come before any update: --lr cannot be what made them NaN."""
+    from fivefold.train.loop import _diverged
+
+    spec = TrainSpec(dtype="bf16")
+    assert "initial weights" in _diverged("loss", math.nan, 1, spec) and "--lr" not in _diverged(
+        "loss", math.nan, 1, spec
+    )
+    assert "lower --lr" in _diverged("gradient norm", math.inf, 2, spec)
+    assert "lower --lr" in _diverged("held-out loss", math.nan, 1, spec)  # measured after step 1's update

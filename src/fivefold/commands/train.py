@@ -278,6 +278,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = build_run_config(args)
     if args.resume is not None and not args.run_dir:
         raise FivefoldError("--resume needs the --run-dir of the run to continue")
+    if args.resume is not None and Path(args.run_dir).exists() and not Path(args.run_dir).is_dir():
+        raise FivefoldError(f"--resume: --run-dir {args.run_dir} is a file, not a run directory")
     if args.resume is not None and args.config is None and args.model is None:
         saved = Path(args.run_dir) / "config.toml"
         # without the run's own model the default one would be built, and its checkpoint blamed

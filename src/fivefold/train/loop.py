@@ -258,6 +258,10 @@ def check_run_dir(
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():  # found here, not as mkdir's "File exists" in a rank
         raise FivefoldError(f"--run-dir {run_dir} exists and is not a directory; pick another --run-dir")
+    if run_dir.is_symlink() and not run_dir.exists():
+        raise FivefoldError(
+            f"--run-dir {run_dir} is a link that leads nowhere (or back to itself); pick another --run-dir"
+        )
     if (holder := run_dir_holder(run_dir)) is not None:
         raise _in_use(run_dir, holder)
     if resume is not None:

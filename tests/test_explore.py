@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fivefold.config import Layout, load_hardware, load_model
-from fivefold.explore import build_page, trace_bars
+from fivefold.explore import build_page, runtime_kernel, trace_bars
 from fivefold.explore.lab import ENTRY_FIELDS, FEWEST, MEMORY_PARTS, ROW_FIELDS, lab_key, lab_table, shown
 from fivefold.explore.meshview import SHOWN_AXES, addressing, groups, mesh_view
 from fivefold.explore.timeline import expand, pipeline_picture
@@ -22,6 +22,7 @@ from fivefold.mesh import build_mesh, resolve_layout
 from fivefold.plan import TrainShape, plan
 from fivefold.plan.memory import most_chunk_layers
 from fivefold.plan.search import search
+from fivefold.plan.trainers import sdpa_attention
 
 
 def _embedded(html: str) -> dict:
@@ -53,7 +54,10 @@ def test_page_embeds_the_layouts_plan(page: str) -> None:
     assert first["label"] == "your layout"
     model, hw = load_model("llama3-70b"), load_hardware("h100-80gb")
     layout = resolve_layout(Layout(tp=8, pp=2, dp=-1), 64)
-    assert first["plan"] == json.loads(json.dumps(plan(model, hw, layout, SHAPE).to_json()))
+    # of fivefold's runtime there: the attention kernel torch's SDPA runs on the GPU
+    shape = runtime_kernel(SHAPE, hw)
+    assert shape.attention == sdpa_attention(True)
+    assert first["plan"] == json.loads(json.dumps(plan(model, hw, layout, shape).to_json()))
     assert len(data["layouts"]) == 3  # the given layout + the search's best two
     assert all(entry["plan"]["fits"] for entry in data["layouts"][1:])
     assert data["explanation"] and data["explanation"][0].startswith("Best:")

@@ -372,7 +372,7 @@ def test_bad_runs_file_names_the_run_and_the_field(capsys, tmp_path) -> None:
     "hardware, needle",
     [
         ("hbm_gbs = nan", "hardware.hbm_gbs must be a finite number"),
-        ("inter_node_gbs_per_gpu = -1", "hardware.inter_node_gbs_per_gpu must be positive"),
+        ("inter_node_gbs_per_gpu = -1", "hardware.inter_node_gbs_per_gpu must be at least 0.001"),
         ('gpu = "Foo 9000"\npeak_bf16_tflops = 100\ngpu_memory_gb = -3', "hardware.gpu_memory_gb must be"),
         # an fp8 row's MFU is over it (0: a ZeroDivisionError); 8.5 GPUs a node was read as 8; a table
         # was searched for a GPU's name as its text

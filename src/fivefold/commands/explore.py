@@ -60,7 +60,6 @@ def run(args: argparse.Namespace) -> int:
     from fivefold.mesh import resolve_layout
     from fivefold.plan import TrainShape
     from fivefold.plan.runshape import DTYPE_BYTES
-    from fivefold.plan.trainers import hopper_or_newer, sdpa_attention
     from fivefold.support import run_micro_batch
 
     base = None
@@ -131,7 +130,6 @@ def run(args: argparse.Namespace) -> int:
         param_bytes=width,
         fused=compiled,
         saved_as_eager=not compiled,
-        attention=sdpa_attention(hopper_or_newer(hw.name)),  # the kernel its SDPA runs there
     ).validate()
     out = Path(args.out)
     read = [args.model, args.hardware]

@@ -199,6 +199,10 @@ def test_a_checkpoint_in_the_earlier_qk_layout_is_refused(tmp_path, capsys) -> N
     assert main(["generate", "--from", str(tmp_path), "--prompt", "a", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert "earlier fivefold" in err and "Traceback" not in err
+    meta["qk_rotary_pairs"] = 5  # a value no version wrote: said as such, not blamed on an old one
+    (step / "trainer.json").write_text(json.dumps(meta))
+    with pytest.raises(FivefoldError, match="is 5, which no fivefold writes"):
+        load_checkpoint(step, [], [])
 
 
 def test_a_comm_table_of_replicas_alone_says_they_do_not_talk() -> None:

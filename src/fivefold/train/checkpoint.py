@@ -105,6 +105,13 @@ def check_weight_layout(path: Path) -> None:
         return  # checkpoint_problem and the loaders name an unreadable trainer.json
     if isinstance(state, dict) and all(state.get(k) == v for k, v in WEIGHT_LAYOUT.items()):
         return
+    unknown = {k: state[k] for k in WEIGHT_LAYOUT if isinstance(state, dict) and state.get(k) is not None}
+    if unknown:  # a value no version wrote (the earlier one wrote none): damage or a hand edit
+        key, value = next(iter(unknown.items()))
+        raise FivefoldError(
+            f"checkpoint {path}: trainer.json's {key} is {value!r}, which no fivefold writes "
+            f"(this one writes {WEIGHT_LAYOUT[key]!r}); the file was edited or damaged"
+        )
     raise FivefoldError(
         f"checkpoint {path} was written by an earlier fivefold, whose q_proj/k_proj rows pair rotary "
         "features half a head apart (HF's order); this version pairs adjacent features and would "

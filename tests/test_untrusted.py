@@ -247,6 +247,14 @@ DAMAGED_FILES = [
     ("ledger.json", b'{"by_axis": {"tp": "x"}}', "numeric count and bytes"),
     ("trace.json", b'{"traceEvents": 5}', "list of trace events"),
     ("trace.json", b'[{"cat": "pipeline", "ph": "X", "args": 5}]', "pipeline event 0"),
+    # JSON's NaN reads as a float: a busy time of "nan ms" beside an idle fraction of 0 was printed
+    (
+        "trace.json",
+        b'[{"cat": "pipeline", "ph": "X", "name": "F0", "pid": 0, "ts": 0, "dur": NaN, '
+        b'"args": {"kind": "F", "step": 1}}]',
+        "finite pid, ts and dur",
+    ),
+    ("ledger.json", b'{"by_axis": {"tp": {"count": Infinity, "bytes": 8}}}', "numeric count and bytes"),
 ]
 
 

@@ -333,7 +333,7 @@ def test_a_full_disk_under_the_metrics_log_names_the_file_whenever_it_surfaces(t
     names metrics.jsonl, which a rank then reports without a traceback."""
     import errno
 
-    from fivefold.errors import storage_full
+    from fivefold.errors import storage_fault
     from fivefold.train.metrics import MetricsLog
 
     class NoRoom:
@@ -358,11 +358,11 @@ def test_a_full_disk_under_the_metrics_log_names_the_file_whenever_it_surfaces(t
         with pytest.raises(OSError) as failed:
             log.record(rec)
             log.close()
-        assert storage_full(failed.value) == f"No space left on device: {tmp_path / 'metrics.jsonl'}"
-    assert storage_full(ValueError("x")) is None
-    assert storage_full(OSError(errno.EACCES, "Permission denied")) is None
+        assert storage_fault(failed.value) == f"No space left on device: {tmp_path / 'metrics.jsonl'}"
+    assert storage_fault(ValueError("x")) is None
+    assert storage_fault(OSError(errno.EACCES, "Permission denied")) is None
     assert (
-        storage_full(OSError(errno.ENOSPC, "No space left on device"), "run")
+        storage_fault(OSError(errno.ENOSPC, "No space left on device"), "run")
         == "No space left on device: run"
     )
 

@@ -15,7 +15,7 @@ import sys
 from typing import Any, NoReturn
 
 from fivefold import __version__
-from fivefold.errors import FivefoldError, storage_full
+from fivefold.errors import FivefoldError, storage_fault
 from fivefold.outputs import outlive_the_reader, tolerate_any_encoding
 
 COMMANDS: dict[str, str] = {
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             hint = "give a shorter path" if exc.errno == errno.ENAMETOOLONG else loop
             print(f"fivefold {name}: error: {exc.strerror}: {shown}; {hint}", file=sys.stderr)
             return 2
-        full = storage_full(exc)
+        full = storage_fault(exc)
         if full is None:
             raise
         # a fault of the machine, not of the input: one line naming the file, exit code 1

@@ -18,19 +18,19 @@ class FivefoldError(Exception):
 
 # writes the storage refuses, whatever the command: no space, a quota, a file-size limit (`ulimit -f`),
 # a file system gone read-only, a failing device. Faults of the machine, not of the input: exit code 1
-STORAGE_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO)
+STORAGE_FAULTS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO)
 
 
 class StorageFault(FivefoldError):
-    """A write the storage refused (`STORAGE_FULL`): one line naming the file, exit code 1."""
+    """A write the storage refused (`STORAGE_FAULTS`): one line naming the file, exit code 1."""
 
     exit_code = 1
 
 
-def storage_full(exc: BaseException, where: object = None) -> str | None:
+def storage_fault(exc: BaseException, where: object = None) -> str | None:
     """The one line for a write the storage refused ("No space left on device: FILE"; the file, or
     `where` when the error does not name one), or None for any other error."""
-    if not isinstance(exc, OSError) or exc.errno not in STORAGE_FULL:
+    if not isinstance(exc, OSError) or exc.errno not in STORAGE_FAULTS:
         return None
     file = exc.filename or where
     return f"{exc.strerror or os.strerror(exc.errno)}" + (f": {file}" if file else "")

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from fivefold.errors import FivefoldError, StorageFault, storage_full
+from fivefold.errors import FivefoldError, StorageFault, storage_fault
 
 
 def check_not_an_input(out: str | Path, inputs: Iterable[str | Path | None], flag: str = "--out") -> None:
@@ -71,7 +71,7 @@ def write_whole(path: Path, write: Callable[[Path], object], flag: str = "--out"
 def _refused(flag: str, path: Path, why: str, exc: OSError) -> FivefoldError:
     """The one line for an output that could not be written: bad input (exit 2), or the storage's
     refusal, a fault of the machine (exit 1)."""
-    kind = StorageFault if storage_full(exc) is not None else FivefoldError
+    kind = StorageFault if storage_fault(exc) is not None else FivefoldError
     return kind(f"{flag} {path}: cannot write there ({why})")
 
 

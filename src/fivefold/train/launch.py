@@ -31,7 +31,7 @@ from torch.distributed.launcher.api import elastic_launch
 
 from fivefold.config import RunConfig
 from fivefold.config.hardware import host_threads
-from fivefold.errors import FivefoldError, storage_full
+from fivefold.errors import FivefoldError, storage_fault
 from fivefold.outputs import write_without_a_reader
 from fivefold.parallel.spawn import echoes_lost_peer, local_launcher
 from fivefold.train.checkpoint import remove_unfinished
@@ -99,7 +99,7 @@ def _rank_entry(job: TrainJob, error_dir: str) -> int:
         _report(error_dir, rank, 130, "interrupted by SIGINT before the first step")
         sys.exit(130)
     except BaseException as exc:  # noqa: BLE001 - anything else is reported with its traceback
-        full = storage_full(exc, job.run_dir)
+        full = storage_fault(exc, job.run_dir)
         if full is not None:  # a fault of the machine, not of the code: no traceback to read
             _report(error_dir, rank, 1, full)
             sys.exit(1)

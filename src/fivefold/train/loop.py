@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fivefold.config import Layout, ModelSpec, RunConfig, TrainSpec, check_buildable, check_seq_len
-from fivefold.errors import FivefoldError, StorageFault, storage_full
+from fivefold.errors import FivefoldError, StorageFault, storage_fault
 from fivefold.layout_math import numel, param_shapes
 from fivefold.measure.ledger import CommLedger
 from fivefold.measure.memory import ActivationMeter, device_memory, state_bytes
@@ -302,7 +302,7 @@ def _on_rank0(run_dir: Path, write: Callable[[], None], rank: int) -> None:
         except FivefoldError as exc:
             problem = (str(exc), exc.exit_code)
         except OSError as exc:
-            full = storage_full(exc, run_dir)
+            full = storage_fault(exc, run_dir)
             problem = (full, 1) if full else (f"cannot write the run directory {run_dir}: {exc}", 2)
     problem = broadcast_object(problem)
     if problem is not None:

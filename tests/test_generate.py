@@ -212,3 +212,21 @@ def test_a_comm_table_of_replicas_alone_says_they_do_not_talk() -> None:
     assert comm_table([{"rank": 0, "prefill": [], "per_token": []}]).startswith("no communication")
     row = {"axis": "tp", "op": "all_reduce", "count": 2, "bytes": 64}
     assert "all_reduce" in comm_table([{"rank": 0, "prefill": [row], "planned_prefill": [row]}])
+
+
+def test_the_stream_reads_as_the_final_text_and_any_seed_decodes(capsys) -> None:
+    """A byte tokenizer's character can span tokens: the stream holds it back until whole, so it prints
+    what the plain output prints after the prompt. Every --seed the command takes seeds a generator
+    (the per-prompt seed had overflowed torch's 64 bits above about 1.8e13)."""
+    from fivefold.cli import main
+
+    base = ["generate", "--model", "tiny", "--prompt", "hello", "--max-new-tokens", "12", "--greedy"]
+    assert main(base) == 0
+    whole = capsys.readouterr().out.rstrip("\n")
+    assert main([*base, "--stream"]) == 0
+    streamed = capsys.readouterr().out.rstrip("\n")
+    assert whole == "hello" + streamed
+    for seed in ("20000000000000", str(2**63 - 1)):
+        argv = ["generate", "--model", "tiny", "--prompt-ids", "5", "--max-new-tokens", "3", "--ids"]
+        assert main([*argv, "--seed", seed]) == 0
+        assert len(capsys.readouterr().out.strip().split(",")) == 3

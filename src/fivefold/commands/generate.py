@@ -192,6 +192,8 @@ def _decode_here(
     shown = None if args.ids else tokenizer
     on_token = stream_printer(shown, len(prompts), list(range(len(prompts)))) if stream else None
     got = decode(step, prompts, args.max_new_tokens, eos_ids, on_token)
+    if on_token is not None:
+        on_token.finish()
     rows = [{"prompt": i, "tokens": got.tokens[i], **got.timings(i)} for i in range(len(prompts))]
     return prompts, rows, tokenizer, next(model.parameters()).dtype
 

@@ -51,7 +51,9 @@ class Sampler:
     seed: int = 0
 
     def generators(self, prompt_ids: Sequence[int]) -> list[torch.Generator]:
-        return [torch.Generator().manual_seed(self.seed * 1_000_003 + i) for i in prompt_ids]
+        # folded into 63 bits: any --seed up to 2^63-1 seeds a generator (the product overflows
+        # torch's 64-bit seed above about 1.8e13), and every smaller seed keeps its stream
+        return [torch.Generator().manual_seed((self.seed * 1_000_003 + i) % 2**63) for i in prompt_ids]
 
     def pick(
         self, logits: torch.Tensor, generators: list[torch.Generator] | torch.Generator | None

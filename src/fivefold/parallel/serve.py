@@ -228,6 +228,8 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> dict[str, Any] | None:
         ledger.close()
     else:
         got = decode(step, prompts, limits, job.eos_ids, on_token, peers)
+    if on_token is not None:
+        on_token.finish()
     cache = step.caches[0]
     out: dict[str, Any] = {
         "rank": rank,
@@ -447,16 +449,38 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
-def stream_printer(tokenizer: Any, total: int, indices: list[int]):
+class StreamPrinter:
     """`on_token` printing each token as it is chosen: text where a tokenizer is known, else ids;
-    with several prompts one line per token, tagged with the prompt's index."""
+    with several prompts one line per token, tagged with the prompt's index. One prompt's text is
+    its tokens decoded together, printed as it grows: a character whose bytes span tokens (a byte
+    tokenizer's é is two) is held back until whole, so the stream reads as the final text does;
+    `finish` prints what is still held."""
 
-    def show(row: int, token: int) -> None:
-        piece = tokenizer.decode([token]) if tokenizer is not None else f"{token} "
-        sys.stdout.write(piece if total == 1 else f"[{indices[row]}] {piece!r}\n")
+    def __init__(self, tokenizer: Any, total: int, indices: list[int]) -> None:
+        self.tokenizer, self.total, self.indices = tokenizer, total, indices
+        self.tokens: list[int] = []
+        self.printed = 0  # characters of the decoded text already written
+
+    def __call__(self, row: int, token: int) -> None:
+        if self.tokenizer is None:
+            piece = f"{token} "
+        elif self.total > 1:
+            piece = self.tokenizer.decode([token])
+        else:
+            self.tokens.append(token)
+            text = self.tokenizer.decode(self.tokens).rstrip("\ufffd")  # an unfinished character
+            piece, self.printed = text[self.printed :], max(self.printed, len(text))
+        sys.stdout.write(piece if self.total == 1 else f"[{self.indices[row]}] {piece!r}\n")
         sys.stdout.flush()
 
-    return show
+    def finish(self) -> None:
+        if self.tokenizer is not None and self.total == 1 and self.tokens:
+            sys.stdout.write(self.tokenizer.decode(self.tokens)[self.printed :])
+            sys.stdout.flush()
+
+
+def stream_printer(tokenizer: Any, total: int, indices: list[int]) -> StreamPrinter:
+    return StreamPrinter(tokenizer, total, indices)
 
 
 def _device(name: str) -> torch.device:

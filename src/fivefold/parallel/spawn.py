@@ -109,6 +109,9 @@ def local_launcher(nproc: int, own_signals: bool = False) -> Iterator[Any]:
     """The launch config for `nproc` local ranks, with a loopback-only store and a quiet launcher."""
     if "GLOO_SOCKET_IFNAME" not in os.environ:  # gloo's own sockets on loopback too
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    # a rank stopped mid-collective (Ctrl-C) has torch's C++ side warn of unwaited work at exit, beside
+    # the one line the launcher prints; its errors still show
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     log_dir = tempfile.mkdtemp(prefix="fivefold-launch-")  # torch's own per-run files, removed after
     try:
         with quiet_launcher(), loopback_store() as store:

@@ -148,9 +148,11 @@ def check_job(spec: ModelSpec, job: ServeJob) -> None:
         )
     check_context(spec, job.prompts, job.max_new_tokens)
     if job.dp > len(job.prompts):
+        n, split = len(job.prompts), job.tp * job.pp * job.cp
         raise FivefoldError(
-            f"--dp {job.dp} replicas for {len(job.prompts)} prompt(s): every replica needs a prompt; "
-            f"valid dp: {suggest(list(range(1, len(job.prompts) + 1)))}"
+            f"{job.dp} replicas (dp = nproc / (tp×pp×cp)) for {n} prompt(s): every replica needs a "
+            f"prompt; give at least {job.dp} prompts, or at most {n} replicas (--nproc {n * split} with "
+            f"tp×pp×cp = {split}, or a wider tp, pp or cp)"
         )
 
 

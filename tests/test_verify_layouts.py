@@ -56,6 +56,9 @@ PINNED += [
 PINNED += [
     layout_draw.Case(4, "small", "fp32", {"pp": 2, "tp": 2, "sp": True, "microbatches": 2}, 2),
     layout_draw.Case(4, "small", "bf16", {"pp": 2, "fsdp": 2, "zero": 3, "microbatches": 2}, 2),
+    # four stages: the middle two hold neither copy, are in no pair, and sum nothing (the runtime
+    # had registered their missing group with the ledger and stopped at start-up)
+    layout_draw.Case(4, "small", "fp32", {"pp": 4, "pp_schedule": "1f1b", "microbatches": 4}, 4),
     # 3 MB of gradients: DDP's rebuilt buckets, the first capped at 1 MiB, make two all-reduces
     layout_draw.Case(2, "small", "fp32", {"dp": 2, "zero": 0}, 1),
     # Ulysses where tiny's 2 KV heads do not split over cp (each query head gets its own K/V copy)

@@ -189,7 +189,8 @@ class PipelineRunner(RunnerCore):
             return None
         pairs = [[g[first], g[last]] for g in self.mesh.info.dims["pp"].groups]
         own, _ = dist.new_subgroups_by_enumeration(pairs)
-        self.mesh.group_axes[own] = "pp"
+        if own is not None:  # a middle stage (pp >= 3) holds no copy, is in no pair, and sums nothing
+            self.mesh.group_axes[own] = "pp"
         return own
 
     def _tied_heads(self) -> list[nn.Parameter]:

@@ -468,3 +468,29 @@ def test_a_diverged_runs_curve_has_gaps_where_report_draws_them() -> None:
         path.write_text('{"step": 1, "loss": "5.5"}\n')
         with pytest.raises(FivefoldError, match="line 1: 'loss' is not a number"):
             read_metrics(path)
+
+
+def test_the_pages_commands_plan_what_the_page_shows(capsys) -> None:
+    """Every strategy card's and search layout's flags carry their batch split: on a CPU device plan
+    and train take micro-batch 8 unless told, and the cards' commands had failed there."""
+    import contextlib
+    import io
+    import shlex
+
+    from fivefold.cli import main
+    from fivefold.explore.strategy import strategy_cards
+
+    model, hw = load_model("tiny"), load_hardware("cpu")
+    fp32 = TrainShape(seq_len=128, global_batch=8, act_bytes=4, param_bytes=4)  # the CPU's dtype, as plan's
+    cards = [c for c in strategy_cards(model, hw, 128, 8, fp32) if "flags" in c]
+    assert {c["name"] for c in cards} >= {"DP", "ZeRO-1", "FSDP / ZeRO-3", "HSDP", "CP"}
+    for c in cards:
+        argv = f"plan --model tiny --hardware cpu --gpus {c['gpus']} --gpus-per-node 8 --seq-len 128 "
+        argv += f"--global-batch {c['global_batch']} {c['flags']} --json"
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(shlex.split(argv)) == 0, (c["name"], capsys.readouterr().err)
+        assert json.loads(out.getvalue())["memory"] == c["memory"]
+    page = _embedded(build_page(model, hw, 4, TrainShape(seq_len=32, global_batch=16, micro_batch=2), top=2))
+    for entry in page["layouts"]:
+        assert f"--micro-batch {entry['plan']['micro_batch']}" in entry["flags"]

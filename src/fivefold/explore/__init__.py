@@ -24,7 +24,7 @@ from fivefold.explore.strategy import strategy_cards
 from fivefold.explore.timeline import pipeline_picture
 from fivefold.mesh import build_mesh, describe
 from fivefold.plan import Plan, TrainShape, plan
-from fivefold.plan.search import layout_flags, plan_flags, search
+from fivefold.plan.search import plan_flags, search
 from fivefold.plan.text import count_words
 from fivefold.plan.trainers import hopper_or_newer, sdpa_attention
 
@@ -40,7 +40,7 @@ def layout_entry(label: str, result: Plan) -> dict[str, Any]:
     lay = result.layout
     entry = {
         "label": label,
-        "flags": layout_flags(lay),
+        "flags": plan_flags(result),  # with its micro-batch and split: what `plan` and `train` take
         "key": lab_key(lay, result.shape.micro_batch),
         "plan": result.to_json(),
         "mesh": mesh_view(lay, result.gpus_per_node),
@@ -156,7 +156,7 @@ def build_page(
         "layouts": layouts,
         "explanation": explanation,
         "labs": labs,
-        "strategies": strategy_cards(model, hw, shape.seq_len, gpn),
+        "strategies": strategy_cards(model, hw, shape.seq_len, gpn, shape),
         "inference": _inference_rows(model, hw, gpus, gpn, shape.seq_len, shape.param_bytes),
         "run": run,
     }

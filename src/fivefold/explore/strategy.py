@@ -7,13 +7,14 @@ bytes) and the memory per GPU it leaves. What each strategy cuts is a fixed pict
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fivefold.config import HardwareSpec, Layout, ModelSpec
 from fivefold.errors import FivefoldError
 from fivefold.mesh import resolve_layout
 from fivefold.plan import TrainShape, plan
-from fivefold.plan.search import layout_flags
+from fivefold.plan.search import plan_flags
 from fivefold.plan.trainers import hopper_or_newer, sdpa_attention
 
 # name, what it cuts, layout on n GPUs (n = one node; HSDP two), axes whose collectives it pays
@@ -45,17 +46,22 @@ def _layout(kind: str, n: int) -> Layout:
 
 
 def strategy_cards(
-    model: ModelSpec, hw: HardwareSpec, seq_len: int, gpus_per_node: int
+    model: ModelSpec, hw: HardwareSpec, seq_len: int, gpus_per_node: int, base: TrainShape | None = None
 ) -> list[dict[str, Any]]:
+    """One card a strategy on one node, planned in the page's dtype and kernels (`base`: the page's
+    shape; its batch is the card's own: one micro-batch a data rank, two a stage with a pipeline)."""
+    base = base or TrainShape(seq_len=seq_len, global_batch=1)
     n = gpus_per_node
     cards = []
     for name, cuts, kind, axes in STRATEGIES:
         lay = resolve_layout(_layout(kind, n), _layout(kind, n).world)
         card: dict[str, Any] = {"name": name, "cuts": cuts, "kind": kind, "gpus": lay.world}
         data = lay.dp * lay.fsdp
-        shape = TrainShape(
+        shape = dataclasses.replace(
+            base,
             seq_len=seq_len,
             global_batch=data * (2 * lay.pp if lay.pp > 1 else 1),
+            micro_batch=1,
             attention=sdpa_attention(hopper_or_newer(hw.name)),
         )
         card["global_batch"] = shape.global_batch
@@ -64,11 +70,13 @@ def strategy_cards(
                 raise FivefoldError(
                     f"{model.name} has no experts: expert parallelism needs a mixture-of-experts model"
                 )
-            p = plan(model, hw, lay, shape, gpus_per_node).to_json()
+            planned = plan(model, hw, lay, shape, gpus_per_node)
+            p = planned.to_json()
         except FivefoldError as exc:
             card["error"] = str(exc)
         else:
-            card["flags"] = layout_flags(lay)
+            # the batch split too: on a CPU device plan and train take micro-batch 8 unless told
+            card["flags"] = plan_flags(planned)
             card["comm"] = [c for c in p["comm"] if c["axis"] in axes]
             card["memory"] = p["memory"]
             card["memory_capacity"] = p["memory_capacity"]

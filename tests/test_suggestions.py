@@ -76,6 +76,10 @@ def test_ep_on_plain_replicas_suggests_sharding_them():
         Layout(dp=4, ep=2).resolve(4)
     suggested = str(refused.value).rsplit(": ", 1)[1].split()
     assert Layout(fsdp=int(suggested[1]), dp=int(suggested[3]), ep=2).resolve(4).ep == 2
+    # ZeRO-1 keeps the replicas whole: the sharded layout named takes ZeRO-2, which it then accepts
+    with pytest.raises(FivefoldError, match=r"--fsdp 4 --dp 1 --zero 2"):
+        Layout(dp=4, ep=2, zero=1).resolve(4)
+    assert Layout(fsdp=4, dp=1, zero=2, ep=2).resolve(4).ep == 2
 
 
 def test_zero1_on_sharded_ranks_is_answered_by_relabelling_them(capsys):

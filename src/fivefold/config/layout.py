@@ -196,7 +196,11 @@ class Layout:
         if (lay.fsdp * lay.cp) % lay.ep:
             # plain replicas can become sharded ones, which ep may then re-use
             shard_all = lay.dp > 1 and (lay.dp * lay.fsdp * lay.cp) % lay.ep == 0
-            hint = f", or shard the replicas too: --fsdp {lay.dp * lay.fsdp} --dp 1" if shard_all else ""
+            # sharded replicas take ZeRO 2 or 3: a ZeRO-1 layout's hint says so, not a pair it refuses
+            zero = " --zero 2" if lay.zero == 1 else ""
+            hint = (
+                f", or shard the replicas too: --fsdp {lay.dp * lay.fsdp} --dp 1{zero}" if shard_all else ""
+            )
             raise FivefoldError(
                 f"--ep {lay.ep} must divide fsdp×cp = {lay.fsdp * lay.cp} (expert parallelism re-uses the "
                 f"data-parallel ranks); valid ep: {suggest(divisors(lay.fsdp * lay.cp))}{hint}"

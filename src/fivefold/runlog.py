@@ -5,6 +5,7 @@ stopped reads like the steps it finished. A bad line before the last is an error
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from fivefold.errors import FivefoldError
@@ -25,3 +26,9 @@ def json_lines(text: str, where: str) -> list[tuple[int, Any]]:
                 continue
             raise FivefoldError(f"{where}: line {n} is not JSON: {line[:60]!r}") from None
     return out
+
+
+def finite_number(value: Any) -> bool:
+    """A real number read from a run's files that is neither NaN nor infinite (JSON's NaN and Infinity
+    read as floats, and true as 1): what a step, a time, a duration or a count must be."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -16,7 +16,7 @@ from typing import Any
 
 from fivefold.errors import FivefoldError, reason
 from fivefold.outputs import write_text_whole, write_whole
-from fivefold.runlog import json_lines
+from fivefold.runlog import finite_number, json_lines
 
 COLORS = {
     "F": "#4e79a7",
@@ -124,11 +124,6 @@ def _real(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _finite(value: Any) -> bool:
-    """A real number that is neither NaN nor infinite: what a duration, a time or a count must be."""
-    return _real(value) and math.isfinite(value)
-
-
 def _read_metrics(path: Path) -> list[dict]:
     """Every step's record; each must carry a numeric step and loss, which the summary and plot use."""
     if not path.exists():
@@ -159,7 +154,9 @@ def _check_ledger(ledger: Any, path: Path) -> Any:
     if not isinstance(ledger, dict) or not isinstance(by_axis, dict | None):
         raise FivefoldError(f"malformed {path}: expected an object with a 'by_axis' table")
     for axis, row in (by_axis or {}).items():
-        if not (isinstance(row, dict) and _finite(row.get("count")) and _finite(row.get("bytes"))):
+        if not (
+            isinstance(row, dict) and finite_number(row.get("count")) and finite_number(row.get("bytes"))
+        ):
             raise FivefoldError(f"malformed {path}: by_axis {axis!r} needs a numeric count and bytes")
     return ledger
 
@@ -170,11 +167,11 @@ def _check_events(events: list, path: Path) -> list[dict]:
         args = e.get("args")
         if not (
             isinstance(e.get("name"), str)
-            and all(_finite(e.get(key)) for key in ("pid", "ts", "dur"))
+            and all(finite_number(e.get(key)) for key in ("pid", "ts", "dur"))
             and e["dur"] >= 0
             and isinstance(args, dict)
             and isinstance(args.get("kind"), str)
-            and _finite(args.get("step"))
+            and finite_number(args.get("step"))
         ):
             raise FivefoldError(
                 f"malformed {path}: pipeline event {i} needs a name, a finite pid, ts and dur (not "

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.errors import FivefoldError, reason
-from fivefold.runlog import json_lines
+from fivefold.runlog import finite_number, json_lines
 
 MAX_TRACE_EVENTS = 4000
 CURVES = ("loss", "held_out_loss")
@@ -29,10 +29,6 @@ def _load_json(path: Path) -> Any:
         raise FivefoldError(f"{path}: not valid JSON ({reason(exc)})") from None
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _diverged(value: Any) -> bool:
     """NaN or infinite: what a diverged step records (JSON's NaN and Infinity read as floats)."""
     return isinstance(value, float) and not math.isfinite(value)
@@ -46,14 +42,14 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
     except (OSError, UnicodeDecodeError) as exc:
         raise FivefoldError(f"{path}: cannot be read ({exc.__class__.__name__})") from None
     for n, rec in json_lines(text, str(path)):
-        if not isinstance(rec, dict) or not _number(rec.get("step")):
+        if not isinstance(rec, dict) or not finite_number(rec.get("step")):
             raise FivefoldError(f"{path}: line {n} is not an object with a numeric 'step'")
         row = {"step": rec["step"]}
         for key in CURVES:
             value = rec.get(key)
             if value is None or _diverged(value):  # a diverged step is a gap in the curve, as report draws it
                 continue
-            if not _number(value):
+            if not finite_number(value):
                 raise FivefoldError(f"{path}: line {n}: {key!r} is not a number")
             row[key] = value
         out.append(row)
@@ -77,7 +73,7 @@ def read_ledger(path: Path) -> list[dict[str, Any]]:
             clean[key] = row[key]
         for key in ("count", "bytes", "wire_bytes"):
             value = row.get(key, 0)
-            if not _number(value):
+            if not finite_number(value):
                 raise FivefoldError(f"{path}: summary row {i}: {key!r} is not a number")
             clean[key] = value
         out.append(clean)
@@ -92,13 +88,16 @@ def trace_bars(trace: Any, path: Path | str = "trace.json") -> list[dict[str, An
     events = [
         e
         for e in events
-        if isinstance(e, dict) and e.get("ph") == "X" and _number(e.get("dur")) and _number(e.get("ts"))
+        if isinstance(e, dict)
+        and e.get("ph") == "X"
+        and finite_number(e.get("dur"))
+        and finite_number(e.get("ts"))
     ]
 
     def args(e: dict) -> dict:
         return e["args"] if isinstance(e.get("args"), dict) else {}
 
-    steps = [args(e)["step"] for e in events if _number(args(e).get("step"))]
+    steps = [args(e)["step"] for e in events if finite_number(args(e).get("step"))]
     if steps:
         last = max(steps)
         events = [e for e in events if args(e).get("step") == last]
@@ -108,7 +107,7 @@ def trace_bars(trace: Any, path: Path | str = "trace.json") -> list[dict[str, An
     if not events:
         return []
     t0 = min(float(e["ts"]) for e in events)
-    pids = sorted({int(e["pid"]) if _number(e.get("pid")) else 0 for e in events})
+    pids = sorted({int(e["pid"]) if finite_number(e.get("pid")) else 0 for e in events})
     row = {r: i for i, r in enumerate(pids)}
     bars = []
     for e in events:
@@ -126,14 +125,14 @@ def trace_bars(trace: Any, path: Path | str = "trace.json") -> list[dict[str, An
             else name[:40]
         )
         bar: dict[str, Any] = {
-            "s": row[int(e["pid"]) if _number(e.get("pid")) else 0],
-            "rank": int(e["pid"]) if _number(e.get("pid")) else 0,
+            "s": row[int(e["pid"]) if finite_number(e.get("pid")) else 0],
+            "rank": int(e["pid"]) if finite_number(e.get("pid")) else 0,
             "op": op,
             "start": (float(e["ts"]) - t0) / 1e3,
             "dur": float(e["dur"]) / 1e3,
         }
         mb = args(e).get("microbatch")
-        if _number(mb):
+        if finite_number(mb):
             bar["i"] = int(mb)
         bars.append(bar)
     return bars

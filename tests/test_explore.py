@@ -55,7 +55,7 @@ def test_page_embeds_the_layouts_plan(page: str) -> None:
     model, hw = load_model("llama3-70b"), load_hardware("h100-80gb")
     layout = resolve_layout(Layout(tp=8, pp=2, dp=-1), 64)
     # of fivefold's runtime there: the attention kernel torch's SDPA runs on the GPU
-    shape = runtime_kernel(SHAPE, hw)
+    shape = runtime_kernel(SHAPE, hw.name)
     assert shape.attention == sdpa_attention(True)
     assert first["plan"] == json.loads(json.dumps(plan(model, hw, layout, shape).to_json()))
     assert len(data["layouts"]) == 3  # the given layout + the search's best two

@@ -175,7 +175,7 @@ def _decode_here(
     """(prompts, a row per prompt, tokenizer, the weights' dtype) of the whole model decoding in this
     process."""
     from fivefold.model.generate import ModelStep, decode
-    from fivefold.parallel.serve import check_context, stream_printer
+    from fivefold.parallel.serve import StreamPrinter, check_context
 
     device = _device(args.device)
     if args.model is not None:
@@ -190,7 +190,7 @@ def _decode_here(
     step = ModelStep(model, sampler, sampler.generators(range(len(prompts))))
     # --ids streams the ids, not their text
     shown = None if args.ids else tokenizer
-    on_token = stream_printer(shown, len(prompts), list(range(len(prompts)))) if stream else None
+    on_token = StreamPrinter(shown, len(prompts), list(range(len(prompts)))) if stream else None
     got = decode(step, prompts, args.max_new_tokens, eos_ids, on_token)
     if on_token is not None:
         on_token.finish()

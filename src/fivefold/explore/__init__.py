@@ -9,7 +9,6 @@ cheat sheet. The page has no external scripts, fonts or requests, so it opens fr
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from importlib import resources
 from pathlib import Path
@@ -26,14 +25,14 @@ from fivefold.mesh import build_mesh, describe
 from fivefold.plan import Plan, TrainShape, plan
 from fivefold.plan.search import plan_flags, search
 from fivefold.plan.text import count_words
-from fivefold.plan.trainers import hopper_or_newer, sdpa_attention
+from fivefold.plan.trainers import runtime_kernel
 
 # the lab's pipeline pictures are replays (torch's schedule tables): embed those of up to
 # PICTURE_ACTIONS stage×micro-batch×chunk actions each, smallest first, up to PICTURES_TOTAL in all
 PICTURE_ACTIONS = 2048
 PICTURES_TOTAL = 60_000
 
-__all__ = ["build_page", "read_run", "trace_bars"]
+__all__ = ["build_page", "read_run", "runtime_kernel", "trace_bars"]
 
 
 def layout_entry(label: str, result: Plan) -> dict[str, Any]:
@@ -94,13 +93,6 @@ def train_refuses(model: ModelSpec, layout: Layout, seq_len: int) -> str:
     return ""
 
 
-def runtime_kernel(shape: TrainShape, hw: HardwareSpec) -> TrainShape:
-    """`shape` with the attention kernel fivefold's runtime runs on `hw` (materialised scores stay)."""
-    if shape.attention == "materialized":
-        return shape
-    return dataclasses.replace(shape, attention=sdpa_attention(hopper_or_newer(hw.name)))
-
-
 def build_page(
     model: ModelSpec,
     hw: HardwareSpec,
@@ -116,7 +108,7 @@ def build_page(
     """The HTML page as a string, of fivefold's runtime: each cluster's attention is the kernel torch's
     SDPA runs on its GPU, as `fivefold plan` (the command the page shows) plans it there."""
     gpn = gpus_per_node or hw.gpus_per_node
-    shape = runtime_kernel(shape, hw)
+    shape = runtime_kernel(shape, hw.name)
     run, bars = read_run(run_dir) if run_dir else (None, [])
     layouts = []
     if layout is not None:  # a layout only other frameworks run is still drawn, and named as such
@@ -138,7 +130,7 @@ def build_page(
         labs.append(lab_table(model, hw, gpus, shape, gpn, [layout] if layout is not None else []))
         labs[0]["pictures"] = _pictures(labs[0].pop("pipelines"), layouts)
         for other_hw, other_gpus, other_gpn in lab_also:
-            table = lab_table(model, other_hw, other_gpus, runtime_kernel(shape, other_hw), other_gpn)
+            table = lab_table(model, other_hw, other_gpus, runtime_kernel(shape, other_hw.name), other_gpn)
             table["pictures"] = _pictures(table.pop("pipelines"), [])
             labs.append(table)
     data = {

@@ -15,7 +15,7 @@ from fivefold.errors import FivefoldError
 from fivefold.mesh import resolve_layout
 from fivefold.plan import TrainShape, plan
 from fivefold.plan.search import plan_flags
-from fivefold.plan.trainers import hopper_or_newer, sdpa_attention
+from fivefold.plan.trainers import runtime_kernel
 
 # name, what it cuts, layout on n GPUs (n = one node; HSDP two), axes whose collectives it pays
 STRATEGIES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
@@ -58,11 +58,10 @@ def strategy_cards(
         card: dict[str, Any] = {"name": name, "cuts": cuts, "kind": kind, "gpus": lay.world}
         data = lay.dp * lay.fsdp
         shape = dataclasses.replace(
-            base,
+            runtime_kernel(base, hw.name),
             seq_len=seq_len,
             global_batch=data * (2 * lay.pp if lay.pp > 1 else 1),
             micro_batch=1,
-            attention=sdpa_attention(hopper_or_newer(hw.name)),
         )
         card["global_batch"] = shape.global_batch
         try:

@@ -211,7 +211,7 @@ def serve_rank(rank: int, world: int, job: ServeJob) -> dict[str, Any] | None:
         from fivefold.train.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(job.tokenizer) if job.tokenizer is not None else None
-        on_token = stream_printer(tokenizer, len(job.prompts), mine)
+        on_token = StreamPrinter(tokenizer, len(job.prompts), mine)
     ledger = None
     if job.ledger:
         from fivefold.measure.ledger import CommLedger
@@ -479,10 +479,6 @@ class StreamPrinter:
         if self.tokenizer is not None and self.total == 1 and self.tokens:
             sys.stdout.write(self.tokenizer.decode(self.tokens)[self.printed :])
             sys.stdout.flush()
-
-
-def stream_printer(tokenizer: Any, total: int, indices: list[int]) -> StreamPrinter:
-    return StreamPrinter(tokenizer, total, indices)
 
 
 def _device(name: str) -> torch.device:

@@ -5,12 +5,14 @@ the same table."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fivefold.config import Layout
+    from fivefold.plan.spec import TrainShape
 
 # What the trainer behind a source does when a run does not say (facts about the frameworks):
 # NeMo / Megatron-core with Transformer Engine fuses its elementwise kernels and, in its performance
@@ -163,6 +165,14 @@ def sdpa_attention(hopper: bool, torch_version: str | None = None) -> str:
     numbers = re.match(r"(\d+)\.(\d+)", installed_torch() if torch_version is None else torch_version)
     cudnn = numbers is not None and (int(numbers[1]), int(numbers[2])) >= SDPA_CUDNN_SINCE
     return "flash3" if hopper and cudnn else "flash"
+
+
+def runtime_kernel(shape: TrainShape, gpu: str) -> TrainShape:
+    """`shape` with the attention kernel fivefold's runtime runs on `gpu` (its SDPA's, `sdpa_attention`);
+    materialised scores, asked for, stay."""
+    if shape.attention == "materialized":
+        return shape
+    return dataclasses.replace(shape, attention=sdpa_attention(hopper_or_newer(gpu)))
 
 
 def kernel_on(attention: str, hopper: bool) -> str:

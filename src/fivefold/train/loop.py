@@ -445,7 +445,7 @@ def _lock_run_dir(run_dir: Path, rank: int, resume: str | None) -> int | None:
                 os.ftruncate(held, 0)
                 os.pwrite(held, str(os.getpid()).encode(), 0)
             except BlockingIOError:  # another process holds it: its pid is in the file
-                holder = os.pread(held, 20, 0).decode(errors="replace").strip() or "unknown"
+                holder = _pid_in(held)
                 os.close(held)
                 held = None
             except OSError:  # no locks on this file system: run unlocked
@@ -468,12 +468,17 @@ def run_dir_holder(run_dir: Path) -> str | None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return None
     except BlockingIOError:
-        holder = os.pread(fd, 20, 0).decode(errors="replace").strip() or "unknown"
+        holder = _pid_in(fd)
         return None if holder == str(os.getpid()) else holder  # this run's own lock
     except OSError:  # no locks on this file system
         return None
     finally:
         os.close(fd)  # and any shared lock taken
+
+
+def _pid_in(fd: int) -> str:
+    """The pid the lock's holder wrote into the lock file."""
+    return os.pread(fd, 20, 0).decode(errors="replace").strip() or "unknown"
 
 
 def _in_use(run_dir: Path, holder: str) -> FivefoldError:
